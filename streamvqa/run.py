@@ -1,0 +1,111 @@
+"""`python -m streamvqa.run` (what `make run` starts): Redis when needed, one gateway, one worker.
+
+Ctrl-C (or SIGTERM) stops the gateway, then the worker, then the embedded Redis.
+"""
+
+import logging
+import os
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from subprocess import Popen
+
+import redis
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from streamvqa import children
+from streamvqa.protocol import Keys, WorkerInfo
+from streamvqa.redis_server import EmbeddedRedis
+
+log = logging.getLogger("streamvqa.run")
+STARTUP_TIMEOUT_S = 300  # the first start imports torch and builds the model
+
+
+class LauncherSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore")
+
+    redis_url: str = Field("", description="Use this Redis; empty starts an embedded one.")
+    redis_prefix: str = "svqa:"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    run_dir: Path = Field(Path("run"), description="Embedded Redis files and the upload spool.")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _local_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _wait_until_serving(settings: LauncherSettings, redis_url: str, processes: list[Popen]) -> None:
+    health = f"http://{_local_host(settings.host)}:{settings.port}/healthz"
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            if any(process.poll() is not None for process in processes):
+                raise RuntimeError("a process exited during start-up; see its log above")
+            workers = [WorkerInfo.model_validate_json(v) for v in client.hvals(Keys(settings.redis_prefix).workers())]
+            if any(w.alive for w in workers) and _answers(health):
+                return
+            time.sleep(0.25)
+    finally:
+        client.close()
+    raise RuntimeError(f"not serving after {STARTUP_TIMEOUT_S} s")
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    settings = LauncherSettings()
+    signal.signal(signal.SIGTERM, _interrupt)
+    embedded = None
+    processes: list[Popen] = []
+    try:
+        redis_url = settings.redis_url
+        if not redis_url:
+            embedded = EmbeddedRedis(settings.run_dir.resolve() / "redis")
+            redis_url = embedded.start()
+        env = {
+            **os.environ,
+            "REDIS_URL": redis_url,
+            "SPOOL_DIR": os.environ.get("SPOOL_DIR", str(settings.run_dir.resolve() / "spool")),
+        }
+        processes = [children.spawn([sys.executable, "-m", module], env) for module in ("worker", "app")]
+        _wait_until_serving(settings, redis_url, processes)
+        where = f"embedded, files in {embedded.directory}" if embedded else "from REDIS_URL"
+        log.info(
+            "\nstreamvqa is running\n  dashboard: http://%s:%d/\n  redis:     %s (%s)\nPress Ctrl-C to stop.\n",
+            _local_host(settings.host), settings.port, redis_url, where,
+        )
+        while all(process.poll() is None for process in processes):
+            time.sleep(0.5)
+        log.error("a process exited; stopping the others")
+        return 1
+    except KeyboardInterrupt:
+        log.info("stopping")
+        return 0
+    except RuntimeError as err:
+        log.error("%s", err)
+        return 1
+    finally:
+        for process in reversed(processes):  # gateway first: no new work reaches the worker
+            children.stop(process)
+        if embedded:
+            embedded.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

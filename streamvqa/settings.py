@@ -1,0 +1,17 @@
+"""Settings every process reads from its environment (documented in the README)."""
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "tiny-random-llava"
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", frozen=True)
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="The Redis every process shares.")
+    redis_prefix: str = Field("svqa:", description="Prefix of every Redis key.")
+    model: str = Field(DEFAULT_MODEL, description="Gateway: default model of new sessions. Worker: the model it serves.")
+    session_ttl_s: int = Field(6 * 3600, ge=60, description="A session idle this long expires with its data.")
+    max_upload_bytes: int = Field(2 * 1024**3, ge=1024, description="Largest accepted upload.")
+    log_level: str = Field("INFO", description="Python logging level.")
