@@ -1,0 +1,1 @@
+"""The streamvqa worker: takes sessions from Redis, decodes their video, runs the engine."""

@@ -1,0 +1,39 @@
+"""`python -m worker`: serve one model to the sessions in Redis, configured by the environment."""
+
+import asyncio
+import logging
+import signal
+
+import torch
+from redis.asyncio import Redis
+
+from engine import load_model
+from worker.loop import Worker
+from worker.settings import WorkerSettings
+
+
+async def serve(settings: WorkerSettings) -> None:
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    model = load_model(settings.model, settings.torch_device)
+    redis = Redis.from_url(settings.redis_url, health_check_interval=30, socket_keepalive=True)
+    worker = Worker(settings, model, redis)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, worker.stop)
+    try:
+        await worker.run()
+    finally:
+        await redis.aclose()
+
+
+def main() -> None:
+    settings = WorkerSettings()
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

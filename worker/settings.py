@@ -1,0 +1,19 @@
+import tempfile
+from pathlib import Path
+
+from pydantic import Field
+
+from streamvqa.settings import CommonSettings
+
+
+class WorkerSettings(CommonSettings):
+    worker_id: str = Field("", description="This worker's name in Redis; hostname-pid when empty.")
+    torch_device: str = Field("auto", description="`auto` (CUDA when available), `cpu`, `cuda`, `cuda:1`, ...")
+    torch_threads: int = Field(0, ge=0, description="CPU threads for torch; 0 keeps torch's default.")
+    max_sessions: int = Field(8, ge=1, description="Sessions this worker holds at once.")
+    lease_ttl_s: float = Field(15.0, ge=1.0, description="A session whose worker is silent this long is free.")
+    spool_dir: Path = Field(
+        Path(tempfile.gettempdir()) / "streamvqa-spool", description="Where uploads wait to be decoded."
+    )
+    frames_per_step: int = Field(8, ge=1, le=256, description="Frames decoded and appended per turn of a session.")
+    max_frame_side: int = Field(768, ge=32, description="Decoded frames are scaled down to this longer side.")
