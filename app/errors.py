@@ -1,0 +1,39 @@
+"""Errors as JSON: `{"code": <stable identifier>, "message": <for humans>}`."""
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.headers = status, code, message, headers
+
+
+def _json(status: int, code: str, message: str, headers: dict[str, str] | None = None, **extra) -> JSONResponse:
+    return JSONResponse({"code": code, "message": message, **extra}, status_code=status, headers=headers)
+
+
+async def _api_error(_: Request, err: ApiError) -> JSONResponse:
+    return _json(err.status, err.code, err.message, err.headers)
+
+
+async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+    fields = [
+        {"field": ".".join(str(part) for part in e["loc"]), "message": e["msg"]} for e in err.errors()
+    ]
+    message = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
+    return _json(422, "invalid_request", message, fields=fields)
+
+
+async def _http_error(_: Request, err: HTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+    return _json(err.status_code, code, str(err.detail), err.headers)
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)

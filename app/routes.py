@@ -1,0 +1,120 @@
+"""The REST API. Each route parses, calls a service, and answers."""
+
+import time
+
+from fastapi import APIRouter, Request, status
+from pydantic import BaseModel, Field
+
+from app import answers
+from app.deps import AuthorizedSession, KeysDep, RedisDep, Settings, Store
+from app.errors import ApiError
+from app.sessions import UploadStalled, UploadTooLarge
+from app.uploads import file_chunks
+from streamvqa.protocol import SessionOptions, SessionRecord, SessionState
+
+router = APIRouter()
+
+NO_WORKER_RETRY_S = 5
+
+
+class CreatedSession(BaseModel):
+    id: str
+    token: str = Field(description="Send as 'Authorization: Bearer <token>' on every call for this session.")
+    session: SessionRecord
+
+
+class UploadReceipt(BaseModel):
+    bytes: int
+
+
+class AskRequest(BaseModel):
+    question: str = Field(min_length=1, max_length=4000)
+    max_new_tokens: int = Field(64, ge=1, le=1024)
+
+
+class Answer(BaseModel):
+    answer_id: str
+    answer: str
+    tokens: int
+    video_time_s: float = Field(description="Video time of the last frame the answer could see.")
+    cache_tokens: int = Field(description="KV cache tokens when the answer finished.")
+    ttft_ms: float = Field(description="From the question reaching the gateway to the first answer token.")
+    total_ms: float
+
+
+@router.get("/healthz")
+async def healthz(redis: RedisDep) -> dict[str, str]:
+    try:
+        await redis.ping()
+    except Exception as err:
+        raise ApiError(503, "redis_unreachable", f"Redis is unreachable: {err}") from err
+    return {"status": "ok"}
+
+
+@router.post("/sessions", status_code=status.HTTP_201_CREATED)
+async def create_session(store: Store, settings: Settings, options: SessionOptions | None = None) -> CreatedSession:
+    options = options or SessionOptions()
+    model = options.model or settings.model
+    if not await store.live_workers(model):
+        raise ApiError(
+            503, "no_worker", f"no worker serves model {model!r} now",
+            {"Retry-After": str(NO_WORKER_RETRY_S)},
+        )
+    record, token = await store.create(options, model)
+    return CreatedSession(id=record.id, token=token, session=record)
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session: AuthorizedSession) -> SessionRecord:
+    return session
+
+
+@router.post("/sessions/{session_id}/upload", status_code=status.HTTP_202_ACCEPTED)
+async def upload(session: AuthorizedSession, request: Request, store: Store, settings: Settings) -> UploadReceipt:
+    """A video file as the raw body or as the first file of a multipart form; decoding goes on after the reply."""
+    declared = int(request.headers.get("content-length") or 0)
+    if declared > settings.max_upload_bytes:
+        raise ApiError(413, "upload_too_large", f"the upload exceeds the limit of {settings.max_upload_bytes} bytes")
+    if not await store.start_upload(session.id):
+        raise ApiError(409, "media_exists", "this session already has its media")
+    try:
+        total = await store.push_media(
+            session.id, file_chunks(request), settings.max_upload_bytes, settings.upload_stall_s
+        )
+    except UploadTooLarge as err:
+        raise ApiError(413, "upload_too_large", str(err)) from err
+    except UploadStalled as err:
+        raise ApiError(503, "worker_stalled", "the session's worker stopped reading the upload") from err
+    return UploadReceipt(bytes=total)
+
+
+@router.post("/sessions/{session_id}/ask")
+async def ask(session: AuthorizedSession, body: AskRequest, redis: RedisDep, keys: KeysDep, settings: Settings) -> Answer:
+    """Ask about what the session has seen so far; waits for the whole answer."""
+    if session.state == SessionState.ERROR:
+        raise ApiError(409, "session_error", f"the session failed: {session.error}")
+    started = time.monotonic()
+    try:
+        answer_id = await answers.submit(redis, keys, session.id, body.question, body.max_new_tokens)
+    except answers.QuestionsBacklogFull as err:
+        raise ApiError(429, "too_many_questions", "too many unanswered questions on this session") from err
+    ttft_ms = None
+    try:
+        async for event in answers.events(redis, keys, answer_id, settings.ask_timeout_s):
+            if ttft_ms is None:
+                ttft_ms = (time.monotonic() - started) * 1000
+            if event.type == "error":
+                raise ApiError(409 if event.code == "session_error" else 500, event.code, event.message)
+            if event.type == "done":
+                return Answer(
+                    answer_id=answer_id,
+                    answer=event.answer,
+                    tokens=event.tokens,
+                    video_time_s=event.video_time_s,
+                    cache_tokens=event.cache_tokens,
+                    ttft_ms=round(ttft_ms, 1),
+                    total_ms=round((time.monotonic() - started) * 1000, 1),
+                )
+    except answers.AnswerTimeout as err:
+        raise ApiError(504, "answer_timeout", f"no answer within {settings.ask_timeout_s} s (answer {answer_id})") from err
+    raise ApiError(500, "answer_incomplete", "the answer stream ended without a final record")

@@ -1,0 +1,15 @@
+from pathlib import Path
+
+from pydantic import Field
+
+from streamvqa.settings import CommonSettings
+
+FRONTEND_DIR = Path(__file__).resolve().parent.parent / "frontend"
+
+
+class GatewaySettings(CommonSettings):
+    host: str = Field("127.0.0.1", description="Address the gateway listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the gateway listens on.")
+    ask_timeout_s: float = Field(300.0, gt=0, description="How long `ask` waits for an answer.")
+    upload_stall_s: float = Field(60.0, gt=0, description="How long an upload waits for a stalled worker.")
+    frontend_dir: Path = Field(FRONTEND_DIR, description="Static files served at `/`.")
