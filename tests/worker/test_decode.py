@@ -1,0 +1,67 @@
+"""Video files become frames sampled by presentation time."""
+
+import av
+import numpy as np
+import pytest
+
+from tests.support import sample_video
+from worker.decode import DecodeError, FrameSampler, sample_file
+
+
+@pytest.mark.parametrize(
+    ("name", "fps", "expected_times_s"),
+    [
+        ("bikes.mp4", 1.0, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]),  # 10 s at 25 fps
+        ("bikes.mp4", 0.5, [0.0, 2.0, 4.0, 6.0, 8.0]),
+        ("bigbuckbunny.mp4", 2.0, [0.0, 0.52, 1.0, 1.52, 2.0, 2.52, 3.0, 3.52, 4.0, 4.52, 5.0]),  # 25 fps
+        ("carphone_pristine.mp4", 2.0, [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]),
+    ],
+)
+def test_sample_videos_give_frames_at_the_expected_times(name, fps, expected_times_s):
+    times = [round(frame.time_s, 2) for frame in sample_file(sample_video(name), fps, max_side=768)]
+    assert times == expected_times_s
+
+
+def test_frames_are_rgb_and_scaled_down_to_the_longest_side():
+    first = next(sample_file(sample_video("bikes.mp4"), 1.0, max_side=320))  # 640x272 source
+    assert first.image.shape == (136, 320, 3)
+    assert first.image.dtype.name == "uint8"
+    small = next(sample_file(sample_video("carphone_pristine.mp4"), 1.0, max_side=768))  # 176x144
+    assert small.image.shape == (144, 176, 3)
+
+
+def test_a_file_that_is_not_a_video_is_a_decode_error(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("these are not the frames you are looking for\n" * 100)
+    with pytest.raises(DecodeError, match="not a readable video file"):
+        list(sample_file(path, 1.0, max_side=768))
+
+
+def test_sampler_keeps_the_first_frame_at_or_after_each_grid_point():
+    sampler = FrameSampler(fps=1.0)
+    times = [k / 30 for k in range(95)]  # 30 fps for a little over 3 s
+    assert [round(t, 3) for t in times if sampler.keep(t)] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_sampler_skips_the_grid_points_inside_a_gap():
+    sampler = FrameSampler(fps=2.0)
+    assert [t for t in [0.0, 0.2, 0.5, 3.2, 3.3, 3.5, 3.9, 4.0] if sampler.keep(t)] == [0.0, 0.5, 3.2, 3.5, 4.0]
+
+
+def _write_video(path, codec: str, seconds: int = 3, rate: int = 10) -> None:
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        for index in range(seconds * rate):
+            image = np.full((64, 96, 3), index * 8 % 256, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(stream.encode())
+
+
+@pytest.mark.parametrize(
+    ("suffix", "codec"), [(".avi", "mpeg4"), (".mkv", "mpeg4"), (".webm", "libvpx"), (".mov", "libx264")]
+)
+def test_common_containers_decode(tmp_path, suffix, codec):
+    path = tmp_path / f"clip{suffix}"
+    _write_video(path, codec)
+    assert [round(f.time_s, 2) for f in sample_file(path, 1.0, max_side=768)] == [0.0, 1.0, 2.0]
