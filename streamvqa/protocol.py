@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -59,19 +59,6 @@ class Keys:
         return f"{self.prefix}workers"
 
 
-# Sets a session's `state` to ARGV[1] only when it is one of ARGV[2..]; returns 1 when it did.
-TRANSITION_LUA = """
-local current = redis.call('HGET', KEYS[1], 'state')
-for i = 2, #ARGV do
-  if current == ARGV[i] then
-    redis.call('HSET', KEYS[1], 'state', ARGV[1])
-    return 1
-  end
-end
-return 0
-"""
-
-
 class SessionState(StrEnum):
     PENDING = "pending"  # created, no worker holds it yet
     READY = "ready"  # a worker holds it; no media yet
@@ -80,8 +67,8 @@ class SessionState(StrEnum):
     ERROR = "error"  # media failed; `error` says why
 
 
-POLICIES = ("full",)
 Policy = Literal["full"]
+POLICIES: tuple[str, ...] = get_args(Policy)  # the engine's registry holds the same names (tested)
 
 
 class SessionOptions(BaseModel):

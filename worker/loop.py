@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from engine import Session, SessionConfig, VisionLanguageModel
 from streamvqa import protocol
@@ -41,9 +40,23 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 READ_COUNT = 8  # entries per stream per turn
-IDLE_BLOCK_MS = 500  # how long an idle turn waits for new entries
+IDLE_BLOCK_MS = 250  # how long an idle turn waits for new entries (and new sessions wait to be taken)
+MAX_BACKOFF_S = 5.0  # longest wait between retries while Redis fails
 DEAD_WORKER_FORGET_S = 3600  # workers silent this long leave the registry
 
+# Updates a live session: KEYS = its hash, media and question streams; ARGV[1] = TTL (s),
+# ARGV[2] = a state to set ('' for none), ARGV[3] = the state it must replace ('' for any),
+# ARGV[4..] = field, value pairs, written before the state. A session that is gone is not
+# brought back: returns 0 and writes nothing.
+UPDATE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if #ARGV > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4)) end
+if ARGV[2] ~= '' and (ARGV[3] == '' or redis.call('HGET', KEYS[1], 'state') == ARGV[3]) then
+  redis.call('HSET', KEYS[1], 'state', ARGV[2])
+end
+for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+return 1
+"""
 # Renews a lease only while this worker holds it (ARGV[1]); returns 1 when renewed.
 RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -87,7 +100,7 @@ class Worker:
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._decode_thread = ThreadPoolExecutor(1, thread_name_prefix="decode")
         self._stopping = asyncio.Event()
-        self._transition = redis.register_script(protocol.TRANSITION_LUA)
+        self._update = redis.register_script(UPDATE_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(RELEASE_LUA)
         self._lease_ms = int(settings.lease_ttl_s * 1000)
@@ -107,10 +120,10 @@ class Worker:
                 try:
                     await self._turn()
                     backoff_s = 0.1
-                except RedisConnectionError as err:
-                    log.warning("Redis unreachable (%s); retrying in %.1f s", err, backoff_s)
+                except RedisError as err:
+                    log.warning("Redis failed (%s); retrying in %.1f s", err, backoff_s)
                     await asyncio.sleep(backoff_s)
-                    backoff_s = min(backoff_s * 2, 5.0)
+                    backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
         finally:
             heartbeat.cancel()
             await self._shutdown()
@@ -118,19 +131,16 @@ class Worker:
     # -- one turn ------------------------------------------------------------------------------
 
     async def _turn(self) -> None:
-        for session_id in [sid for sid, hosted in self.sessions.items() if hosted.lost]:
+        lost = [session_id for session_id, hosted in self.sessions.items() if hosted.lost]
+        for session_id in lost:
             self._drop(session_id)
-        streams = self._streams_to_read()
-        busy = any(hosted.decoding for hosted in self.sessions.values())
-        try:
-            reply = await self.redis.xreadgroup(
-                protocol.GROUP, self.id, streams, count=READ_COUNT, block=None if busy else IDLE_BLOCK_MS
-            )
-        except ResponseError as err:
-            if "NOGROUP" not in str(err):
-                raise
-            await self._forget_vanished()
+        if lost:
+            await self._advertise()
+        await self._take_new_sessions(block_ms=None if self.sessions else IDLE_BLOCK_MS)
+        if not self.sessions:
             return
+        busy = any(hosted.decoding for hosted in self.sessions.values())
+        reply = await self._read(self._streams_to_read(), READ_COUNT, None if busy else IDLE_BLOCK_MS)
         entries = {key.decode(): rows for key, rows in reply}
         for session_id in list(self.sessions):
             for entry_id, fields in entries.get(self.keys.questions(session_id), []):
@@ -138,51 +148,71 @@ class Worker:
         for session_id in list(self.sessions):
             for entry_id, fields in entries.get(self.keys.media(session_id), []):
                 await self._receive_media(session_id, entry_id, fields)
-        for entry_id, fields in entries.get(self.keys.pending(self.model.name), []):
-            await self._claim(entry_id, fields)
         for session_id, hosted in list(self.sessions.items()):
             if hosted.decoding:
                 await self._decode_step(session_id, hosted)
 
+    async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list:
+        """XREADGROUP; when a stream or its group is gone (a deleted session, a Redis that lost
+        its data), repair what can be repaired and read nothing this turn."""
+        try:
+            return await self.redis.xreadgroup(protocol.GROUP, self.id, streams, count=count, block=block_ms)
+        except ResponseError as err:
+            if "NOGROUP" in str(err) and await self._repair():
+                return []
+            raise
+
     def _streams_to_read(self) -> dict[str, str]:
+        """Every held session's questions, and its media unless it is busy decoding or done."""
         streams = {}
         for session_id, hosted in self.sessions.items():
             streams[self.keys.questions(session_id)] = ">"
             if not hosted.media_closed and not hosted.decoding:
                 streams[self.keys.media(session_id)] = ">"
-        if len(self.sessions) < self.settings.max_sessions:
-            streams[self.keys.pending(self.model.name)] = ">"
         return streams
 
     # -- sessions ------------------------------------------------------------------------------
 
-    async def _claim(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-        session_id = fields[b"session_id"].decode()
+    async def _take_new_sessions(self, block_ms: int | None) -> None:
+        """Take up to the room left (MAX_SESSIONS) from the pending queue of this worker's model."""
+        room = self.settings.max_sessions - len(self.sessions)
+        if room <= 0:
+            return
         pending = self.keys.pending(self.model.name)
+        reply = await self._read({pending: ">"}, room, block_ms)
+        for _, rows in reply:
+            for entry_id, fields in rows:
+                try:
+                    await self._claim(fields[b"session_id"].decode())
+                except RedisError:
+                    raise
+                except Exception:
+                    log.exception("could not take a session from %r", fields)
+                finally:
+                    await self._consume(pending, entry_id)
+        if reply:
+            await self._advertise()
+
+    async def _claim(self, session_id: str) -> None:
+        lease = self.keys.lease(session_id)
+        if not await self.redis.set(lease, self.id, nx=True, px=self._lease_ms):
+            return  # another worker holds it
+        stored = await self.redis.hgetall(self.keys.session(session_id))
+        stored.pop(b"token_sha256", None)
+        if not stored:
+            await self._release(keys=[lease], args=[self.id])
+            return  # it expired while it waited
         try:
-            if not await self.redis.set(self.keys.lease(session_id), self.id, nx=True, px=self._lease_ms):
-                return  # another worker holds it
-            stored = await self.redis.hgetall(self.keys.session(session_id))
-            if not stored:
-                await self._release(keys=[self.keys.lease(session_id)], args=[self.id])
-                return  # expired while it waited
-            stored.pop(b"token_sha256", None)
             record = SessionRecord.from_hash(stored)
-            try:
-                config = SessionConfig(policy=record.policy, budget_tokens=record.budget_tokens)
-                engine = await self._in_engine(Session, self.model, config)
-            except ValueError as err:
-                await self._set(session_id, state=SessionState.ERROR, error=str(err), worker=self.id)
-                await self._release(keys=[self.keys.lease(session_id)], args=[self.id])
-                return
-            self.sessions[session_id] = Hosted(record, engine)
-            await self._transition(
-                keys=[self.keys.session(session_id)], args=[SessionState.READY, SessionState.PENDING]
-            )
-            await self._report(session_id, self.sessions[session_id])
-            log.info("took session %s", session_id)
-        finally:
-            await self._consume(pending, entry_id)
+            config = SessionConfig(policy=record.policy, budget_tokens=record.budget_tokens)
+            engine = await self._in_engine(Session, self.model, config)
+        except Exception as err:
+            await self._release(keys=[lease], args=[self.id])
+            await self._set(session_id, SessionState.ERROR, error=f"the worker could not open it: {err}")
+            raise
+        self.sessions[session_id] = Hosted(record, engine)
+        await self._set(session_id, SessionState.READY, SessionState.PENDING, worker=self.id, **self._progress(engine))
+        log.info("took session %s", session_id)
 
     def _drop(self, session_id: str) -> None:
         hosted = self.sessions.pop(session_id)
@@ -190,10 +220,14 @@ class Worker:
             hosted.ingest.close()
         log.info("dropped session %s", session_id)
 
-    async def _forget_vanished(self) -> None:
+    async def _repair(self) -> bool:
+        """Recreate the pending queue's group if it is gone and give up every session whose
+        data is gone; True when either was needed."""
+        repaired = await self._ensure_group(self.keys.pending(self.model.name))
         for session_id, hosted in self.sessions.items():
-            if not await self.redis.exists(self.keys.session(session_id)):
-                hosted.lost = True
+            if await self.redis.exists(*self.keys.session_data(session_id)) < 3:
+                hosted.lost = repaired = True
+        return repaired
 
     async def _fail(self, session_id: str, hosted: Hosted, message: str) -> None:
         hosted.error = message
@@ -201,7 +235,7 @@ class Worker:
         if hosted.ingest is not None:
             hosted.ingest.close()
             hosted.ingest = None
-        await self._set(session_id, state=SessionState.ERROR, error=message)
+        await self._set(session_id, SessionState.ERROR, error=message)
         log.info("session %s failed: %s", session_id, message)
 
     # -- questions -----------------------------------------------------------------------------
@@ -211,11 +245,12 @@ class Worker:
         started = time.monotonic()
         try:
             question = Question.model_validate_json(fields[b"m"])
-        except ValueError:
+        except (KeyError, ValueError):
             log.warning("session %s: dropped a malformed question", session_id)
             await self._consume(self.keys.questions(session_id), entry_id)
             return
         stream = self.keys.answer(question.answer_id)
+        pieces = None
         try:
             if hosted.error:
                 await self._publish(stream, ErrorEvent(code="session_error", message=hosted.error))
@@ -236,11 +271,15 @@ class Worker:
                 worker_ms=round((time.monotonic() - started) * 1000, 1),
             )
             await self._publish(stream, done)
-            await self._report(session_id, hosted)
+            await self._set(session_id, **self._progress(hosted.engine))
+        except RedisError:
+            raise
         except Exception as err:
             log.exception("session %s: answering failed", session_id)
             await self._publish(stream, ErrorEvent(code="internal_error", message=f"answering failed: {err}"))
         finally:
+            if pieces is not None:
+                await self._in_engine(pieces.close)  # ends the turn in the cache, on the engine's thread
             await self._consume(self.keys.questions(session_id), entry_id)
 
     async def _publish(self, stream: str, event: TokenEvent | DoneEvent | ErrorEvent) -> None:
@@ -255,17 +294,16 @@ class Worker:
         hosted = self.sessions[session_id]
         kind = fields.get(b"type", b"").decode()
         try:
-            if hosted.media_closed:
-                return
-            if kind == "abort":
-                await self._fail(session_id, hosted, "the upload was aborted before it finished")
+            if kind == "abort":  # the gateway gave up on this upload and freed the slot; drop its bytes
+                if hosted.ingest is not None:
+                    hosted.ingest.close()
+                    hosted.ingest = None
                 return
             if hosted.ingest is None:
                 spool = self.settings.spool_dir / f"{self.id}-{session_id}.upload"
                 hosted.ingest = UploadIngest(
                     spool, hosted.record.fps, self.settings.max_frame_side, self.settings.max_upload_bytes
                 )
-                await self._set(session_id, state=SessionState.INGESTING)
             if kind == "data":
                 hosted.ingest.write(fields[b"data"])
                 await self._set(session_id, upload_bytes=hosted.ingest.bytes_received)
@@ -274,8 +312,13 @@ class Worker:
                 hosted.ingest.finish()
             else:
                 raise DecodeError(f"unknown media entry {kind!r}")
-        except (DecodeError, OSError) as err:
+        except DecodeError as err:
             await self._fail(session_id, hosted, str(err))
+        except RedisError:
+            raise
+        except Exception as err:
+            log.exception("session %s: receiving media failed", session_id)
+            await self._fail(session_id, hosted, f"receiving the upload failed: {err}")
         finally:
             await self._consume(self.keys.media(session_id), entry_id)
 
@@ -293,37 +336,39 @@ class Worker:
             log.exception("session %s: ingest failed", session_id)
             await self._fail(session_id, hosted, f"ingest failed: {err}")
             return
-        if hosted.ingest.exhausted:
-            hosted.ingest.close()
-            hosted.ingest = None
-            if hosted.engine.stats().frames == 0:
-                await self._fail(session_id, hosted, "the video has no frames")
-                return
-            await self._transition(
-                keys=[self.keys.session(session_id)], args=[SessionState.INGESTED, SessionState.INGESTING]
-            )
-        await self._report(session_id, hosted)
+        if not hosted.ingest.exhausted:
+            await self._set(session_id, **self._progress(hosted.engine))
+            return
+        hosted.ingest.close()
+        hosted.ingest = None
+        if hosted.engine.stats().frames == 0:
+            await self._fail(session_id, hosted, "the video has no frames")
+        else:
+            await self._set(session_id, SessionState.INGESTED, SessionState.INGESTING, **self._progress(hosted.engine))
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    async def _report(self, session_id: str, hosted: Hosted) -> None:
-        stats = hosted.engine.stats()
-        await self._set(
-            session_id,
-            worker=self.id,
-            frames_ingested=stats.frames,
-            video_time_s=round(stats.video_time_s, 3),
-            cache_tokens=stats.cache_tokens,
-        )
+    @staticmethod
+    def _progress(engine: Session) -> dict[str, object]:
+        stats = engine.stats()
+        return {
+            "frames_ingested": stats.frames,
+            "video_time_s": round(stats.video_time_s, 3),
+            "cache_tokens": stats.cache_tokens,
+        }
 
-    async def _set(self, session_id: str, **fields: object) -> None:
-        """Update the session's record and restart its idle clock."""
-        session_key, media_key, questions_key = self.keys.session_data(session_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(session_key, mapping=protocol.to_hash(**fields))
-            for key in (session_key, media_key, questions_key):
-                pipe.expire(key, self.settings.session_ttl_s)
-            await pipe.execute()
+    async def _set(
+        self,
+        session_id: str,
+        state: SessionState | None = None,
+        from_state: SessionState | None = None,
+        **fields: object,
+    ) -> bool:
+        """Write fields, then the state (only from `from_state` when given), and restart the
+        session's idle clock, atomically. False when the session is gone."""
+        pairs = [item for pair in protocol.to_hash(**fields).items() for item in pair]
+        args = [self.settings.session_ttl_s, state or "", from_state or "", *pairs]
+        return bool(await self._update(keys=list(self.keys.session_data(session_id)), args=args))
 
     async def _consume(self, stream: str, entry_id: bytes) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -331,12 +376,15 @@ class Worker:
             pipe.xdel(stream, entry_id)
             await pipe.execute()
 
-    async def _ensure_group(self, stream: str) -> None:
+    async def _ensure_group(self, stream: str) -> bool:
+        """Create the stream and its consumer group unless they exist; True when it did."""
         try:
             await self.redis.xgroup_create(stream, protocol.GROUP, id="0", mkstream=True)
+            return True
         except ResponseError as err:
             if "BUSYGROUP" not in str(err):
                 raise
+            return False
 
     async def _advertise(self) -> None:
         info = WorkerInfo(
@@ -359,8 +407,10 @@ class Worker:
                     if not renewed or not await self.redis.exists(self.keys.session(session_id)):
                         hosted.lost = True
                 await self._forget_dead_workers()
-            except RedisConnectionError as err:
-                log.warning("heartbeat: Redis unreachable (%s)", err)
+            except RedisError as err:
+                log.warning("heartbeat: Redis failed (%s)", err)
+            except Exception:
+                log.exception("heartbeat failed")
 
     async def _forget_dead_workers(self) -> None:
         horizon = time.time() - DEAD_WORKER_FORGET_S
@@ -376,8 +426,8 @@ class Worker:
                 await self._release(keys=[self.keys.lease(session_id)], args=[self.id])
                 self._drop(session_id)
             await self.redis.hdel(self.keys.workers(), self.id)
-        except RedisConnectionError as err:
-            log.warning("shutdown: Redis unreachable (%s)", err)
+        except RedisError as err:
+            log.warning("shutdown: Redis failed (%s)", err)
         finally:
             self._engine_thread.shutdown(wait=True, cancel_futures=True)
             self._decode_thread.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,63 @@
+"""A real worker process: its session capacity, freeing deleted sessions, and Redis losing its data."""
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from tests.support import Client, Stack, running_stack, sample_video
+
+MAX_SESSIONS = 2
+LEASE_TTL_S = 3  # heartbeats every second
+
+
+@pytest.fixture(scope="module")
+def small_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(
+        redis_url, tmp_path_factory.mktemp("small"), MAX_SESSIONS=str(MAX_SESSIONS), LEASE_TTL_S=str(LEASE_TTL_S)
+    ) as stack:
+        yield stack
+
+
+def _create_until(user: Client, status: int, timeout_s: float = 10) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = user.create()
+        if reply.status_code == status or time.monotonic() > deadline:
+            assert reply.status_code == status, reply.text
+            return reply.json()
+        time.sleep(0.2)
+
+
+def test_a_full_worker_refuses_new_sessions_until_one_is_deleted(small_stack):
+    users = [Client(small_stack.url) for _ in range(MAX_SESSIONS + 1)]
+    for user in users[:MAX_SESSIONS]:
+        assert user.create().status_code == 201
+        user.wait_for_state("ready")
+    full = _create_until(users[-1], 503)
+    assert full["code"] == "no_capacity"
+
+    first = users[0]
+    assert first.http.delete(f"/sessions/{first.id}", headers=first.auth).status_code == 204
+    _create_until(users[-1], 201)  # the worker dropped the deleted session and has room again
+    assert users[-1].wait_for_state("ready")["worker"]
+    for user in users:
+        user.http.close()
+
+
+def test_the_worker_keeps_serving_after_redis_loses_its_data(small_stack):
+    # The worker is full with the sessions of the test above. A Redis restarted without
+    # persistence has none of them, nor the worker registry, nor the pending queue.
+    client = redis.Redis.from_url(small_stack.redis_url)
+    for key in client.scan_iter(match=f"{small_stack.prefix}*"):
+        client.delete(key)
+    client.close()
+
+    user = Client(small_stack.url)
+    _create_until(user, 201)
+    assert user.upload(sample_video("carphone_pristine.mp4").read_bytes()).status_code == 202
+    session = user.wait_for_state("ingested", "error")
+    assert (session["state"], session["frames_ingested"]) == ("ingested", 4)
+    assert user.ask("still there?", max_new_tokens=3).status_code == 200
+    user.http.close()
