@@ -11,6 +11,14 @@ from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Keys, Ques
 
 READ_BLOCK_MS = 1000
 
+# Queues a question unless ARGV[1] already wait. KEYS[1] = the question stream; ARGV[2] = the
+# message. Returns 1 when queued.
+SUBMIT_LUA = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
+return 1
+"""
+
 
 class QuestionsBacklogFull(Exception):
     pass
@@ -24,12 +32,13 @@ class AnswerTimeout(Exception):
 
 async def submit(redis: Redis, keys: Keys, session_id: str, question: str, max_new_tokens: int) -> str:
     """Queue a question for the session's worker; returns the answer id."""
-    stream = keys.questions(session_id)
-    if await redis.xlen(stream) >= protocol.QUESTIONS_BACKLOG:
-        raise QuestionsBacklogFull()
     answer_id = uuid.uuid4().hex
     message = Question(answer_id=answer_id, question=question, max_new_tokens=max_new_tokens)
-    await redis.xadd(stream, {"m": message.model_dump_json()}, maxlen=protocol.QUESTIONS_BACKLOG * 2)
+    queued = await redis.eval(
+        SUBMIT_LUA, 1, keys.questions(session_id), protocol.QUESTIONS_BACKLOG, message.model_dump_json()
+    )
+    if not queued:
+        raise QuestionsBacklogFull()
     return answer_id
 
 

@@ -1,5 +1,6 @@
 """Typed dependencies of the routes: settings, Redis, the session store, the caller's session."""
 
+import re
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -11,6 +12,7 @@ from app.sessions import SessionStore
 from app.settings import GatewaySettings
 from streamvqa.protocol import Keys, SessionRecord
 
+SESSION_ID = re.compile(r"[0-9a-f]{32}")
 _bearer = HTTPBearer(auto_error=False, description="The session's token, from `POST /sessions`.")
 
 
@@ -42,6 +44,8 @@ async def authorized_session(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> SessionRecord:
     """The session named in the path, when the caller holds its token: 404, 401 or 403 otherwise."""
+    if not SESSION_ID.fullmatch(session_id):
+        raise ApiError(404, "session_not_found", f"no session {session_id}")
     record, valid = await store.authenticate(session_id, credentials.credentials if credentials else None)
     if record is None:
         raise ApiError(404, "session_not_found", f"no session {session_id}")

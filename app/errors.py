@@ -1,9 +1,15 @@
 """Errors as JSON: `{"code": <stable identifier>, "message": <for humans>}`."""
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -33,7 +39,19 @@ async def _http_error(_: Request, err: HTTPException) -> JSONResponse:
     return _json(err.status_code, code, str(err.detail), err.headers)
 
 
+async def _redis_unreachable(_: Request, err: Exception) -> JSONResponse:
+    return _json(503, "redis_unreachable", f"Redis is unreachable: {err}", {"Retry-After": "5"})
+
+
+async def _unexpected(request: Request, err: Exception) -> JSONResponse:
+    log.exception("%s %s failed", request.method, request.url.path, exc_info=err)
+    return _json(500, "internal_error", "the gateway failed; the error is in its log")
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RedisConnectionError, _redis_unreachable)
+    app.add_exception_handler(RedisTimeoutError, _redis_unreachable)
+    app.add_exception_handler(Exception, _unexpected)

@@ -5,7 +5,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 
 from app import errors
 from app.routes import router
@@ -13,13 +13,22 @@ from app.sessions import SessionStore
 from app.settings import GatewaySettings
 from streamvqa.protocol import Keys
 
+REDIS_POOL_WAIT_S = 5  # a request waits this long for a free Redis connection, then gets 503
+
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        redis = Redis.from_url(settings.redis_url, health_check_interval=30, socket_keepalive=True)
+        pool = BlockingConnectionPool.from_url(
+            settings.redis_url,
+            max_connections=settings.redis_max_connections,
+            timeout=REDIS_POOL_WAIT_S,
+            health_check_interval=30,
+            socket_keepalive=True,
+        )
+        redis = Redis(connection_pool=pool)
         keys = Keys(settings.redis_prefix)
         app.state.settings = settings
         app.state.redis = redis
@@ -29,6 +38,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             yield
         finally:
             await redis.aclose()
+            await pool.aclose()
 
     app = FastAPI(
         title="streamvqa",

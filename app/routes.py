@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 from app import answers
 from app.deps import AuthorizedSession, KeysDep, RedisDep, Settings, Store
 from app.errors import ApiError
-from app.sessions import UploadStalled, UploadTooLarge
+from app.sessions import UploadRefused
 from app.uploads import file_chunks
 from streamvqa.protocol import SessionOptions, SessionRecord, SessionState
 
@@ -55,11 +55,12 @@ async def healthz(redis: RedisDep) -> dict[str, str]:
 async def create_session(store: Store, settings: Settings, options: SessionOptions | None = None) -> CreatedSession:
     options = options or SessionOptions()
     model = options.model or settings.model
-    if not await store.live_workers(model):
-        raise ApiError(
-            503, "no_worker", f"no worker serves model {model!r} now",
-            {"Retry-After": str(NO_WORKER_RETRY_S)},
-        )
+    workers = await store.live_workers(model)
+    retry = {"Retry-After": str(NO_WORKER_RETRY_S)}
+    if not workers:
+        raise ApiError(503, "no_worker", f"no worker serves model {model!r} now", retry)
+    if all(w.sessions >= w.max_sessions for w in workers):
+        raise ApiError(503, "no_capacity", f"every worker serving {model!r} is full", retry)
     record, token = await store.create(options, model)
     return CreatedSession(id=record.id, token=token, session=record)
 
@@ -69,22 +70,22 @@ async def get_session(session: AuthorizedSession) -> SessionRecord:
     return session
 
 
+@router.delete("/sessions/{session_id}", status_code=status.HTTP_204_NO_CONTENT)
+async def delete_session(session: AuthorizedSession, store: Store) -> None:
+    """Forget the session; its worker frees its memory within a few seconds."""
+    await store.delete(session.id)
+
+
 @router.post("/sessions/{session_id}/upload", status_code=status.HTTP_202_ACCEPTED)
 async def upload(session: AuthorizedSession, request: Request, store: Store, settings: Settings) -> UploadReceipt:
     """A video file as the raw body or as the first file of a multipart form; decoding goes on after the reply."""
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > settings.max_upload_bytes:
+    if int(request.headers.get("content-length") or 0) > settings.max_upload_bytes:
         raise ApiError(413, "upload_too_large", f"the upload exceeds the limit of {settings.max_upload_bytes} bytes")
-    if not await store.start_upload(session.id):
-        raise ApiError(409, "media_exists", "this session already has its media")
+    chunks = file_chunks(request)
     try:
-        total = await store.push_media(
-            session.id, file_chunks(request), settings.max_upload_bytes, settings.upload_stall_s
-        )
-    except UploadTooLarge as err:
-        raise ApiError(413, "upload_too_large", str(err)) from err
-    except UploadStalled as err:
-        raise ApiError(503, "worker_stalled", "the session's worker stopped reading the upload") from err
+        total = await store.upload(session.id, chunks, settings.max_upload_bytes, settings.upload_stall_s)
+    except UploadRefused as err:
+        raise ApiError(err.status, err.code, str(err)) from err
     return UploadReceipt(bytes=total)
 
 

@@ -13,18 +13,40 @@ from redis.asyncio import Redis
 from streamvqa import protocol
 from streamvqa.protocol import Keys, SessionOptions, SessionRecord, SessionState, WorkerInfo
 
+# Claims a live session's media slot for an upload and marks it ingesting. KEYS[1] = its hash.
+# Returns 1 when claimed, 0 when the session already has media, -1 when it is gone.
+START_UPLOAD_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HSETNX', KEYS[1], 'media', 'upload') == 0 then return 0 end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'pending' or state == 'ready' then redis.call('HSET', KEYS[1], 'state', 'ingesting') end
+return 1
+"""
+# Gives up an unfinished upload: tells the worker to drop its bytes, frees the media slot and
+# puts the session back to ready (pending while no worker holds it). KEYS = hash, media stream;
+# ARGV[1] = the media stream's MAXLEN.
+ABORT_UPLOAD_LUA = """
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'abort')
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[1], 'media')
+if redis.call('HGET', KEYS[1], 'state') == 'ingesting' then
+  redis.call('HSET', KEYS[1], 'state', redis.call('HEXISTS', KEYS[1], 'worker') == 1 and 'ready' or 'pending')
+end
+return 1
+"""
+ROOM_POLL_S = (0.02, 0.2)  # first and longest wait between checks of a full media backlog
+
 
 def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class UploadTooLarge(Exception):
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(f"the upload exceeds the limit of {max_bytes} bytes")
+class UploadRefused(Exception):
+    """The upload cannot go on; `code` and the message are for the client."""
 
-
-class UploadStalled(Exception):
-    """The session's media backlog stayed full: no worker is consuming it."""
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
 
 
 class SessionStore:
@@ -32,7 +54,8 @@ class SessionStore:
         self.redis = redis
         self.keys = keys
         self.session_ttl_s = session_ttl_s
-        self._transition = redis.register_script(protocol.TRANSITION_LUA)
+        self._start_upload = redis.register_script(START_UPLOAD_LUA)
+        self._abort_upload = redis.register_script(ABORT_UPLOAD_LUA)
 
     async def live_workers(self, model: str) -> list[WorkerInfo]:
         entries = await self.redis.hvals(self.keys.workers())
@@ -81,49 +104,53 @@ class SessionStore:
                 pipe.expire(key, self.session_ttl_s)
             await pipe.execute()
 
-    async def start_upload(self, session_id: str) -> bool:
-        """Claim the session's media slot for an upload; False when it already has media."""
-        key = self.keys.session(session_id)
-        if not await self.redis.hsetnx(key, "media", "upload"):
-            return False
-        await self._transition(
-            keys=[key], args=[SessionState.INGESTING, SessionState.PENDING, SessionState.READY]
-        )
-        return True
+    async def delete(self, session_id: str) -> None:
+        """Remove the session's data; its worker notices within a heartbeat and frees its memory."""
+        await self.redis.delete(*self.keys.session_data(session_id))
 
-    async def push_media(
-        self, session_id: str, chunks: AsyncIterator[bytes], max_bytes: int, stall_s: float
-    ) -> int:
+    async def upload(self, session_id: str, chunks: AsyncIterator[bytes], max_bytes: int, stall_s: float) -> int:
         """Move an upload's bytes into the session's media stream; returns the byte count.
 
         Waits while the stream holds MEDIA_BACKLOG_ENTRIES entries, so a slow worker slows the
-        client instead of filling Redis. Raises UploadTooLarge past `max_bytes` and UploadStalled
-        when the backlog stays full for `stall_s`. Either way, and when the client goes away,
-        the worker is told to abort.
+        client instead of filling Redis. Raises UploadRefused when the session already has media,
+        when the upload is empty or over `max_bytes`, when the session fails meanwhile, or when
+        the backlog stays full for `stall_s`. An unfinished upload (those, or the client going
+        away) frees the session's media slot so that the client can try again.
         """
-        stream = self.keys.media(session_id)
+        session_key, stream = self.keys.session(session_id), self.keys.media(session_id)
+        claimed = await self._start_upload(keys=[session_key])
+        if claimed == 0:
+            raise UploadRefused(409, "media_exists", "this session already has its media")
+        if claimed < 0:
+            raise UploadRefused(404, "session_not_found", f"no session {session_id}")
         total = 0
         finished = False
         try:
             async for chunk in chunks:
                 total += len(chunk)
                 if total > max_bytes:
-                    raise UploadTooLarge(max_bytes)
-                await self._wait_for_room(stream, stall_s)
-                await self._xadd(stream, {"type": "data", "data": chunk})
-            await self._xadd(stream, {"type": "end", "bytes": str(total)})
+                    raise UploadRefused(413, "upload_too_large", f"the upload exceeds the limit of {max_bytes} bytes")
+                await self._wait_for_room(session_key, stream, stall_s)
+                await self.redis.xadd(
+                    stream, {"type": "data", "data": chunk}, maxlen=protocol.MEDIA_MAXLEN, approximate=True
+                )
+            if total == 0:
+                raise UploadRefused(400, "empty_upload", "the upload is empty")
+            await self.redis.xadd(stream, {"type": "end", "bytes": str(total)}, maxlen=protocol.MEDIA_MAXLEN, approximate=True)
             finished = True
         finally:
             if not finished:
-                await self._xadd(stream, {"type": "abort"})
+                await self._abort_upload(keys=[session_key, stream], args=[protocol.MEDIA_MAXLEN])
         return total
 
-    async def _wait_for_room(self, stream: str, stall_s: float) -> None:
+    async def _wait_for_room(self, session_key: str, stream: str, stall_s: float) -> None:
         deadline = time.monotonic() + stall_s
+        pause_s = ROOM_POLL_S[0]
         while await self.redis.xlen(stream) >= protocol.MEDIA_BACKLOG_ENTRIES:
+            state, error = await self.redis.hmget(session_key, "state", "error")
+            if state == SessionState.ERROR.encode():
+                raise UploadRefused(409, "session_error", f"the session failed: {(error or b'').decode()}")
             if time.monotonic() > deadline:
-                raise UploadStalled()
-            await asyncio.sleep(0.02)
-
-    async def _xadd(self, stream: str, fields: dict) -> None:
-        await self.redis.xadd(stream, fields, maxlen=protocol.MEDIA_MAXLEN, approximate=True)
+                raise UploadRefused(503, "worker_stalled", "the session's worker stopped reading the upload")
+            await asyncio.sleep(pause_s)
+            pause_s = min(pause_s * 2, ROOM_POLL_S[1])

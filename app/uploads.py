@@ -9,13 +9,19 @@ from app.errors import ApiError
 from streamvqa.protocol import MEDIA_CHUNK_BYTES
 
 
-async def file_chunks(request: Request) -> AsyncIterator[bytes]:
-    """The uploaded file in chunks of MEDIA_CHUNK_BYTES (the last one shorter); nothing is buffered whole."""
+def file_chunks(request: Request) -> AsyncIterator[bytes]:
+    """The uploaded file in chunks of MEDIA_CHUNK_BYTES (the last one shorter); nothing is
+    buffered whole. Headers are checked now, the body as it streams."""
     content_type, params = parse_options_header(request.headers.get("content-type", ""))
-    if content_type == b"multipart/form-data":
-        body = _multipart_file(request, params.get(b"boundary"))
-    else:
-        body = request.stream()
+    if content_type != b"multipart/form-data":
+        return _rechunk(request.stream())
+    boundary = params.get(b"boundary")
+    if not boundary:
+        raise ApiError(400, "bad_multipart", "multipart upload without a boundary")
+    return _rechunk(_multipart_file(request, boundary))
+
+
+async def _rechunk(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     buffer = bytearray()
     async for piece in body:
         buffer += piece
@@ -26,9 +32,7 @@ async def file_chunks(request: Request) -> AsyncIterator[bytes]:
         yield bytes(buffer)
 
 
-async def _multipart_file(request: Request, boundary: bytes | None) -> AsyncIterator[bytes]:
-    if not boundary:
-        raise ApiError(400, "bad_multipart", "multipart upload without a boundary")
+async def _multipart_file(request: Request, boundary: bytes) -> AsyncIterator[bytes]:
     parsed: list[bytes] = []
     part = {"headers": b"", "is_file": False, "files_seen": 0}
 

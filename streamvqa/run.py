@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from subprocess import Popen
 
@@ -42,21 +43,26 @@ def _local_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def _wait_until_serving(settings: LauncherSettings, redis_url: str, processes: list[Popen]) -> None:
-    health = f"http://{_local_host(settings.host)}:{settings.port}/healthz"
+def wait_until_serving(
+    health_url: str, redis_url: str, prefix: str, processes: Sequence[Popen], timeout_s: float, workers: int = 1
+) -> None:
+    """Until the gateway's /healthz answers 200 and `workers` live workers are registered.
+
+    Raises RuntimeError when one of `processes` exits first or after `timeout_s`.
+    """
     client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
             if any(process.poll() is not None for process in processes):
-                raise RuntimeError("a process exited during start-up; see its log above")
-            workers = [WorkerInfo.model_validate_json(v) for v in client.hvals(Keys(settings.redis_prefix).workers())]
-            if any(w.alive for w in workers) and _answers(health):
+                raise RuntimeError("a process exited during start-up; see its log")
+            infos = [WorkerInfo.model_validate_json(raw) for raw in client.hvals(Keys(prefix).workers())]
+            if sum(info.alive for info in infos) >= workers and _answers(health_url):
                 return
-            time.sleep(0.25)
+            time.sleep(0.2)
     finally:
         client.close()
-    raise RuntimeError(f"not serving after {STARTUP_TIMEOUT_S} s")
+    raise RuntimeError(f"not serving after {timeout_s} s")
 
 
 def _answers(url: str) -> bool:
@@ -84,7 +90,8 @@ def main() -> int:
             "SPOOL_DIR": os.environ.get("SPOOL_DIR", str(settings.run_dir.resolve() / "spool")),
         }
         processes = [children.spawn([sys.executable, "-m", module], env) for module in ("worker", "app")]
-        _wait_until_serving(settings, redis_url, processes)
+        health_url = f"http://{_local_host(settings.host)}:{settings.port}/healthz"
+        wait_until_serving(health_url, redis_url, settings.redis_prefix, processes, STARTUP_TIMEOUT_S)
         where = f"embedded, files in {embedded.directory}" if embedded else "from REDIS_URL"
         log.info(
             "\nstreamvqa is running\n  dashboard: http://%s:%d/\n  redis:     %s (%s)\nPress Ctrl-C to stop.\n",
@@ -101,6 +108,8 @@ def main() -> int:
         log.error("%s", err)
         return 1
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for process in reversed(processes):  # gateway first: no new work reaches the worker
             children.stop(process)
         if embedded:

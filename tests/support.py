@@ -4,6 +4,9 @@ import importlib.util
 import os
 import sys
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from subprocess import Popen
 
@@ -11,8 +14,8 @@ import httpx
 import redis
 
 from streamvqa import children
-from streamvqa.protocol import Keys, WorkerInfo
 from streamvqa.redis_server import free_port
+from streamvqa.run import wait_until_serving
 
 START_TIMEOUT_S = 120
 
@@ -53,29 +56,13 @@ class Stack:
         return process
 
     def wait_until_serving(self, workers: int = 1) -> None:
-        client = redis.Redis.from_url(self.redis_url)
-        deadline = time.monotonic() + START_TIMEOUT_S
         try:
-            while time.monotonic() < deadline:
-                for name, process in self.processes.items():
-                    if process.poll() is not None:
-                        raise RuntimeError(f"{name} exited:\n{self.log(name)}")
-                alive = [
-                    info for raw in client.hvals(Keys(self.prefix).workers())
-                    if (info := WorkerInfo.model_validate_json(raw)).alive
-                ]
-                if len(alive) >= workers and self._healthy():
-                    return
-                time.sleep(0.2)
-        finally:
-            client.close()
-        raise RuntimeError(f"not serving after {START_TIMEOUT_S} s")
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
+            wait_until_serving(
+                f"{self.url}/healthz", self.redis_url, self.prefix, list(self.processes.values()), START_TIMEOUT_S, workers
+            )
+        except RuntimeError as err:
+            logs = "\n".join(f"--- {name} ---\n{self.log(name)}" for name in self.processes)
+            raise RuntimeError(f"{err}\n{logs}") from err
 
     def log(self, name: str) -> str:
         return (self.directory / f"{name}.log").read_text(errors="replace")[-4000:]
@@ -83,6 +70,30 @@ class Stack:
     def stop(self) -> None:
         for process in reversed(list(self.processes.values())):
             children.stop(process)
+
+
+def delete_prefix(redis_url: str, prefix: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for key in client.scan_iter(match=f"{prefix}*", count=1000):
+            client.delete(key)
+    finally:
+        client.close()
+
+
+@contextmanager
+def running_stack(redis_url: str, directory: Path, **env: str) -> Iterator[Stack]:
+    """A worker and a gateway under a fresh key prefix, serving; stopped and cleaned up after."""
+    stack = Stack(redis_url, f"svqa-test-{uuid.uuid4().hex[:12]}:", directory, **env)
+    stack.start("worker", "worker")
+    stack.start("gateway", "app")
+    try:
+        stack.wait_until_serving()
+        yield stack
+    finally:
+        stack.stop()
+        sys.stdout.write(f"\n--- worker log ---\n{stack.log('worker')}\n--- gateway log ---\n{stack.log('gateway')}\n")
+        delete_prefix(redis_url, stack.prefix)
 
 
 class Client:
@@ -106,8 +117,9 @@ class Client:
     def get(self) -> httpx.Response:
         return self.http.get(f"/sessions/{self.id}", headers=self.auth)
 
-    def upload(self, data: bytes, **kwargs: object) -> httpx.Response:
-        return self.http.post(f"/sessions/{self.id}/upload", content=data, headers=self.auth, **kwargs)
+    def upload(self, data: bytes | Iterator[bytes], content_type: str | None = None) -> httpx.Response:
+        headers = {**self.auth, **({"Content-Type": content_type} if content_type else {})}
+        return self.http.post(f"/sessions/{self.id}/upload", content=data, headers=headers)
 
     def ask(self, question: str, **body: object) -> httpx.Response:
         return self.http.post(f"/sessions/{self.id}/ask", json={"question": question, **body}, headers=self.auth)

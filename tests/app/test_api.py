@@ -57,6 +57,34 @@ def test_unknown_session_is_404_missing_token_401_wrong_token_403(stack, client)
     other.http.close()
 
 
+def test_a_malformed_session_id_is_404(client):
+    client.create()
+    reply = client.http.get(f"/sessions/{client.id}:lease", headers=client.auth)
+    assert (reply.status_code, reply.json()["code"]) == (404, "session_not_found")
+
+
+def test_delete_forgets_the_session(client):
+    client.create()
+    assert client.http.delete(f"/sessions/{client.id}", headers=client.auth).status_code == 204
+    assert client.get().status_code == 404
+
+
+def test_a_failed_upload_can_be_retried(client):
+    client.create()
+    no_boundary = client.upload(b"--x\r\n", content_type="multipart/form-data")
+    assert (no_boundary.status_code, no_boundary.json()["code"]) == (400, "bad_multipart")
+    empty = client.upload(b"")
+    assert (empty.status_code, empty.json()["code"]) == (400, "empty_upload")
+    # no Content-Length (chunked): the limit is found while streaming, after bytes reached Redis
+    too_big = client.upload(iter([b"\0" * (1024 * 1024)] * 5))
+    assert (too_big.status_code, too_big.json()["code"]) == (413, "upload_too_large")
+    assert client.get().json()["state"] in ("pending", "ready")
+
+    assert client.upload(sample_video("carphone_pristine.mp4").read_bytes()).status_code == 202
+    session = client.wait_for_state("ingested", "error")
+    assert (session["state"], session["frames_ingested"]) == ("ingested", 4)
+
+
 def test_a_second_upload_is_409(client):
     client.create()
     assert client.upload(sample_video("carphone_pristine.mp4").read_bytes()).status_code == 202

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from engine import Session, SessionConfig, UnknownModelError, load_model
+from engine import POLICIES, Session, SessionConfig, UnknownModelError, load_model
+from streamvqa import protocol
 
 VISUAL_TOKENS_PER_FRAME = 16  # 64x64 frames in 16x16 patches, CLS dropped
 USER_TURN_OPEN_TOKENS = 6  # "<|im_start|>" then "user\n"
@@ -96,3 +97,7 @@ def test_unknown_model_and_policy_are_named_in_the_error():
         load_model("no-such-model", "cpu")
     with pytest.raises(ValueError, match="unknown policy 'h3o'"):
         SessionConfig(policy="h3o")
+
+
+def test_the_gateway_offers_exactly_the_engines_policies():
+    assert protocol.POLICIES == POLICIES
