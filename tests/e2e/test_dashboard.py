@@ -69,5 +69,17 @@ def test_an_upload_error_is_shown_to_the_user(stack, page, tmp_path):
     notes.write_text("not a video\n" * 100)
     page.set_input_files("#file", str(notes))
     page.get_by_role("button", name="Upload").click()
-    page.wait_for_selector("#error:has-text('not a readable video file')")
+    page.wait_for_selector("#session-error:has-text('not a readable video file')")
     assert page.text_content("dd[data-field='state']") == "error"
+
+
+def test_an_api_error_is_shown_to_the_user(stack, page, tmp_path):
+    page.goto(stack.url)
+    page.get_by_role("button", name="Create session").click()
+    page.wait_for_selector("#session-line:has-text('Session ')")
+    big = tmp_path / "big.mp4"
+    big.write_bytes(b"\0" * (4 * 1024 * 1024 + 1))  # the stack allows 4 MiB
+    page.set_input_files("#file", str(big))
+    page.get_by_role("button", name="Upload").click()
+    page.wait_for_selector("#error:has-text('Upload failed: the upload exceeds the limit of 4194304 bytes')")
+    assert page.is_enabled("#upload-form button")  # the user may try another file
