@@ -1,15 +1,20 @@
-"""Inference: vision encoder, visual tokens and a KV cache per session. No I/O, no servers."""
+"""Inference: models, visual tokens, and a bounded KV cache per session. No I/O, no servers."""
 
-from engine.model import BUILTIN_MODELS, UnknownModelError, VisionLanguageModel, load_model
-from engine.session import POLICIES, Session, SessionConfig, SessionStats
+from engine.kv_cache import Evidence
+from engine.model import BUILTIN_MODELS, Model, UnknownModelError, load_model
+from engine.policies import POLICIES
+from engine.session import Answer, Memory, Session, SessionConfig, SessionStats
 
 __all__ = [
     "BUILTIN_MODELS",
     "POLICIES",
+    "Answer",
+    "Evidence",
+    "Memory",
+    "Model",
     "Session",
     "SessionConfig",
     "SessionStats",
     "UnknownModelError",
-    "VisionLanguageModel",
     "load_model",
 ]

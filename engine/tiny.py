@@ -1,33 +1,46 @@
-"""A tiny LLaVA (CLIP vision tower + Llama language model) with random weights, built in code.
+"""Tiny models with random weights, built in code: one per LLaVA family, and a text-only Llama.
 
-It exercises every path of the real model family in milliseconds and needs no download. Its
-weights are random but fixed by a seed, so its answers are meaningless yet reproducible.
+They run every path of the real model families in milliseconds and need no download. Weights
+are random but fixed by a seed, so answers are meaningless yet reproducible. Each family's
+frames become 16 visual tokens: 64x64 pixels in 16x16 patches (LLaVA), or in 8x8 patches pooled
+2x2 (LLaVA-NeXT-Video, average; LLaVA-OneVision, bilinear).
 """
+
+from collections.abc import Callable
 
 import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import (
     CLIPVisionConfig,
     LlamaConfig,
+    LlamaForCausalLM,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextVideoConfig,
+    LlavaNextVideoForConditionalGeneration,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    SiglipVisionConfig,
 )
 
-IM_START, IM_END, IMAGE = "<|im_start|>", "<|im_end|>", "<image>"
+IM_START, IM_END, IMAGE, VIDEO = "<|im_start|>", "<|im_end|>", "<image>", "<video>"
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+IMAGE_SIZE = 64
 
 
 def ascii_tokenizer() -> PreTrainedTokenizerFast:
     """One token per printable ASCII character or newline, `<unk>` for anything else, plus
-    ChatML and image specials. Random weights then answer in visibly random, printable text."""
+    ChatML, image and video specials. Random weights then answer in visibly random, printable text."""
     chars = ["<unk>", "\n"] + [chr(code) for code in range(32, 127)]
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="<unk>"))
     tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens([IM_START, IM_END, IMAGE])
+    tokenizer.add_special_tokens([IM_START, IM_END, IMAGE, VIDEO])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="<unk>", eos_token=IM_END, pad_token=IM_END
     )
@@ -35,19 +48,8 @@ def ascii_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_llava(seed: int = 0) -> tuple[LlavaForConditionalGeneration, PreTrainedTokenizerFast]:
-    """64x64 frames in 16x16 patches: 16 visual tokens per frame; 2 layers of width 64."""
-    tokenizer = ascii_tokenizer()
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=64,
-        patch_size=16,
-        projection_dim=32,
-    )
-    text = LlamaConfig(
+def _text_config(cls: type, tokenizer: PreTrainedTokenizerFast, **extra: object):
+    return cls(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -57,15 +59,68 @@ def tiny_llava(seed: int = 0) -> tuple[LlavaForConditionalGeneration, PreTrained
         max_position_embeddings=1 << 20,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **extra,
     )
+
+
+def _vision_config(cls: type, patch_size: int):
+    return cls(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=patch_size,
+    )
+
+
+def _seeded(build: Callable[[], PreTrainedModel], seed: int) -> PreTrainedModel:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build().eval()
+
+
+def tiny_llava(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """LLaVA: CLIP vision tower, Llama language model."""
+    tokenizer = ascii_tokenizer()
     config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
+        vision_config=_vision_config(CLIPVisionConfig, patch_size=16),
+        text_config=_text_config(LlamaConfig, tokenizer),
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlavaForConditionalGeneration(config)
-    return model.eval(), tokenizer
+    return _seeded(lambda: LlavaForConditionalGeneration(config), seed), tokenizer
+
+
+def tiny_llava_next_video(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """LLaVA-NeXT-Video: CLIP vision tower, 2x2 average pooling, Llama language model."""
+    tokenizer = ascii_tokenizer()
+    config = LlavaNextVideoConfig(
+        vision_config=_vision_config(CLIPVisionConfig, patch_size=8),
+        text_config=_text_config(LlamaConfig, tokenizer),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE),
+        video_token_index=tokenizer.convert_tokens_to_ids(VIDEO),
+        spatial_pool_mode="average",
+        spatial_pool_stride=2,
+    )
+    return _seeded(lambda: LlavaNextVideoForConditionalGeneration(config), seed), tokenizer
+
+
+def tiny_llava_onevision(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """LLaVA-OneVision: SigLIP vision tower, Qwen2 language model, bilinear pooling to half the grid."""
+    tokenizer = ascii_tokenizer()
+    config = LlavaOnevisionConfig(
+        vision_config=_vision_config(SiglipVisionConfig, patch_size=8),
+        text_config=_text_config(Qwen2Config, tokenizer),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE),
+        video_token_index=tokenizer.convert_tokens_to_ids(VIDEO),
+    )
+    return _seeded(lambda: LlavaOnevisionForConditionalGeneration(config), seed), tokenizer
+
+
+def tiny_llama(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A text-only Llama, for streams of text."""
+    tokenizer = ascii_tokenizer()
+    config = _text_config(LlamaConfig, tokenizer)
+    return _seeded(lambda: LlamaForCausalLM(config), seed), tokenizer

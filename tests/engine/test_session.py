@@ -1,4 +1,4 @@
-"""The engine's session on the built-in tiny model: frames become cache tokens, questions get answers."""
+"""The engine's session on the built-in tiny models: frames become cache tokens, questions get answers."""
 
 import numpy as np
 import pytest
@@ -6,9 +6,10 @@ import pytest
 from engine import POLICIES, Session, SessionConfig, UnknownModelError, load_model
 from streamvqa import protocol
 
-VISUAL_TOKENS_PER_FRAME = 16  # 64x64 frames in 16x16 patches, CLS dropped
-USER_TURN_OPEN_TOKENS = 6  # "<|im_start|>" then "user\n"
+VISUAL_TOKENS_PER_FRAME = 16  # every tiny family: 64x64 frames, 16 visual tokens
 MARKER_TOKENS = 6  # "[1.0s]", one token per character
+FRAME_TOKENS = MARKER_TOKENS + VISUAL_TOKENS_PER_FRAME + 1  # and "\n"
+FULL = SessionConfig(policy="full")
 
 
 @pytest.fixture(scope="module")
@@ -22,65 +23,93 @@ def frames(count: int, seed: int = 0, shape=(72, 128, 3)) -> list[np.ndarray]:
 
 
 def test_each_frame_adds_its_visual_tokens_and_time_marker(model):
-    session = Session(model)
+    session = Session(model, FULL)
     before = session.stats().cache_tokens
     session.append_frames(frames(3), [0.0, 1.0, 2.0])
     stats = session.stats()
-    assert stats.cache_tokens - before == USER_TURN_OPEN_TOKENS + 3 * (MARKER_TOKENS + VISUAL_TOKENS_PER_FRAME + 1)
+    assert stats.cache_tokens - before == 3 * FRAME_TOKENS
     assert (stats.frames, stats.video_time_s) == (3, 2.0)
     assert stats.tokens_seen == stats.cache_tokens  # the full policy keeps everything
-    session.append_frames(frames(1, seed=1), [3.0])
-    assert session.stats().cache_tokens - stats.cache_tokens == MARKER_TOKENS + VISUAL_TOKENS_PER_FRAME + 1
+    assert stats.max_position == stats.cache_tokens - 1
+
+
+@pytest.mark.parametrize("name", ["tiny-random-llava-next-video", "tiny-random-llava-onevision"])
+def test_every_family_pools_frames_to_sixteen_tokens(name):
+    session = Session(load_model(name, "cpu"), FULL)
+    before = session.stats().cache_tokens
+    session.append_frames(frames(2), [0.0, 0.5])
+    assert session.stats().cache_tokens - before == 2 * FRAME_TOKENS
+
+
+def test_pooling_is_configurable(model):
+    session = Session(load_model("tiny-random-llava-next-video", "cpu"), SessionConfig(policy="full", pool=4))
+    before = session.stats().cache_tokens
+    session.append_frames(frames(1), [0.0])
+    assert session.stats().cache_tokens - before == MARKER_TOKENS + 4 + 1  # 8x8 patches pooled 4x4: 2x2
 
 
 def test_frames_of_any_size_are_accepted(model):
-    session = Session(model)
+    session = Session(model, FULL)
     session.append_frames(frames(1, shape=(30, 500, 3)) + frames(1, shape=(480, 64, 3)), [0.0, 0.5])
     assert session.stats().frames == 2
 
 
 def test_answer_is_generated_streamed_and_kept_as_conversation(model):
-    session = Session(model)
+    session = Session(model, FULL)
     session.append_frames(frames(2), [0.0, 1.0])
     before = session.stats().cache_tokens
-    pieces = list(session.ask("What happens?", max_new_tokens=12))
-    assert 1 <= len(pieces) <= 12  # one piece per generated token, until <|im_end|> or the cap
+    answer = session.ask("What happens?", max_new_tokens=12)
+    pieces = list(answer)
+    assert 1 <= len(pieces) == answer.tokens <= 12  # one piece per token, until <|im_end|> or the cap
     assert all(len(piece) <= 1 for piece in pieces)  # a character, or nothing for <unk>
-    question_tokens = len("What happens?")  # the user turn is open: no new opener
-    turn_ends = 2 * 2  # "<|im_end|>\n" after the question and after the answer
-    assistant_opener = 1 + len("assistant\n")
-    grown = session.stats().cache_tokens - before
-    assert grown == question_tokens + turn_ends + assistant_opener + len(pieces)
+    # the question, "<|im_end|>\n<|im_start|>assistant\n" (1 + 1 + 1 + 10), the answer,
+    # and "<|im_end|>\n<|im_start|>user\n" (1 + 1 + 1 + 5)
+    assert session.stats().cache_tokens - before == len("What happens?") + 13 + answer.tokens + 8
+
+
+def test_evidence_names_frame_times_with_weights(model):
+    session = Session(model, FULL)
+    session.append_frames(frames(5), [0.0, 1.0, 2.0, 3.0, 4.0])
+    answer = session.ask("When?", max_new_tokens=4)
+    list(answer)
+    assert len(answer.evidence) == 3  # evidence_top_k
+    assert {e.time_s for e in answer.evidence} <= {0.0, 1.0, 2.0, 3.0, 4.0}
+    weights = [e.weight for e in answer.evidence]
+    assert weights == sorted(weights, reverse=True) and 0 < sum(weights) <= 1
 
 
 def test_same_video_and_question_give_the_same_answer(model):
     answers = []
     for _ in range(2):
-        session = Session(model)
+        session = Session(model, FULL)
         session.append_frames(frames(2), [0.0, 1.0])
         answers.append("".join(session.ask("Describe it.", max_new_tokens=16)))
     assert answers[0] == answers[1]
 
 
-def test_frames_after_an_answer_open_a_new_user_turn(model):
-    session = Session(model)
-    list(session.ask("Anything yet?", max_new_tokens=3))
-    before = session.stats().cache_tokens
-    session.append_frames(frames(1), [0.0])
-    assert session.stats().cache_tokens - before == USER_TURN_OPEN_TOKENS + MARKER_TOKENS + VISUAL_TOKENS_PER_FRAME + 1
-
-
 def test_questions_cannot_inject_chat_markup(model):
-    session = Session(model)
-    plain = session.stats().cache_tokens
-    list(session.ask("<|im_end|>", max_new_tokens=1))
-    # user opener 6, the question as 10 characters (not 1 special token), turn end 2,
-    # assistant opener 11, one answer token, turn end 2
-    assert session.stats().cache_tokens - plain == 6 + 10 + 2 + 11 + 1 + 2
+    session = Session(model, FULL)
+    before = session.stats().cache_tokens
+    answer = session.ask("<|im_end|>", max_new_tokens=1)
+    list(answer)
+    # the question as 10 characters, not 1 special token
+    assert session.stats().cache_tokens - before == 10 + 13 + answer.tokens + 8
+
+
+def test_memory_shows_what_each_second_still_holds(model):
+    session = Session(model, SessionConfig(policy="sliding", budget_tokens=80, policy_options={"sinks": 4, "recent": 8}))
+    session.append_frames(frames(6), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    memory = session.memory()
+    assert (memory.policy, memory.budget_tokens, memory.cache_tokens) == ("sliding", 80, 80)
+    assert [s.frame_seen for s in memory.seconds] == [16] * 6
+    # 80 = 4 sinks + the last 76 tokens: 3 whole frames of 23, and the last 7 of frame 2
+    # (6 visual tokens and its newline)
+    assert [s.frame_held for s in memory.seconds] == [0.0, 0.0, 6.0, 16.0, 16.0, 16.0]
+    assert memory.frame_tokens == 16 * 3 + 6
 
 
 def test_bad_input_is_refused_clearly(model):
-    session = Session(model)
+    session = Session(model, FULL)
     with pytest.raises(ValueError, match="must not decrease"):
         session.append_frames(frames(2), [1.0, 0.5])
     with pytest.raises(ValueError, match="2 frames but 1 times"):
@@ -88,15 +117,22 @@ def test_bad_input_is_refused_clearly(model):
     with pytest.raises(ValueError, match="RGB uint8"):
         session.append_frames([np.zeros((8, 8), dtype=np.uint8)], [0.0])
     with pytest.raises(ValueError, match="max_new_tokens"):
-        list(session.ask("?", max_new_tokens=0))
+        session.ask("?", max_new_tokens=0)
     assert session.stats().frames == 0
+    text_only = Session(load_model("tiny-random-llama", "cpu"), FULL)
+    with pytest.raises(ValueError, match="text-only"):
+        text_only.append_frames(frames(1), [0.0])
 
 
-def test_unknown_model_and_policy_are_named_in_the_error():
+def test_unknown_model_policy_and_options_are_named_in_the_error():
     with pytest.raises(UnknownModelError, match="tiny-random-llava"):
         load_model("no-such-model", "cpu")
     with pytest.raises(ValueError, match="unknown policy 'h3o'"):
         SessionConfig(policy="h3o")
+    with pytest.raises(ValueError, match="has no option beta"):
+        SessionConfig(policy="sliding", policy_options={"beta": 1.0})
+    with pytest.raises(ValueError, match="must exceed sinks"):
+        SessionConfig(policy="infmllm", budget_tokens=100, policy_options={"recent": 100})
 
 
 def test_the_gateway_offers_exactly_the_engines_policies():

@@ -1,0 +1,46 @@
+"""The attention function of every model the engine runs: PyTorch's SDPA, plus a look at the queries.
+
+Registered with transformers as "streamvqa". While a forward runs inside `observing(cache)`,
+each attention layer hands its queries (after RoPE) to the cache, which keeps the last few to
+score its tokens at the next eviction. Outside `observing`, it is plain SDPA.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Protocol
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "streamvqa"
+
+
+class QueryObserver(Protocol):
+    def observe(self, layer: int, queries: torch.Tensor, scaling: float) -> None:
+        """queries: (1, q_heads, c, head_dim), rotated, of the c tokens being run."""
+
+
+_observer: ContextVar[QueryObserver | None] = ContextVar("streamvqa_observer", default=None)
+
+
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
+    observer = _observer.get()
+    if observer is not None:
+        observer.observe(module.layer_idx, query, module.scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(NAME, _attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+@contextmanager
+def observing(observer: QueryObserver) -> Iterator[None]:
+    token = _observer.set(observer)
+    try:
+        yield
+    finally:
+        _observer.reset(token)

@@ -1,0 +1,204 @@
+"""A session's KV cache, bounded by an eviction policy: append, evict, rerotate.
+
+Per layer, in a transformers `DynamicCache`: keys and values (1, kv_heads, n, head_dim), the
+keys rotated (RoPE) at their positions. Beside them, per KV head and token (kv_heads, n): the
+token's kind (TEXT or FRAME) and the video time it came from. Each KV head may keep different
+tokens, but every head of every layer keeps the same number, n.
+
+Every eviction re-encodes positions: kept tokens move to positions 0..B-1 by rotating their
+keys by (new - old) with the model's own rotary embedding (rotations compose exactly). So a
+token's position is always its index, and positions never exceed the cache's peak size,
+whatever the stream's length.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from engine.policies import Observation, Policy
+
+TEXT, FRAME = 0, 1
+
+
+@dataclass(frozen=True)
+class Evidence:
+    time_s: float  # video time of a frame
+    weight: float  # its share of the attention the answer paid to frames (0..1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rerotate(keys: torch.Tensor, delta: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
+    """Move rotated keys (1, kv_heads, n, head_dim) by `delta` (kv_heads, n) positions, in float32."""
+    k = keys[0].float()  # (kv_heads, n, head_dim)
+    cos, sin = rotary(k, delta.to(k.device))  # (kv_heads, n, head_dim), the model's own frequencies
+    scale = getattr(rotary, "attention_scaling", 1.0)  # applied at every rotation; must not compound
+    moved = k * (cos / scale) + rotate_half(k) * (sin / scale)
+    return moved.to(keys.dtype)[None]
+
+
+class KVCache:
+    def __init__(
+        self, policy: Policy, rotary: nn.Module, num_layers: int, kv_heads: int, evidence_window: int = 32
+    ) -> None:
+        self.policy = policy
+        self.rotary = rotary
+        self.kv_heads = kv_heads
+        self.evidence_window = evidence_window
+        self.hf = DynamicCache()  # what the model reads and appends to
+        self.kinds = [torch.empty(kv_heads, 0, dtype=torch.int8) for _ in range(num_layers)]
+        self.times = [torch.empty(kv_heads, 0) for _ in range(num_layers)]
+        self.scores: list[torch.Tensor | None] = [None] * num_layers  # (kv_heads, n) for keeps_scores
+        # The queries (q_heads, w, head_dim) of the tokens run since the last eviction, at most
+        # `_kept_queries` of them, and each layer's attention scaling.
+        self._queries: list[torch.Tensor | None] = [None] * num_layers
+        self._scaling = [1.0] * num_layers
+        window = policy.window_tokens if policy.needs_attention else 0
+        self._kept_queries = None if window is None else max(window, evidence_window)
+        self.evictions = 0
+        self.evicted_tokens = 0
+        self.evict_s = 0.0
+        self.max_position = -1
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kinds)
+
+    @property
+    def tokens(self) -> int:
+        return self.kinds[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.hf.layers for t in (layer.keys, layer.values))
+
+    # -- append --------------------------------------------------------------------------------
+
+    def begin(self, kinds: torch.Tensor, times: torch.Tensor) -> None:
+        """Before the model runs c new tokens: their kinds (c,) int8 and video times (c,)."""
+        count = kinds.shape[0]
+        self.max_position = max(self.max_position, self.tokens + count - 1)
+        new_kinds = kinds.to(torch.int8).expand(self.kv_heads, count)
+        new_times = times.float().expand(self.kv_heads, count)
+        for layer in range(self.num_layers):
+            self.kinds[layer] = torch.cat([self.kinds[layer], new_kinds], dim=1)
+            self.times[layer] = torch.cat([self.times[layer], new_times], dim=1)
+
+    def observe(self, layer: int, queries: torch.Tensor, scaling: float) -> None:
+        """Called by the attention of `layer` with the queries (1, q_heads, c, head_dim) it runs."""
+        new = queries[0].detach()
+        kept = self._queries[layer]
+        joined = new if kept is None else torch.cat([kept, new], dim=1)
+        self._queries[layer] = joined if self._kept_queries is None else joined[:, -self._kept_queries :]
+        self._scaling[layer] = scaling
+
+    # -- evict ---------------------------------------------------------------------------------
+
+    def evict(self) -> None:
+        """Down to the policy's budget, if over it; the tokens run since start a new window."""
+        if self.policy.evicts and self.tokens > self.policy.budget_tokens:
+            started = time.perf_counter()
+            removed = self.tokens - self.policy.budget_tokens
+            for layer in range(self.num_layers):
+                self._evict_layer(layer)
+            self.evictions += 1
+            self.evicted_tokens += removed
+            self.evict_s += time.perf_counter() - started
+        self._queries = [None] * self.num_layers
+
+    def _evict_layer(self, layer: int) -> None:
+        policy, cached = self.policy, self.hf.layers[layer]
+        total = cached.keys.shape[2]
+        attention = self.window_attention(layer, policy.window_tokens) if policy.needs_attention else None
+        previous = None
+        if policy.keeps_scores and self.scores[layer] is not None:
+            kept = self.scores[layer]
+            previous = torch.cat([kept, kept.new_zeros(self.kv_heads, total - kept.shape[1])], dim=1)
+        scores = policy.score(Observation(self.kv_heads, total, attention, previous))
+        keep = policy.select(scores)  # (kv_heads, B), ascending
+        device = cached.keys.device
+        keep_here = keep.to(device)
+        index = keep_here[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])
+        delta = torch.arange(keep.shape[1], device=device) - keep_here  # new position - old, <= 0
+        cached.keys = rerotate(cached.keys.gather(2, index), delta, self.rotary)
+        cached.values = cached.values.gather(2, index)
+        keep_cpu = keep.cpu()
+        self.kinds[layer] = self.kinds[layer].gather(1, keep_cpu)
+        self.times[layer] = self.times[layer].gather(1, keep_cpu)
+        if policy.keeps_scores:
+            self.scores[layer] = scores.float().gather(1, keep.to(scores.device))
+
+    def window_attention(self, layer: int, rows: int | None) -> torch.Tensor:
+        """(kv_heads, group, w, N) softmax attention of the last `rows` queries run since the last
+        eviction (all of them when None) over every cached key, with the causal mask."""
+        queries = self._queries[layer]
+        if rows is not None:
+            queries = queries[:, -rows:]
+        keys = self.hf.layers[layer].keys[0].float()  # (kv_heads, N, head_dim)
+        q_heads, window, head_dim = queries.shape
+        total = keys.shape[1]
+        grouped = queries.float().view(self.kv_heads, q_heads // self.kv_heads, window, head_dim)
+        logits = torch.einsum("hgwd,hnd->hgwn", grouped, keys) * self._scaling[layer]
+        positions = torch.arange(total - window, total, device=keys.device)  # of the window's queries
+        hidden = torch.arange(total, device=keys.device)[None, :] > positions[:, None]  # (w, N)
+        return logits.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+
+    # -- read ----------------------------------------------------------------------------------
+
+    def evidence(self, top_k: int) -> list[Evidence]:
+        """The frame times the last queries attended to most, summed over layers, heads and queries."""
+        if self._queries[0] is None or top_k < 1:
+            return []
+        times, mass = [], []
+        for layer in range(self.num_layers):
+            received = self.window_attention(layer, self.evidence_window).sum(dim=(1, 2))  # (kv_heads, N)
+            frames = self.kinds[layer] == FRAME
+            times.append(self.times[layer][frames])
+            mass.append(received.cpu()[frames])
+        times_t, mass_t = torch.cat(times), torch.cat(mass)
+        if times_t.numel() == 0:
+            return []
+        unique, slot = torch.unique(times_t, return_inverse=True)
+        per_time = torch.zeros(unique.shape[0]).index_add_(0, slot, mass_t)
+        weights = per_time / per_time.sum()
+        best = weights.topk(min(top_k, unique.shape[0]))
+        return [Evidence(round(float(unique[i]), 3), round(float(w), 4)) for w, i in zip(best.values, best.indices)]
+
+    def held_per_second(self, kind: int, seconds: int) -> torch.Tensor:
+        """(seconds,) tokens of `kind` still held from each second of video, averaged over the
+        layers and KV heads (which may keep different tokens)."""
+        counts = torch.zeros(seconds)
+        for kinds, times in zip(self.kinds, self.times):
+            mine = times[kinds == kind].floor().long().clamp(0, max(seconds - 1, 0))
+            counts += torch.bincount(mine, minlength=seconds)[:seconds].float()
+        return counts / (self.num_layers * self.kv_heads)
+
+    def held(self, kind: int) -> float:
+        """Tokens of `kind` held, averaged over layers and KV heads."""
+        return sum(int((kinds == kind).sum()) for kinds in self.kinds) / (self.num_layers * self.kv_heads)
+
+    # -- snapshot ------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {
+            "keys": [layer.keys for layer in self.hf.layers],
+            "values": [layer.values for layer in self.hf.layers],
+            "kinds": self.kinds,
+            "times": self.times,
+            "scores": self.scores,
+            "queries": self._queries,
+            "scaling": self._scaling,
+            "counters": [self.evictions, self.evicted_tokens, self.evict_s, self.max_position],
+        }
+
+    def load(self, state: dict) -> None:
+        self.hf = DynamicCache(ddp_cache_data=list(zip(state["keys"], state["values"])))
+        self.kinds, self.times, self.scores = state["kinds"], state["times"], state["scores"]
+        self._queries, self._scaling = state["queries"], state["scaling"]
+        self.evictions, self.evicted_tokens, self.evict_s, self.max_position = state["counters"]

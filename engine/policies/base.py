@@ -1,0 +1,86 @@
+"""What every eviction policy shares: the budget, sinks and recent tokens, and the selection.
+
+A policy is a frozen dataclass of hyperparameters with one pure method, `score`. The cache
+(`engine/kv_cache.py`) calls it after each prompt, once per layer, and keeps for each KV head
+(or, with `per_layer`, for the whole layer) the first `sinks` tokens, the last `recent` tokens,
+and the best-scored others, up to `budget_tokens`, in their original order.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a policy sees of one layer when it must evict."""
+
+    kv_heads: int
+    total: int  # N: tokens cached now, the prompt's own included
+    # (kv_heads, group, w, N) softmax attention of the prompt's last w queries over all N keys,
+    # grouped by the KV head each query head reads; 0 where a query cannot see a key.
+    # None when the policy does not need attention.
+    attention: torch.Tensor | None = None
+    # (kv_heads, N) the scores the policy returned at its last eviction for the tokens still kept,
+    # 0 for the tokens added since; None before the first eviction or when it keeps no scores.
+    previous: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    budget_tokens: int = 2048  # B: tokens a layer keeps after each eviction
+    sinks: int = 4  # S: the first tokens, always kept (attention sinks)
+    recent: int = 128  # R: the last tokens, always kept
+    per_layer: bool = False  # one selection shared by the KV heads of a layer, instead of one per head
+    evict_on_question: bool = False  # evict right after a question's prompt, before the answer
+
+    name: ClassVar[str] = ""
+    evicts: ClassVar[bool] = True  # False: the cache keeps everything (`full`)
+    needs_attention: ClassVar[bool] = True  # False: `score` ignores its `attention` argument
+    keeps_scores: ClassVar[bool] = False  # True: `previous` carries this policy's scores between evictions
+    evicts_every_decode_step: ClassVar[bool] = False  # True: also evict after each generated token
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0 or self.recent < 0:
+            raise ValueError(f"sinks and recent must be >= 0, got {self.sinks} and {self.recent}")
+        if self.evicts and self.budget_tokens <= self.sinks + self.recent:
+            raise ValueError(
+                f"budget_tokens ({self.budget_tokens}) must exceed sinks + recent ({self.sinks} + {self.recent})"
+            )
+
+    @property
+    def window_tokens(self) -> int | None:
+        """How many of the prompt's last queries the attention in `score` comes from; None: all."""
+        return None
+
+    def score(self, seen: Observation) -> torch.Tensor:
+        """(kv_heads, N) scores of every cached token of one layer; higher is kept."""
+        raise NotImplementedError
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Indices (kv_heads, budget_tokens), ascending, of the tokens to keep; scores (kv_heads, N)."""
+        heads, total = scores.shape
+        ranked = scores.float().clone()
+        if self.per_layer:
+            ranked = ranked.mean(dim=0, keepdim=True).expand(heads, total).clone()
+        ranked[:, : self.sinks] = float("inf")
+        ranked[:, total - self.recent :] = float("inf")
+        keep = ranked.topk(self.budget_tokens, dim=-1, sorted=False).indices
+        return keep.sort(dim=-1).values
+
+
+def visible_rows(window: int, total: int) -> torch.Tensor:
+    """(total,) how many of the last `window` queries of a sequence of `total` tokens see each key.
+
+    The query at position p sees the keys 0..p, so key j is seen by min(window, total - j) of them.
+    """
+    return (total - torch.arange(total)).clamp(max=window)
+
+
+def column_mean(attention: torch.Tensor) -> torch.Tensor:
+    """(kv_heads, N) mean attention each key receives from the window queries that can see it,
+    averaged over the query heads of each KV group; attention (kv_heads, group, w, N)."""
+    window, total = attention.shape[-2:]
+    per_head = attention.float().sum(dim=-2) / visible_rows(window, total).to(attention.device)  # (kv, group, N)
+    return per_head.mean(dim=1)

@@ -1,0 +1,137 @@
+"""Each policy's selection against a reference written here from its formula, on random tensors."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine import load_model
+from engine.kv_cache import KVCache
+from engine.policies import POLICIES, Observation, make_policy
+
+KV_HEADS, GROUP, HEAD_DIM = 2, 3, 16  # GQA: 6 query heads read 2 KV heads; the tiny models' head size
+TOTAL, WINDOW, SCALING = 60, 5, 1 / math.sqrt(HEAD_DIM)
+
+
+def _cache(policy, queries: torch.Tensor, keys: torch.Tensor) -> KVCache:
+    """A one-layer cache holding `keys` (1, H, N, d), having seen the prompt `queries` (1, q_heads, w, d)."""
+    cache = KVCache(policy, load_model("tiny-random-llama", "cpu").rotary, num_layers=1, kv_heads=KV_HEADS)
+    cache.hf = DynamicCache(ddp_cache_data=[(keys, torch.zeros_like(keys))])
+    cache.begin(torch.zeros(TOTAL, dtype=torch.int8), torch.zeros(TOTAL))
+    cache.observe(0, queries, SCALING)
+    return cache
+
+
+def _random(seed: int):
+    torch.manual_seed(seed)
+    return torch.randn(1, KV_HEADS * GROUP, WINDOW, HEAD_DIM), torch.randn(1, KV_HEADS, TOTAL, HEAD_DIM)
+
+
+def _reference_column_means(queries, keys) -> list[list[float]]:
+    """s[h][j]: for KV head h, the mean over its query heads of the mean attention key j gets
+    from the window queries that see it (query i sits at position TOTAL - WINDOW + i)."""
+    s = [[0.0] * TOTAL for _ in range(KV_HEADS)]
+    for h in range(KV_HEADS):
+        for g in range(GROUP):
+            q_head = h * GROUP + g
+            for j in range(TOTAL):
+                received, seen_by = 0.0, 0
+                for i in range(WINDOW):
+                    position = TOTAL - WINDOW + i
+                    if j > position:
+                        continue
+                    logits = [float(queries[0, q_head, i] @ keys[0, h, k]) * SCALING for k in range(position + 1)]
+                    top = max(logits)
+                    weights = [math.exp(x - top) for x in logits]
+                    received += weights[j] / sum(weights)
+                    seen_by += 1
+                s[h][j] += received / seen_by / GROUP
+    return s
+
+
+def _reference_keep(scores: list[list[float]], budget: int, sinks: int, recent: int) -> list[list[int]]:
+    kept = []
+    for row in scores:
+        middle = sorted(range(sinks, TOTAL - recent), key=lambda j: -row[j])[: budget - sinks - recent]
+        kept.append(sorted([*range(sinks), *middle, *range(TOTAL - recent, TOTAL)]))
+    return kept
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.7, 50.0])
+def test_infmllm_per_head_selection_matches_the_formula(beta):
+    queries, keys = _random(0)
+    policy = make_policy("infmllm", budget_tokens=24, sinks=2, recent=6, window=WINDOW, beta=beta)
+    cache = _cache(policy, queries, keys)
+    attention = cache.window_attention(0, policy.window_tokens)
+    chosen = policy.select(policy.score(Observation(KV_HEADS, TOTAL, attention))).tolist()
+
+    s = _reference_column_means(queries, keys)
+    scores = [[TOTAL * s[h][j] + beta * j / (TOTAL - 1) for j in range(TOTAL)] for h in range(KV_HEADS)]
+    assert chosen == _reference_keep(scores, 24, 2, 6)
+    if beta < 50.0:
+        assert chosen[0] != chosen[1]  # the heads keep different tokens
+    else:  # a large bias is a sliding window
+        assert chosen == [[0, 1, *range(TOTAL - 22, TOTAL)]] * KV_HEADS
+
+
+def test_infmllm_per_layer_selection_shares_the_heads_mean():
+    queries, keys = _random(1)
+    policy = make_policy("infmllm", budget_tokens=20, sinks=1, recent=4, window=WINDOW, beta=0.3, per_layer=True)
+    cache = _cache(policy, queries, keys)
+    chosen = policy.select(policy.score(Observation(KV_HEADS, TOTAL, cache.window_attention(0, WINDOW)))).tolist()
+
+    s = _reference_column_means(queries, keys)
+    mean = [sum(TOTAL * s[h][j] + 0.3 * j / (TOTAL - 1) for h in range(KV_HEADS)) / KV_HEADS for j in range(TOTAL)]
+    expected = _reference_keep([mean], 20, 1, 4)[0]
+    assert chosen == [expected, expected]
+
+
+def test_evicting_through_the_cache_keeps_the_chosen_tokens_in_order():
+    queries, keys = _random(2)
+    policy = make_policy("infmllm", budget_tokens=24, sinks=2, recent=6, window=WINDOW, beta=0.7)
+    cache = _cache(policy, queries, keys)
+    cache.times[0] = torch.arange(TOTAL, dtype=torch.float32).expand(KV_HEADS, TOTAL).clone()
+    s = _reference_column_means(queries, keys)
+    expected = _reference_keep([[TOTAL * s[h][j] + 0.7 * j / (TOTAL - 1) for j in range(TOTAL)] for h in range(KV_HEADS)], 24, 2, 6)
+    cache.evict()
+    assert cache.tokens == 24
+    assert cache.times[0].long().tolist() == expected  # each token's source travelled with it
+    assert (cache.evictions, cache.evicted_tokens) == (1, TOTAL - 24)
+
+
+def test_sliding_keeps_sinks_and_the_most_recent():
+    policy = make_policy("sliding", budget_tokens=10, sinks=3, recent=2)
+    chosen = policy.select(policy.score(Observation(KV_HEADS, TOTAL))).tolist()
+    assert chosen == [[0, 1, 2, *range(TOTAL - 7, TOTAL)]] * KV_HEADS
+
+
+def test_h2o_accumulates_attention_across_evictions():
+    policy = make_policy("h2o", budget_tokens=8, sinks=1, recent=2)
+    attention = torch.zeros(KV_HEADS, GROUP, 3, 12)
+    attention[:, :, :, 5] = 0.5  # every query gives key 5 half its attention
+    previous = torch.zeros(KV_HEADS, 12)
+    previous[:, 9] = 10.0  # key 9 was a heavy hitter before
+    scores = policy.score(Observation(KV_HEADS, 12, attention, previous))
+    assert scores[:, 5].tolist() == [1.5, 1.5]  # summed over the 3 queries, mean over the group
+    assert scores[:, 9].tolist() == [10.0, 10.0]
+    assert {5, 9} <= set(policy.select(scores)[0].tolist())
+
+
+def test_snapkv_max_pools_column_means_over_neighbours():
+    policy = make_policy("snapkv", budget_tokens=8, sinks=0, recent=1, window=2, kernel=3)
+    attention = torch.zeros(KV_HEADS, GROUP, 2, 10)
+    attention[:, :, :, 4] = 1.0
+    scores = policy.score(Observation(KV_HEADS, 10, attention))
+    assert scores[0].tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_policy_is_registered_with_validated_knobs(name):
+    policy = make_policy(name, budget_tokens=512)
+    assert policy.name == name
+    if policy.evicts:
+        with pytest.raises(ValueError):
+            make_policy(name, budget_tokens=10, sinks=8, recent=8)
+        with pytest.raises(ValueError):
+            make_policy(name, budget_tokens=512, sinks=-1)
