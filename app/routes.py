@@ -10,7 +10,7 @@ from app.deps import AuthorizedSession, KeysDep, RedisDep, Settings, Store
 from app.errors import ApiError
 from app.sessions import UploadRefused
 from app.uploads import file_chunks
-from streamvqa.protocol import SessionOptions, SessionRecord, SessionState
+from streamvqa.protocol import Evidence, SessionOptions, SessionRecord, SessionState
 
 router = APIRouter()
 
@@ -36,6 +36,7 @@ class Answer(BaseModel):
     answer_id: str
     answer: str
     tokens: int
+    evidence: list[Evidence] = Field(description="The frames the answer attended to most, strongest first.")
     video_time_s: float = Field(description="Video time of the last frame the answer could see.")
     cache_tokens: int = Field(description="KV cache tokens when the answer finished.")
     ttft_ms: float = Field(description="From the question reaching the gateway to the first answer token.")
@@ -111,6 +112,7 @@ async def ask(session: AuthorizedSession, body: AskRequest, redis: RedisDep, key
                     answer_id=answer_id,
                     answer=event.answer,
                     tokens=event.tokens,
+                    evidence=event.evidence,
                     video_time_s=event.video_time_s,
                     cache_tokens=event.cache_tokens,
                     ttft_ms=round(ttft_ms, 1),

@@ -67,7 +67,7 @@ class SessionState(StrEnum):
     ERROR = "error"  # media failed; `error` says why
 
 
-Policy = Literal["full"]
+Policy = Literal["full", "sliding", "h2o", "snapkv", "infmllm"]
 POLICIES: tuple[str, ...] = get_args(Policy)  # the engine's registry holds the same names (tested)
 
 
@@ -80,9 +80,13 @@ class SessionOptions(BaseModel):
     model: str | None = Field(
         None, min_length=1, max_length=200, description="Model name; the gateway's default when absent."
     )
-    policy: Policy = Field("full", description="KV cache policy.")
+    policy: Policy = Field(
+        "infmllm",
+        description="KV cache policy: infmllm (bounded, attention-scored with a recency bias), "
+        "snapkv, h2o, sliding (sinks and recent tokens), or full (no eviction: memory grows).",
+    )
     budget_tokens: int = Field(
-        8192, ge=256, le=1_000_000, description="KV cache budget for evicting policies."
+        8192, ge=256, le=1_000_000, description="Tokens each cache layer keeps after an eviction."
     )
 
 
@@ -125,10 +129,16 @@ class TokenEvent(BaseModel):
     text: str
 
 
+class Evidence(BaseModel):
+    time_s: float = Field(description="Video time of a frame the answer attended to.")
+    weight: float = Field(description="That frame's share of the answer's attention to frames (0 to 1).")
+
+
 class DoneEvent(BaseModel):
     type: Literal["done"] = "done"
     answer: str
     tokens: int  # generated tokens
+    evidence: list[Evidence] = []
     video_time_s: float
     cache_tokens: int
     worker_ms: float  # from the worker reading the question to the last token

@@ -4,6 +4,8 @@ worker processes on loopback, under a key prefix of their own."""
 import os
 from collections.abc import Iterator
 
+os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach a model hub, and fail fast if they try
+
 import pytest
 
 from streamvqa.redis_server import EmbeddedRedis

@@ -19,12 +19,13 @@ from typing import TypeVar
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from engine import Session, SessionConfig, VisionLanguageModel
+from engine import Model, Session, SessionConfig
 from streamvqa import protocol
 from streamvqa.protocol import (
     AnswerEnvelope,
     DoneEvent,
     ErrorEvent,
+    Evidence,
     Keys,
     Question,
     SessionRecord,
@@ -90,7 +91,7 @@ class Hosted:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, model: VisionLanguageModel, redis: Redis) -> None:
+    def __init__(self, settings: WorkerSettings, model: Model, redis: Redis) -> None:
         self.settings = settings
         self.model = model
         self.redis = redis
@@ -256,16 +257,16 @@ class Worker:
                 await self._publish(stream, ErrorEvent(code="session_error", message=hosted.error))
                 return
             pieces = hosted.engine.ask(question.question, question.max_new_tokens)
-            answer, tokens = [], 0
+            answer = []
             while (piece := await self._in_engine(next, pieces, None)) is not None:
-                tokens += 1
                 if piece:
                     answer.append(piece)
                     await self._publish(stream, TokenEvent(text=piece))
             stats = hosted.engine.stats()
             done = DoneEvent(
                 answer="".join(answer),
-                tokens=tokens,
+                tokens=pieces.tokens,
+                evidence=[Evidence(time_s=e.time_s, weight=e.weight) for e in pieces.evidence],
                 video_time_s=stats.video_time_s,
                 cache_tokens=stats.cache_tokens,
                 worker_ms=round((time.monotonic() - started) * 1000, 1),

@@ -19,7 +19,7 @@ def test_create_session_with_defaults_names_the_builtin_random_model(client):
     body = reply.json()
     assert len(body["token"]) >= 40
     session = body["session"]
-    assert (session["model"], session["policy"], session["fps"]) == ("tiny-random-llava", "full", 1.0)
+    assert (session["model"], session["policy"], session["fps"]) == ("tiny-random-llava", "infmllm", 1.0)
     assert session["state"] in ("pending", "ready")
     assert client.wait_for_state("ready")["worker"]
 

@@ -26,6 +26,8 @@ def test_bikes_at_one_fps_gives_ten_frames_then_an_answer(client):
     assert 1 <= answer["tokens"] <= 20  # generation stops at <|im_end|> or the cap
     assert len(answer["answer"]) <= answer["tokens"]  # a character per token, none for <unk>
     assert answer["video_time_s"] == 9.0
+    assert 1 <= len(answer["evidence"]) <= 3
+    assert {e["time_s"] for e in answer["evidence"]} <= {float(t) for t in range(10)}
     assert answer["cache_tokens"] > session["cache_tokens"]  # question and answer stay in the cache
     assert 0 < answer["ttft_ms"] <= answer["total_ms"]
 
