@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean
+.PHONY: run test install clean bench-memory bench-speed bench-quality
 
 run: $(STAMP)
 	$(BIN)/python -m streamvqa.run
@@ -14,6 +14,16 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
+
+# Benchmarks print JSON lines; see docs/benchmarks.md. BENCH_ARGS passes options, e.g. --tokens 4000000.
+bench-memory: $(STAMP)
+	$(BIN)/python -m bench.memory $(BENCH_ARGS)
+
+bench-speed: $(STAMP)
+	$(BIN)/python -m bench.speed $(BENCH_ARGS)
+
+bench-quality: $(STAMP)
+	$(BIN)/python -m bench.quality $(BENCH_ARGS)
 
 # torch first, so that its build is the one TORCH_SPEC names (a CPU wheel here; see README).
 $(STAMP): pyproject.toml

@@ -34,12 +34,28 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rerotate(keys: torch.Tensor, delta: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
-    """Move rotated keys (1, kv_heads, n, head_dim) by `delta` (kv_heads, n) positions, in float32."""
-    k = keys[0].float()  # (kv_heads, n, head_dim)
-    cos, sin = rotary(k, delta.to(k.device))  # (kv_heads, n, head_dim), the model's own frequencies
+def rotations(rotary: nn.Module, shifts: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (*shifts.shape, head_dim) of rotating by `shifts` positions, with the model's
+    own frequencies, in float32."""
+    cos, sin = rotary(like.float(), shifts.to(like.device).reshape(1, -1))
     scale = getattr(rotary, "attention_scaling", 1.0)  # applied at every rotation; must not compound
-    moved = k * (cos / scale) + rotate_half(k) * (sin / scale)
+    shape = (*shifts.shape, cos.shape[-1])
+    return (cos / scale).reshape(shape), (sin / scale).reshape(shape)
+
+
+def rerotate(
+    keys: torch.Tensor, delta: torch.Tensor, rotary: nn.Module, table: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Move rotated keys (1, kv_heads, n, head_dim) by `delta` (kv_heads, n) positions, in float32.
+
+    `table`, when given, holds the rotations by 0, -1, -2, ... (from `rotations`), for deltas <= 0.
+    """
+    k = keys[0].float()  # (kv_heads, n, head_dim)
+    if table is None:
+        cos, sin = rotations(rotary, delta, k)
+    else:
+        cos, sin = table[0][-delta], table[1][-delta]
+    moved = k * cos + rotate_half(k) * sin
     return moved.to(keys.dtype)[None]
 
 
@@ -105,14 +121,16 @@ class KVCache:
         if self.policy.evicts and self.tokens > self.policy.budget_tokens:
             started = time.perf_counter()
             removed = self.tokens - self.policy.budget_tokens
+            keys = self.hf.layers[0].keys
+            table = rotations(self.rotary, -torch.arange(removed + 1), keys)  # every delta is in 0..-removed
             for layer in range(self.num_layers):
-                self._evict_layer(layer)
+                self._evict_layer(layer, table)
             self.evictions += 1
             self.evicted_tokens += removed
             self.evict_s += time.perf_counter() - started
         self._queries = [None] * self.num_layers
 
-    def _evict_layer(self, layer: int) -> None:
+    def _evict_layer(self, layer: int, table: tuple[torch.Tensor, torch.Tensor]) -> None:
         policy, cached = self.policy, self.hf.layers[layer]
         total = cached.keys.shape[2]
         attention = self.window_attention(layer, policy.window_tokens) if policy.needs_attention else None
@@ -126,7 +144,7 @@ class KVCache:
         keep_here = keep.to(device)
         index = keep_here[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])
         delta = torch.arange(keep.shape[1], device=device) - keep_here  # new position - old, <= 0
-        cached.keys = rerotate(cached.keys.gather(2, index), delta, self.rotary)
+        cached.keys = rerotate(cached.keys.gather(2, index), delta, self.rotary, table)
         cached.values = cached.values.gather(2, index)
         keep_cpu = keep.cpu()
         self.kinds[layer] = self.kinds[layer].gather(1, keep_cpu)

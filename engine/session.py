@@ -170,7 +170,7 @@ class Session:
             self._run(parts)
             self.cache.evict()
             self._frames += len(group)
-            self._video_time_s = group[-1][1]
+            self._video_time_s = float(group[-1][1])
 
     def append_text(self, text: str) -> TextScore:
         """Append text to the user turn (a transcript, a document) and score how well the model

@@ -75,6 +75,20 @@ def test_infmllm_per_head_selection_matches_the_formula(beta):
         assert chosen == [[0, 1, *range(TOTAL - 22, TOTAL)]] * KV_HEADS
 
 
+def test_infmllm_local_sum_and_square_bias_match_the_formula():
+    queries, keys = _random(3)
+    policy = make_policy(
+        "infmllm", budget_tokens=24, sinks=2, recent=6, window=WINDOW, beta=2.0, bias_shape="square", local_sum=3
+    )
+    cache = _cache(policy, queries, keys)
+    chosen = policy.select(policy.score(Observation(KV_HEADS, TOTAL, cache.window_attention(0, WINDOW)))).tolist()
+
+    s = _reference_column_means(queries, keys)
+    local = [[sum(s[h][k] for k in (j - 1, j, j + 1) if 0 <= k < TOTAL) for j in range(TOTAL)] for h in range(KV_HEADS)]
+    scores = [[TOTAL * local[h][j] + 2.0 * (j / (TOTAL - 1)) ** 2 for j in range(TOTAL)] for h in range(KV_HEADS)]
+    assert chosen == _reference_keep(scores, 24, 2, 6)
+
+
 def test_infmllm_per_layer_selection_shares_the_heads_mean():
     queries, keys = _random(1)
     policy = make_policy("infmllm", budget_tokens=20, sinks=1, recent=4, window=WINDOW, beta=0.3, per_layer=True)

@@ -1,0 +1,1 @@
+"""Benchmarks: each `python -m bench.<name>` prints one JSON object per line (see docs/benchmarks.md)."""

