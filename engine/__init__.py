@@ -1,9 +1,8 @@
 """Inference: models, visual tokens, and a bounded KV cache per session. No I/O, no servers."""
 
-from engine.kv_cache import Evidence
 from engine.model import BUILTIN_MODELS, Model, UnknownModelError, load_model
 from engine.policies import POLICIES
-from engine.session import Answer, Memory, Session, SessionConfig, SessionStats
+from engine.session import Answer, Evidence, Memory, Session, SessionConfig, SessionStats, Span
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -15,6 +14,7 @@ __all__ = [
     "Session",
     "SessionConfig",
     "SessionStats",
+    "Span",
     "UnknownModelError",
     "load_model",
 ]

@@ -12,7 +12,6 @@ whatever the stream's length.
 """
 
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,12 +20,6 @@ from transformers import DynamicCache
 from engine.policies import Observation, Policy
 
 TEXT, FRAME = 0, 1
-
-
-@dataclass(frozen=True)
-class Evidence:
-    time_s: float  # video time of a frame
-    weight: float  # its share of the attention the answer paid to frames (0..1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +52,18 @@ def rerotate(
     return moved.to(keys.dtype)[None]
 
 
+def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(kv_heads, group, w, N) softmax attention of the last w tokens' queries (q_heads, w, d)
+    over all N keys (kv_heads, N, d), each query seeing the keys up to its own position."""
+    q_heads, window, head_dim = queries.shape
+    kv_heads, total = keys.shape[:2]
+    grouped = queries.float().view(kv_heads, q_heads // kv_heads, window, head_dim)
+    logits = torch.einsum("hgwd,hnd->hgwn", grouped, keys.float()) * scaling
+    positions = torch.arange(total - window, total, device=keys.device)
+    hidden = torch.arange(total, device=keys.device)[None, :] > positions[:, None]  # (w, N)
+    return logits.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+
+
 class KVCache:
     def __init__(
         self, policy: Policy, rotary: nn.Module, num_layers: int, kv_heads: int, evidence_window: int = 32
@@ -71,12 +76,12 @@ class KVCache:
         self.kinds = [torch.empty(kv_heads, 0, dtype=torch.int8) for _ in range(num_layers)]
         self.times = [torch.empty(kv_heads, 0) for _ in range(num_layers)]
         self.scores: list[torch.Tensor | None] = [None] * num_layers  # (kv_heads, n) for keeps_scores
-        # The queries (q_heads, w, head_dim) of the tokens run since the last eviction, at most
-        # `_kept_queries` of them, and each layer's attention scaling.
+        # Since the last eviction: each layer's last queries (q_heads, w, head_dim), at most
+        # `_kept_queries`, and (for policies that accumulate) the attention each key received.
         self._queries: list[torch.Tensor | None] = [None] * num_layers
+        self._received: list[torch.Tensor | None] = [None] * num_layers
         self._scaling = [1.0] * num_layers
-        window = policy.window_tokens if policy.needs_attention else 0
-        self._kept_queries = None if window is None else max(window, evidence_window)
+        self._kept_queries = max(policy.window_tokens if policy.needs_attention else 0, evidence_window)
         self.evictions = 0
         self.evicted_tokens = 0
         self.evict_s = 0.0
@@ -96,8 +101,23 @@ class KVCache:
 
     # -- append --------------------------------------------------------------------------------
 
-    def begin(self, kinds: torch.Tensor, times: torch.Tensor) -> None:
-        """Before the model runs c new tokens: their kinds (c,) int8 and video times (c,)."""
+    def observe(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+        """Called by the attention of `layer` while it runs c new tokens: their queries
+        (1, q_heads, c, head_dim) and every key (1, kv_heads, N, head_dim), theirs included."""
+        new = queries[0].detach()
+        kept = self._queries[layer]
+        joined = new if kept is None else torch.cat([kept, new], dim=1)
+        self._queries[layer] = joined[:, -self._kept_queries :]
+        self._scaling[layer] = scaling
+        if self.policy.accumulates:
+            received = causal_attention(new, keys[0], scaling).sum(dim=2).mean(dim=1)  # (kv_heads, N)
+            before = self._received[layer]
+            if before is not None:
+                received[:, : before.shape[1]] += before
+            self._received[layer] = received
+
+    def append(self, kinds: torch.Tensor, times: torch.Tensor) -> None:
+        """After the model has run c new tokens: their kinds (c,) int8 and video times (c,)."""
         count = kinds.shape[0]
         self.max_position = max(self.max_position, self.tokens + count - 1)
         new_kinds = kinds.to(torch.int8).expand(self.kv_heads, count)
@@ -106,25 +126,27 @@ class KVCache:
             self.kinds[layer] = torch.cat([self.kinds[layer], new_kinds], dim=1)
             self.times[layer] = torch.cat([self.times[layer], new_times], dim=1)
 
-    def observe(self, layer: int, queries: torch.Tensor, scaling: float) -> None:
-        """Called by the attention of `layer` with the queries (1, q_heads, c, head_dim) it runs."""
-        new = queries[0].detach()
-        kept = self._queries[layer]
-        joined = new if kept is None else torch.cat([kept, new], dim=1)
-        self._queries[layer] = joined if self._kept_queries is None else joined[:, -self._kept_queries :]
-        self._scaling[layer] = scaling
+    def rollback(self) -> None:
+        """After a failed forward: drop whatever it appended, and what it observed."""
+        for cached in self.hf.layers:
+            if cached.keys is not None and cached.keys.shape[2] > self.tokens:
+                cached.keys = cached.keys[:, :, : self.tokens]
+                cached.values = cached.values[:, :, : self.tokens]
+        self._queries = [None] * self.num_layers
+        self._received = [None] * self.num_layers
 
     # -- evict ---------------------------------------------------------------------------------
 
     def evict(self) -> None:
-        """Down to the policy's budget, if over it; the tokens run since start a new window."""
+        """Down to the policy's budget, if over it. The queries seen so far are dropped either
+        way (the next prompt brings its own window); what accumulates is kept until an eviction."""
         if self.policy.evicts and self.tokens > self.policy.budget_tokens:
             started = time.perf_counter()
             removed = self.tokens - self.policy.budget_tokens
-            keys = self.hf.layers[0].keys
-            table = rotations(self.rotary, -torch.arange(removed + 1), keys)  # every delta is in 0..-removed
+            table = rotations(self.rotary, -torch.arange(removed + 1), self.hf.layers[0].keys)  # deltas 0..-removed
             for layer in range(self.num_layers):
                 self._evict_layer(layer, table)
+            self._received = [None] * self.num_layers
             self.evictions += 1
             self.evicted_tokens += removed
             self.evict_s += time.perf_counter() - started
@@ -133,12 +155,14 @@ class KVCache:
     def _evict_layer(self, layer: int, table: tuple[torch.Tensor, torch.Tensor]) -> None:
         policy, cached = self.policy, self.hf.layers[layer]
         total = cached.keys.shape[2]
-        attention = self.window_attention(layer, policy.window_tokens) if policy.needs_attention else None
+        attention = None
+        if policy.needs_attention:
+            attention = causal_attention(self._queries[layer][:, -policy.window_tokens :], cached.keys[0], self._scaling[layer])
         previous = None
         if policy.keeps_scores and self.scores[layer] is not None:
             kept = self.scores[layer]
             previous = torch.cat([kept, kept.new_zeros(self.kv_heads, total - kept.shape[1])], dim=1)
-        scores = policy.score(Observation(self.kv_heads, total, attention, previous))
+        scores = policy.score(Observation(self.kv_heads, total, attention, previous, self._received[layer]))
         keep = policy.select(scores)  # (kv_heads, B), ascending
         device = cached.keys.device
         keep_here = keep.to(device)
@@ -152,41 +176,25 @@ class KVCache:
         if policy.keeps_scores:
             self.scores[layer] = scores.float().gather(1, keep.to(scores.device))
 
-    def window_attention(self, layer: int, rows: int | None) -> torch.Tensor:
-        """(kv_heads, group, w, N) softmax attention of the last `rows` queries run since the last
-        eviction (all of them when None) over every cached key, with the causal mask."""
-        queries = self._queries[layer]
-        if rows is not None:
-            queries = queries[:, -rows:]
-        keys = self.hf.layers[layer].keys[0].float()  # (kv_heads, N, head_dim)
-        q_heads, window, head_dim = queries.shape
-        total = keys.shape[1]
-        grouped = queries.float().view(self.kv_heads, q_heads // self.kv_heads, window, head_dim)
-        logits = torch.einsum("hgwd,hnd->hgwn", grouped, keys) * self._scaling[layer]
-        positions = torch.arange(total - window, total, device=keys.device)  # of the window's queries
-        hidden = torch.arange(total, device=keys.device)[None, :] > positions[:, None]  # (w, N)
-        return logits.masked_fill(hidden, float("-inf")).softmax(dim=-1)
-
     # -- read ----------------------------------------------------------------------------------
 
-    def evidence(self, top_k: int) -> list[Evidence]:
-        """The frame times the last queries attended to most, summed over layers, heads and queries."""
-        if self._queries[0] is None or top_k < 1:
-            return []
-        times, mass = [], []
+    def frame_attention(self) -> dict[float, float]:
+        """Attention the last queries (up to `evidence_window`) paid to the frames still held,
+        summed over layers, heads and queries, by the frame's video time."""
+        if self._queries[0] is None:
+            return {}
+        mass: dict[float, float] = {}
         for layer in range(self.num_layers):
-            received = self.window_attention(layer, self.evidence_window).sum(dim=(1, 2))  # (kv_heads, N)
+            queries = self._queries[layer][:, -self.evidence_window :]
+            keys = self.hf.layers[layer].keys[0]
+            received = causal_attention(queries, keys, self._scaling[layer]).sum(dim=(1, 2)).cpu()  # (kv_heads, N)
             frames = self.kinds[layer] == FRAME
-            times.append(self.times[layer][frames])
-            mass.append(received.cpu()[frames])
-        times_t, mass_t = torch.cat(times), torch.cat(mass)
-        if times_t.numel() == 0:
-            return []
-        unique, slot = torch.unique(times_t, return_inverse=True)
-        per_time = torch.zeros(unique.shape[0]).index_add_(0, slot, mass_t)
-        weights = per_time / per_time.sum()
-        best = weights.topk(min(top_k, unique.shape[0]))
-        return [Evidence(round(float(unique[i]), 3), round(float(w), 4)) for w, i in zip(best.values, best.indices)]
+            times, weights = self.times[layer][frames], received[frames]
+            unique, slot = torch.unique(times, return_inverse=True)
+            per_time = torch.zeros(unique.shape[0]).index_add_(0, slot, weights)
+            for t, w in zip(unique.tolist(), per_time.tolist()):
+                mass[t] = mass.get(t, 0.0) + w
+        return mass
 
     def held_per_second(self, kind: int, seconds: int) -> torch.Tensor:
         """(seconds,) tokens of `kind` still held from each second of video, averaged over the
@@ -211,12 +219,19 @@ class KVCache:
             "times": self.times,
             "scores": self.scores,
             "queries": self._queries,
+            "received": self._received,
             "scaling": self._scaling,
             "counters": [self.evictions, self.evicted_tokens, self.evict_s, self.max_position],
         }
 
-    def load(self, state: dict) -> None:
-        self.hf = DynamicCache(ddp_cache_data=list(zip(state["keys"], state["values"])))
-        self.kinds, self.times, self.scores = state["kinds"], state["times"], state["scores"]
-        self._queries, self._scaling = state["queries"], state["scaling"]
+    def load(self, state: dict, device: torch.device) -> None:
+        """A `state()` loaded on the CPU: tensors the model reads go to `device`; metadata stays."""
+
+        def here(tensors: list) -> list:
+            return [None if t is None else t.to(device) for t in tensors]
+
+        self.hf = DynamicCache(ddp_cache_data=list(zip(here(state["keys"]), here(state["values"]))))
+        self.kinds, self.times = state["kinds"], state["times"]
+        self.scores, self._queries, self._received = here(state["scores"]), here(state["queries"]), here(state["received"])
+        self._scaling = state["scaling"]
         self.evictions, self.evicted_tokens, self.evict_s, self.max_position = state["counters"]

@@ -50,13 +50,14 @@ class Family:
     pool_mode: str  # "average", "max" or "bilinear" over the patch grid
     pool_stride: int  # the family's own pooling of video frames; 1 keeps every patch
     pool_before_projector: bool  # pool the vision features, or the projected tokens
+    frame_newline: bool  # end each frame with the checkpoint's learned `image_newline` token
 
 
 FAMILIES = {
-    "llava": Family(LlavaForConditionalGeneration, "average", 1, True),
-    "llava_next": Family(LlavaNextForConditionalGeneration, "average", 1, True),
-    "llava_next_video": Family(LlavaNextVideoForConditionalGeneration, "average", 2, True),
-    "llava_onevision": Family(LlavaOnevisionForConditionalGeneration, "bilinear", 2, False),
+    "llava": Family(LlavaForConditionalGeneration, "average", 1, True, False),
+    "llava_next": Family(LlavaNextForConditionalGeneration, "average", 1, True, True),
+    "llava_next_video": Family(LlavaNextVideoForConditionalGeneration, "average", 2, True, False),
+    "llava_onevision": Family(LlavaOnevisionForConditionalGeneration, "bilinear", 2, False, True),
 }
 
 
@@ -107,7 +108,7 @@ class Model:
         text._attn_implementation = attention.NAME  # SDPA that lets the cache see the queries
         self.num_layers: int = text.num_hidden_layers
         self.kv_heads: int = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        self.rotary = next(m for m in hf.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+        self.rotary = getattr(hf.model, "language_model", hf.model).rotary_emb  # the language model's
         eos = hf.generation_config.eos_token_id if hf.generation_config else None
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.stop_ids = frozenset(i for i in [tokenizer.eos_token_id, *eos_ids] if i is not None)
@@ -137,8 +138,10 @@ class Model:
     def encode_frames(self, frames: Sequence[np.ndarray], pool: int | None = None) -> torch.Tensor:
         """(N, tokens_per_frame, hidden) visual tokens of N RGB uint8 frames.
 
-        The patch grid is pooled with stride `pool` (the family's own when None) before or after
-        the projector, as the family does.
+        The patch grid is pooled with stride `pool` (the checkpoint's own when None) before or
+        after the projector, as the family does; at the checkpoint's own stride, a checkpoint with
+        a pooling module of its own (LLaVA-NeXT-Video) uses it. Families that end an image with a
+        learned newline token get one after each frame.
         """
         if self.vision is None:
             raise ValueError(f"model {self.name!r} is text-only: it cannot see frames")
@@ -151,9 +154,16 @@ class Model:
         features = hidden[layers] if isinstance(layers, int) else torch.cat([hidden[i] for i in layers], dim=-1)
         if cfg.vision_feature_select_strategy == "default":
             features = features[:, 1:]  # drop CLS
-        if vision.family.pool_before_projector:
-            return inner.multi_modal_projector(_pool(features, stride, vision.pool_mode))
-        return _pool(inner.multi_modal_projector(features), stride, vision.pool_mode)
+        if stride == vision.pool_stride and hasattr(inner, "vision_resampler"):
+            tokens = inner.multi_modal_projector(inner.vision_resampler(features))
+        elif vision.family.pool_before_projector:
+            tokens = inner.multi_modal_projector(_pool(features, stride, vision.pool_mode))
+        else:
+            tokens = _pool(inner.multi_modal_projector(features), stride, vision.pool_mode)
+        if vision.family.frame_newline:
+            newline = inner.image_newline.to(tokens.dtype).expand(tokens.shape[0], 1, -1)
+            tokens = torch.cat([tokens, newline], dim=1)
+        return tokens
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, cache: DynamicCache, all_logits: bool = False) -> torch.Tensor:
@@ -190,21 +200,27 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _chat_format(tokenizer: PreTrainedTokenizerBase, template: str | None) -> ChatFormat:
+def chat_format(tokenizer: PreTrainedTokenizerBase, template: str | None) -> ChatFormat:
     template = template or tokenizer.chat_template
     if not template:
         return ChatFormat("{system}\n\nUser: ", "\nAssistant: ", "\nUser: ")
 
+    def apply(messages: list[dict], generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
     def render(messages: list[dict], generation_prompt: bool) -> str:
+        """Plain string content; processor templates (LLaVA's) want a list of typed parts, and
+        either raise or render nothing when given a string."""
         try:
-            return tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
-            )
-        except Exception:  # processor templates want content as a list of typed parts
-            parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
-            return tokenizer.apply_chat_template(
-                parts, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
-            )
+            text = apply(messages, generation_prompt)
+            if all(m["content"] in text for m in messages):
+                return text
+        except Exception:
+            pass
+        parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+        return apply(parts, generation_prompt)
 
     return from_template(render)
 
@@ -213,7 +229,7 @@ def _tiny(build: Callable, name: str, family: str | None) -> Callable[[str], Mod
     def load(device: str) -> Model:
         hf, tokenizer = build(seed=0)
         vision = Vision.of(FAMILIES[family], hf.config, CLIP_MEAN, CLIP_STD) if family else None
-        return Model(name, hf, tokenizer, _chat_format(tokenizer, None), vision, device)
+        return Model(name, hf, tokenizer, chat_format(tokenizer, None), vision, device)
 
     return load
 
@@ -227,7 +243,7 @@ def _smollm2(device: str) -> Model:
     gguf = next(folder.glob("*.gguf")).name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-    return Model("smollm2-135m-instruct", hf, tokenizer, _chat_format(tokenizer, None), None, device)
+    return Model("smollm2-135m-instruct", hf, tokenizer, chat_format(tokenizer, None), None, device)
 
 
 # Built-in models, loadable without a download.
@@ -240,9 +256,14 @@ BUILTIN_MODELS: dict[str, Callable[[str], Model]] = {
 }
 
 
-def _optional_json(name_or_path: str, filename: str) -> dict:
+def _optional_text(name_or_path: str, filename: str) -> str | None:
     path = cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False)
-    return json.loads(Path(path).read_text()) if path else {}
+    return Path(path).read_text() if path else None
+
+
+def _optional_json(name_or_path: str, filename: str) -> dict:
+    text = _optional_text(name_or_path, filename)
+    return json.loads(text) if text else {}
 
 
 def _vision_of(name_or_path: str, config, family: Family) -> Vision:
@@ -267,7 +288,9 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = 
         ) from err
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    template = _optional_json(name_or_path, "chat_template.json").get("chat_template")
+    template = _optional_json(name_or_path, "chat_template.json").get("chat_template") or _optional_text(
+        name_or_path, "chat_template.jinja"
+    )
     family = FAMILIES.get(config.model_type)
     if family is not None:
         hf = family.model_class.from_pretrained(name_or_path, dtype=dtype)
@@ -275,7 +298,7 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = 
     else:
         hf = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
         vision = None
-    return Model(name_or_path, hf, tokenizer, _chat_format(tokenizer, template), vision, device)
+    return Model(name_or_path, hf, tokenizer, chat_format(tokenizer, template), vision, device)
 
 
 def load_model(name: str, device: str = "auto") -> Model:

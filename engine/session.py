@@ -12,6 +12,7 @@ so it never holds more than the budget plus one prompt plus one answer.
 """
 
 import io
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import attention
-from engine.kv_cache import FRAME, TEXT, Evidence, KVCache
+from engine.kv_cache import FRAME, TEXT, KVCache
 from engine.model import Model
 from engine.policies import Policy, make_policy
 
@@ -30,6 +31,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 EVIDENCE_WINDOW = 32  # the last queries of an answer whose attention picks its evidence
 SNAPSHOT_FORMAT = 1
+MAX_SECONDS = 7 * 24 * 3600  # memory() tracks this much video; later seconds count as the last one
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,18 @@ class SessionStats:
 
 
 @dataclass(frozen=True)
-class SecondHeld:
-    second: int  # [second, second + 1) of video
+class Evidence:
+    time_s: float  # video time of a frame
+    weight: float  # its share of the attention the answer paid to frames (0..1)
+
+
+@dataclass(frozen=True)
+class Span:
+    start_s: int  # [start_s, end_s) of video
+    end_s: int
     frame_seen: int  # frame tokens appended from it
     frame_held: float  # of those, held now (mean over layers and KV heads)
-    text_seen: int  # text tokens appended while it was the latest second
+    text_seen: int  # text tokens appended while it was the latest video time
     text_held: float
 
 
@@ -99,7 +108,7 @@ class Memory:
     cache_tokens: int
     frame_tokens: float  # held, mean over layers and KV heads
     text_tokens: float
-    seconds: list[SecondHeld]
+    spans: list[Span]  # the stream so far, in equal spans of whole seconds
 
 
 @dataclass(frozen=True)
@@ -111,13 +120,21 @@ class TextScore:
 class Answer(Iterator[str]):
     """One piece of text per generated token; after the last, `tokens` and `evidence` are final.
 
-    A piece is empty while a token leaves a character incomplete (or decodes to nothing).
+    A piece is empty while a token leaves a character incomplete (or decodes to nothing). An
+    answer left unfinished is closed (its turn ended in the cache) by the session's next call.
     """
 
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.evidence: list[Evidence] = []
-        self._pieces: Iterator[str] = iter(())
+    def __init__(self, pieces: Iterator[str], result: dict) -> None:
+        self._pieces = pieces
+        self._result = result  # filled by the generator: it holds no reference to this object
+
+    @property
+    def tokens(self) -> int:
+        return self._result["tokens"]
+
+    @property
+    def evidence(self) -> list[Evidence]:
+        return self._result["evidence"]
 
     def __next__(self) -> str:
         return next(self._pieces)
@@ -142,12 +159,17 @@ class Session:
         self._video_time_s = 0.0
         self._tokens_seen = 0
         self._logits: torch.Tensor | None = None  # (vocab,) after the last token run
-        self._seen = {FRAME: [], TEXT: []}  # tokens appended per second of video: 8 bytes a second
+        # Tokens appended per second of video, per kind (rows FRAME and TEXT): 16 bytes a
+        # second, grown as the video goes on, at most MAX_SECONDS.
+        self._seen = torch.zeros(2, 64, dtype=torch.int64)
+        self._seconds = 0  # seconds of video seen so far
+        self._open_answer: Iterator[str] | None = None
 
     # -- the stream ----------------------------------------------------------------------------
 
     def append_frames(self, frames: Sequence[np.ndarray], times_s: Sequence[float]) -> None:
         """Append RGB uint8 frames (H, W, 3) taken at non-decreasing video times."""
+        self._close_answer()
         if len(frames) != len(times_s):
             raise ValueError(f"{len(frames)} frames but {len(times_s)} times")
         if not frames:
@@ -156,8 +178,8 @@ class Session:
             raise ValueError(f"model {self.model.name!r} is text-only: it cannot see frames")
         previous = self._video_time_s if self._frames else 0.0
         for t in times_s:
-            if not t >= previous:
-                raise ValueError(f"frame times must be >= 0 and must not decrease: {t} after {previous}")
+            if not (math.isfinite(t) and t >= previous):
+                raise ValueError(f"frame times must be finite, >= 0 and must not decrease: {t} after {previous}")
             previous = t
         visual = self.model.encode_frames(frames, self.config.pool)  # (N, tokens_per_frame, hidden)
         step = self.config.frames_per_prompt
@@ -175,6 +197,7 @@ class Session:
     def append_text(self, text: str) -> TextScore:
         """Append text to the user turn (a transcript, a document) and score how well the model
         predicted it: the summed negative log-likelihood of its tokens given everything before."""
+        self._close_answer()
         ids = self.model.tokenize(text, user=True)
         if not ids:
             return TextScore(0, 0.0)
@@ -186,11 +209,18 @@ class Session:
         """Answer by greedy generation against the cache; the question and answer stay in it."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        answer = Answer()
-        answer._pieces = self._generate(question, max_new_tokens, answer)
-        return answer
+        self._close_answer()
+        result = {"tokens": 0, "evidence": []}
+        self._open_answer = self._generate(question, max_new_tokens, result)
+        return Answer(self._open_answer, result)
 
-    def _generate(self, question: str, max_new_tokens: int, answer: Answer) -> Iterator[str]:
+    def _close_answer(self) -> None:
+        """End the turn of an answer left unfinished, before anything else enters the cache."""
+        if self._open_answer is not None:
+            self._open_answer.close()
+            self._open_answer = None
+
+    def _generate(self, question: str, max_new_tokens: int, result: dict) -> Iterator[str]:
         model, chat, policy = self.model, self.model.chat, self.policy
         question_ids = model.tokenize(question, user=True)
         logits = self._run([self._part(question_ids), self._text(chat.user_to_assistant)])
@@ -199,13 +229,14 @@ class Session:
         answer_ids: list[int] = []
         unfed: list[int] = []  # the sampled id not yet run through the model
         emitted = ""
+        evidence: dict[float, float] = {}  # attention to frames, by video time
         try:
             while len(answer_ids) < max_new_tokens:
                 token = int(logits.argmax())
                 if token in model.stop_ids:
                     break
                 answer_ids.append(token)
-                answer.tokens = len(answer_ids)
+                result["tokens"] = len(answer_ids)
                 text = model.detokenize(answer_ids)
                 complete = not text.endswith("\ufffd")  # else a UTF-8 character is still partial
                 piece = text[len(emitted) :] if complete else ""
@@ -216,11 +247,23 @@ class Session:
                     logits = self._run([self._part(unfed)])
                     unfed = []
                     if policy.evicts_every_decode_step:
+                        self._add_evidence(evidence)
                         self.cache.evict()
         finally:
             self._run([self._part(unfed), self._text(chat.assistant_to_user)])
-            answer.evidence = self.cache.evidence(self.config.evidence_top_k)
+            self._add_evidence(evidence)
             self.cache.evict()
+            self._open_answer = None
+            result["evidence"] = self._top_evidence(evidence)
+
+    def _add_evidence(self, evidence: dict[float, float]) -> None:
+        for time_s, mass in self.cache.frame_attention().items():
+            evidence[time_s] = evidence.get(time_s, 0.0) + mass
+
+    def _top_evidence(self, evidence: dict[float, float]) -> list[Evidence]:
+        total = sum(evidence.values())
+        best = sorted(evidence.items(), key=lambda item: -item[1])[: self.config.evidence_top_k]
+        return [Evidence(round(t, 3), round(mass / total, 4)) for t, mass in best] if total > 0 else []
 
     def _part(self, ids: Sequence[int], time_s: float | None = None) -> Part:
         """Text tokens, taken at `time_s` (the current video time when None)."""
@@ -245,8 +288,12 @@ class Session:
         with attention.observing(self.cache):
             for start in range(0, total, chunk):
                 end = min(start + chunk, total)
-                self.cache.begin(kinds[start:end], times[start:end])
-                logits = self.model.forward(embeds[:, start:end], self.cache.hf, all_logits=targets is not None)
+                try:
+                    logits = self.model.forward(embeds[:, start:end], self.cache.hf, all_logits=targets is not None)
+                except BaseException:
+                    self.cache.rollback()
+                    raise
+                self.cache.append(kinds[start:end], times[start:end])
                 if targets is not None:  # token i is predicted by the logits after token i - 1
                     if self._logits is None:
                         predicted, wanted = logits[:-1], targets[start + 1 : end]
@@ -259,11 +306,13 @@ class Session:
         return nll if targets is not None else self._logits
 
     def _count_seen(self, part: Part) -> None:
-        second = int(part.time_s)
-        for seen in self._seen.values():
-            if len(seen) <= second:
-                seen.extend([0] * (second + 1 - len(seen)))
-        self._seen[part.kind][second] += part.tokens
+        second = min(int(part.time_s), MAX_SECONDS - 1)
+        if second >= self._seen.shape[1]:
+            grown = torch.zeros(2, min(max(2 * self._seen.shape[1], second + 1), MAX_SECONDS), dtype=torch.int64)
+            grown[:, : self._seen.shape[1]] = self._seen
+            self._seen = grown
+        self._seen[part.kind, second] += part.tokens
+        self._seconds = max(self._seconds, second + 1)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -286,20 +335,37 @@ class Session:
             max_position=cache.max_position,
         )
 
-    def memory(self) -> Memory:
-        """What the cache still holds of each second of the stream, and of each kind."""
-        seconds = len(self._seen[FRAME])
-        frame_held = self.cache.held_per_second(FRAME, seconds)
-        text_held = self.cache.held_per_second(TEXT, seconds)
+    def memory(self, max_spans: int = 600) -> Memory:
+        """What the cache still holds of the stream so far, in at most `max_spans` equal spans of
+        whole seconds, and of each kind."""
+        seconds = self._seconds
+        width = max(1, math.ceil(seconds / max_spans))
+        count = math.ceil(seconds / width)
+
+        def per_span(values: torch.Tensor) -> list[float]:
+            padded = torch.zeros(count * width, dtype=values.dtype)
+            padded[:seconds] = values[:seconds]
+            return padded.view(count, width).sum(dim=1).tolist()
+
+        frame_seen, text_seen = per_span(self._seen[FRAME]), per_span(self._seen[TEXT])
+        frame_held = per_span(self.cache.held_per_second(FRAME, seconds))
+        text_held = per_span(self.cache.held_per_second(TEXT, seconds))
         return Memory(
             policy=self.policy.name,
             budget_tokens=self.policy.budget_tokens if self.policy.evicts else None,
             cache_tokens=self.cache.tokens,
             frame_tokens=self.cache.held(FRAME),
             text_tokens=self.cache.held(TEXT),
-            seconds=[
-                SecondHeld(s, self._seen[FRAME][s], round(float(frame_held[s]), 2), self._seen[TEXT][s], round(float(text_held[s]), 2))
-                for s in range(seconds)
+            spans=[
+                Span(
+                    i * width,
+                    min((i + 1) * width, seconds),
+                    int(frame_seen[i]),
+                    round(frame_held[i], 2),
+                    int(text_seen[i]),
+                    round(text_held[i], 2),
+                )
+                for i in range(count)
             ],
         )
 
@@ -307,6 +373,7 @@ class Session:
 
     def snapshot(self) -> bytes:
         """Everything needed to go on elsewhere, as bytes: the cache, the counters, the config."""
+        self._close_answer()
         state = {
             "format": SNAPSHOT_FORMAT,
             "model": self.model.name,
@@ -314,7 +381,7 @@ class Session:
             "cache": self.cache.state(),
             "counters": [self._frames, self._video_time_s, self._tokens_seen],
             "logits": self._logits,
-            "seen": [self._seen[FRAME], self._seen[TEXT]],
+            "seen": self._seen[:, : self._seconds],
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -323,15 +390,18 @@ class Session:
     @classmethod
     def restore(cls, model: Model, data: bytes) -> "Session":
         """The session a `snapshot` was taken of, on `model` (the same model)."""
-        state = torch.load(io.BytesIO(data), map_location=model.device, weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         if state.get("format") != SNAPSHOT_FORMAT:
             raise ValueError(f"unknown snapshot format {state.get('format')!r}")
         if state["model"] != model.name:
             raise ValueError(f"the snapshot is of model {state['model']!r}, not {model.name!r}")
         session = cls.__new__(cls)
         session._setup(model, SessionConfig(**state["config"]))
-        session.cache.load(state["cache"])
+        session.cache.load(state["cache"], model.device)
         session._frames, session._video_time_s, session._tokens_seen = state["counters"]
-        session._logits = state["logits"]
-        session._seen = {FRAME: state["seen"][0], TEXT: state["seen"][1]}
+        session._logits = None if state["logits"] is None else state["logits"].to(model.device)
+        seen = state["seen"]
+        session._seconds = seen.shape[1]
+        session._seen = torch.zeros(2, max(64, seen.shape[1]), dtype=torch.int64)
+        session._seen[:, : seen.shape[1]] = seen
         return session

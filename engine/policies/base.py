@@ -25,6 +25,10 @@ class Observation:
     # (kv_heads, N) the scores the policy returned at its last eviction for the tokens still kept,
     # 0 for the tokens added since; None before the first eviction or when it keeps no scores.
     previous: torch.Tensor | None = None
+    # (kv_heads, N) the attention each key received from every query run since the last
+    # eviction, summed over the queries and averaged over the query heads of its KV group.
+    # None unless the policy `accumulates`.
+    received: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,8 @@ class Policy:
 
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = True  # False: the cache keeps everything (`full`)
-    needs_attention: ClassVar[bool] = True  # False: `score` ignores its `attention` argument
+    needs_attention: ClassVar[bool] = True  # False: `score` ignores `attention`
+    accumulates: ClassVar[bool] = False  # True: `score` reads `received`, summed over every query
     keeps_scores: ClassVar[bool] = False  # True: `previous` carries this policy's scores between evictions
     evicts_every_decode_step: ClassVar[bool] = False  # True: also evict after each generated token
 
@@ -50,9 +55,9 @@ class Policy:
             )
 
     @property
-    def window_tokens(self) -> int | None:
-        """How many of the prompt's last queries the attention in `score` comes from; None: all."""
-        return None
+    def window_tokens(self) -> int:
+        """How many of the prompt's last queries the attention in `score` comes from."""
+        return 0
 
     def score(self, seen: Observation) -> torch.Tensor:
         """(kv_heads, N) scores of every cached token of one layer; higher is kept."""

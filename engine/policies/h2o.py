@@ -12,9 +12,10 @@ class H2O(Policy):
     accumulated, rescored and evicted after every prompt and every generated token."""
 
     name: ClassVar[str] = "h2o"
+    needs_attention: ClassVar[bool] = False
+    accumulates: ClassVar[bool] = True
     keeps_scores: ClassVar[bool] = True
     evicts_every_decode_step: ClassVar[bool] = True
 
     def score(self, seen: Observation) -> torch.Tensor:
-        received = seen.attention.float().sum(dim=-2).mean(dim=1)  # (kv_heads, N): summed over queries
-        return received if seen.previous is None else received + seen.previous
+        return seen.received if seen.previous is None else seen.received + seen.previous

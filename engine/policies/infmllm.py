@@ -26,10 +26,11 @@ class InfMLLM(Policy):
     none. beta = 0 is no bias; a large beta approaches a sliding window.
     """
 
+    # Defaults chosen by bench.quality (docs/benchmarks.md).
     window: int = 32  # L: the prompt's last queries that score the cache
     beta: float = 0.5  # weight of the recency bias
     bias_shape: str = "linear"  # how the bias grows with position: linear or square
-    local_sum: int = 1  # keys summed around each one (odd); 1 scores each key alone
+    local_sum: int = 5  # keys summed around each one (odd); 1 scores each key alone
 
     name: ClassVar[str] = "infmllm"
 

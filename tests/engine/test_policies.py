@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from engine import load_model
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, causal_attention
 from engine.policies import POLICIES, Observation, make_policy
 
 KV_HEADS, GROUP, HEAD_DIM = 2, 3, 16  # GQA: 6 query heads read 2 KV heads; the tiny models' head size
@@ -18,8 +18,8 @@ def _cache(policy, queries: torch.Tensor, keys: torch.Tensor) -> KVCache:
     """A one-layer cache holding `keys` (1, H, N, d), having seen the prompt `queries` (1, q_heads, w, d)."""
     cache = KVCache(policy, load_model("tiny-random-llama", "cpu").rotary, num_layers=1, kv_heads=KV_HEADS)
     cache.hf = DynamicCache(ddp_cache_data=[(keys, torch.zeros_like(keys))])
-    cache.begin(torch.zeros(TOTAL, dtype=torch.int8), torch.zeros(TOTAL))
-    cache.observe(0, queries, SCALING)
+    cache.observe(0, queries, keys, SCALING)
+    cache.append(torch.zeros(TOTAL, dtype=torch.int8), torch.zeros(TOTAL))
     return cache
 
 
@@ -30,15 +30,16 @@ def _random(seed: int):
 
 def _reference_column_means(queries, keys) -> list[list[float]]:
     """s[h][j]: for KV head h, the mean over its query heads of the mean attention key j gets
-    from the window queries that see it (query i sits at position TOTAL - WINDOW + i)."""
-    s = [[0.0] * TOTAL for _ in range(KV_HEADS)]
+    from the window queries that see it (query i sits at position total - WINDOW + i)."""
+    total = keys.shape[2]
+    s = [[0.0] * total for _ in range(KV_HEADS)]
     for h in range(KV_HEADS):
         for g in range(GROUP):
             q_head = h * GROUP + g
-            for j in range(TOTAL):
+            for j in range(total):
                 received, seen_by = 0.0, 0
                 for i in range(WINDOW):
-                    position = TOTAL - WINDOW + i
+                    position = total - WINDOW + i
                     if j > position:
                         continue
                     logits = [float(queries[0, q_head, i] @ keys[0, h, k]) * SCALING for k in range(position + 1)]
@@ -53,17 +54,17 @@ def _reference_column_means(queries, keys) -> list[list[float]]:
 def _reference_keep(scores: list[list[float]], budget: int, sinks: int, recent: int) -> list[list[int]]:
     kept = []
     for row in scores:
-        middle = sorted(range(sinks, TOTAL - recent), key=lambda j: -row[j])[: budget - sinks - recent]
-        kept.append(sorted([*range(sinks), *middle, *range(TOTAL - recent, TOTAL)]))
+        total = len(row)
+        middle = sorted(range(sinks, total - recent), key=lambda j: -row[j])[: budget - sinks - recent]
+        kept.append(sorted([*range(sinks), *middle, *range(total - recent, total)]))
     return kept
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.7, 50.0])
 def test_infmllm_per_head_selection_matches_the_formula(beta):
     queries, keys = _random(0)
-    policy = make_policy("infmllm", budget_tokens=24, sinks=2, recent=6, window=WINDOW, beta=beta)
-    cache = _cache(policy, queries, keys)
-    attention = cache.window_attention(0, policy.window_tokens)
+    policy = make_policy("infmllm", budget_tokens=24, sinks=2, recent=6, window=WINDOW, beta=beta, local_sum=1)
+    attention = causal_attention(queries[0], keys[0], SCALING)
     chosen = policy.select(policy.score(Observation(KV_HEADS, TOTAL, attention))).tolist()
 
     s = _reference_column_means(queries, keys)
@@ -80,8 +81,8 @@ def test_infmllm_local_sum_and_square_bias_match_the_formula():
     policy = make_policy(
         "infmllm", budget_tokens=24, sinks=2, recent=6, window=WINDOW, beta=2.0, bias_shape="square", local_sum=3
     )
-    cache = _cache(policy, queries, keys)
-    chosen = policy.select(policy.score(Observation(KV_HEADS, TOTAL, cache.window_attention(0, WINDOW)))).tolist()
+    attention = causal_attention(queries[0], keys[0], SCALING)
+    chosen = policy.select(policy.score(Observation(KV_HEADS, TOTAL, attention))).tolist()
 
     s = _reference_column_means(queries, keys)
     local = [[sum(s[h][k] for k in (j - 1, j, j + 1) if 0 <= k < TOTAL) for j in range(TOTAL)] for h in range(KV_HEADS)]
@@ -91,9 +92,11 @@ def test_infmllm_local_sum_and_square_bias_match_the_formula():
 
 def test_infmllm_per_layer_selection_shares_the_heads_mean():
     queries, keys = _random(1)
-    policy = make_policy("infmllm", budget_tokens=20, sinks=1, recent=4, window=WINDOW, beta=0.3, per_layer=True)
-    cache = _cache(policy, queries, keys)
-    chosen = policy.select(policy.score(Observation(KV_HEADS, TOTAL, cache.window_attention(0, WINDOW)))).tolist()
+    policy = make_policy(
+        "infmllm", budget_tokens=20, sinks=1, recent=4, window=WINDOW, beta=0.3, per_layer=True, local_sum=1
+    )
+    attention = causal_attention(queries[0], keys[0], SCALING)
+    chosen = policy.select(policy.score(Observation(KV_HEADS, TOTAL, attention))).tolist()
 
     s = _reference_column_means(queries, keys)
     mean = [sum(TOTAL * s[h][j] + 0.3 * j / (TOTAL - 1) for h in range(KV_HEADS)) / KV_HEADS for j in range(TOTAL)]
@@ -103,9 +106,9 @@ def test_infmllm_per_layer_selection_shares_the_heads_mean():
 
 def test_evicting_through_the_cache_keeps_the_chosen_tokens_in_order():
     queries, keys = _random(2)
-    policy = make_policy("infmllm", budget_tokens=24, sinks=2, recent=6, window=WINDOW, beta=0.7)
+    policy = make_policy("infmllm", budget_tokens=24, sinks=2, recent=6, window=WINDOW, beta=0.7, local_sum=1)
     cache = _cache(policy, queries, keys)
-    cache.times[0] = torch.arange(TOTAL, dtype=torch.float32).expand(KV_HEADS, TOTAL).clone()
+    cache.times[0] = torch.arange(TOTAL, dtype=torch.float32).expand(KV_HEADS, TOTAL).clone()  # each token's index
     s = _reference_column_means(queries, keys)
     expected = _reference_keep([[TOTAL * s[h][j] + 0.7 * j / (TOTAL - 1) for j in range(TOTAL)] for h in range(KV_HEADS)], 24, 2, 6)
     cache.evict()
@@ -122,14 +125,46 @@ def test_sliding_keeps_sinks_and_the_most_recent():
 
 def test_h2o_accumulates_attention_across_evictions():
     policy = make_policy("h2o", budget_tokens=8, sinks=1, recent=2)
-    attention = torch.zeros(KV_HEADS, GROUP, 3, 12)
-    attention[:, :, :, 5] = 0.5  # every query gives key 5 half its attention
+    received = torch.zeros(KV_HEADS, 12)
+    received[:, 5] = 1.5  # key 5 got the attention of one and a half queries since the last eviction
     previous = torch.zeros(KV_HEADS, 12)
     previous[:, 9] = 10.0  # key 9 was a heavy hitter before
-    scores = policy.score(Observation(KV_HEADS, 12, attention, previous))
-    assert scores[:, 5].tolist() == [1.5, 1.5]  # summed over the 3 queries, mean over the group
+    scores = policy.score(Observation(KV_HEADS, 12, previous=previous, received=received))
+    assert scores[:, 5].tolist() == [1.5, 1.5]
     assert scores[:, 9].tolist() == [10.0, 10.0]
     assert {5, 9} <= set(policy.select(scores)[0].tolist())
+
+
+def _received(queries, keys) -> list[list[float]]:
+    """Each key's attention summed over the window queries that see it, GQA-averaged."""
+    total = keys.shape[2]
+    s = _reference_column_means(queries, keys)
+    return [[s[h][j] * min(WINDOW, total - j) for j in range(total)] for h in range(KV_HEADS)]
+
+
+def test_h2o_in_the_cache_sums_every_querys_attention_and_carries_it_over():
+    queries, keys = _random(4)
+    policy = make_policy("h2o", budget_tokens=40, sinks=2, recent=6)
+    cache = _cache(policy, queries, keys)
+    first = _received(queries, keys)
+    cache.evict()
+    kept = _reference_keep(first, 40, 2, 6)
+    carried = [[first[h][j] for j in kept[h]] for h in range(KV_HEADS)]
+    for h in range(KV_HEADS):
+        assert cache.scores[0][h].tolist() == pytest.approx(carried[h], abs=1e-5)
+
+    # a second prompt of 5 tokens: its queries' attention adds to what each kept token carries
+    new_queries, new_keys = torch.randn(1, KV_HEADS * GROUP, WINDOW, HEAD_DIM), torch.randn(1, KV_HEADS, WINDOW, HEAD_DIM)
+    keys_now = torch.cat([cache.hf.layers[0].keys, new_keys], dim=2)  # the kept keys, re-rotated
+    cache.hf = DynamicCache(ddp_cache_data=[(keys_now, torch.zeros_like(keys_now))])
+    cache.observe(0, new_queries, keys_now, SCALING)
+    cache.append(torch.zeros(WINDOW, dtype=torch.int8), torch.zeros(WINDOW))
+    second = _received(new_queries, keys_now)
+    total = [[(carried[h] + [0.0] * WINDOW)[j] + second[h][j] for j in range(45)] for h in range(KV_HEADS)]
+    cache.evict()
+    chosen = _reference_keep(total, 40, 2, 6)
+    for h in range(KV_HEADS):
+        assert cache.scores[0][h].tolist() == pytest.approx([total[h][j] for j in chosen[h]], abs=1e-5)
 
 
 def test_snapkv_max_pools_column_means_over_neighbours():

@@ -1,6 +1,7 @@
 """Re-encoded positions: moving rotated keys equals rotating them from scratch at their new place."""
 
 import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engine import load_model
 from engine.kv_cache import rerotate
@@ -13,8 +14,14 @@ def rotary():
 
 
 def at(raw: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
-    """Raw keys (1, H, n, d) rotated from scratch at `positions` (H, n)."""
-    return rerotate(raw, positions, rope)
+    """Raw keys (1, H, n, d) rotated from scratch at `positions` (H, n), the way transformers'
+    Llama rotates keys before caching them."""
+    heads = []
+    for head in range(raw.shape[1]):
+        cos, sin = rope(raw, positions[head][None])  # (1, n, d)
+        _, rotated = apply_rotary_pos_emb(raw[:, head : head + 1], raw[:, head : head + 1], cos, sin)
+        heads.append(rotated)
+    return torch.cat(heads, dim=1)
 
 
 def test_attention_over_moved_keys_equals_attention_over_keys_rotated_at_their_new_positions():

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from engine import POLICIES, Session, SessionConfig, UnknownModelError, load_model
 from streamvqa import protocol
@@ -33,12 +34,12 @@ def test_each_frame_adds_its_visual_tokens_and_time_marker(model):
     assert stats.max_position == stats.cache_tokens - 1
 
 
-@pytest.mark.parametrize("name", ["tiny-random-llava-next-video", "tiny-random-llava-onevision"])
-def test_every_family_pools_frames_to_sixteen_tokens(name):
+@pytest.mark.parametrize(("name", "newline"), [("tiny-random-llava-next-video", 0), ("tiny-random-llava-onevision", 1)])
+def test_every_family_pools_frames_to_sixteen_tokens(name, newline):
     session = Session(load_model(name, "cpu"), FULL)
     before = session.stats().cache_tokens
     session.append_frames(frames(2), [0.0, 0.5])
-    assert session.stats().cache_tokens - before == 2 * FRAME_TOKENS
+    assert session.stats().cache_tokens - before == 2 * (FRAME_TOKENS + newline)  # OneVision: + image_newline
 
 
 def test_pooling_is_configurable(model):
@@ -101,11 +102,38 @@ def test_memory_shows_what_each_second_still_holds(model):
     session.append_frames(frames(6), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
     memory = session.memory()
     assert (memory.policy, memory.budget_tokens, memory.cache_tokens) == ("sliding", 80, 80)
-    assert [s.frame_seen for s in memory.seconds] == [16] * 6
+    assert [(s.start_s, s.end_s) for s in memory.spans] == [(t, t + 1) for t in range(6)]
+    assert [s.frame_seen for s in memory.spans] == [16] * 6
     # 80 = 4 sinks + the last 76 tokens: 3 whole frames of 23, and the last 7 of frame 2
     # (6 visual tokens and its newline)
-    assert [s.frame_held for s in memory.seconds] == [0.0, 0.0, 6.0, 16.0, 16.0, 16.0]
+    assert [s.frame_held for s in memory.spans] == [0.0, 0.0, 6.0, 16.0, 16.0, 16.0]
     assert memory.frame_tokens == 16 * 3 + 6
+    coarse = session.memory(max_spans=2)  # seconds 0-2 and 3-5
+    assert [(s.start_s, s.end_s, s.frame_seen, s.frame_held) for s in coarse.spans] == [(0, 3, 48, 6.0), (3, 6, 48, 48.0)]
+
+
+def test_an_unfinished_answer_ends_its_turn_before_anything_else_enters(model):
+    session = Session(model, FULL)
+    before = session.stats().cache_tokens
+    answer = session.ask("Go on", max_new_tokens=20)
+    next(answer), next(answer)  # the caller stops reading after two tokens
+    session.append_frames(frames(1), [0.0])
+    assert answer.tokens == 2
+    # question, user_to_assistant (13), 2 answer tokens, assistant_to_user (8), then the frame
+    assert session.stats().cache_tokens - before == len("Go on") + 13 + 2 + 8 + FRAME_TOKENS
+
+
+def test_a_bfloat16_model_streams_evicts_and_answers(model):
+    half = load_model("tiny-random-llava", "cpu")
+    half.hf.to(torch.bfloat16)
+    session = Session(half, SessionConfig(policy="infmllm", budget_tokens=150, policy_options={"recent": 32}))
+    session.append_frames(frames(10), [float(t) for t in range(10)])
+    answer = session.ask("What now?", max_new_tokens=4)
+    list(answer)
+    stats = session.stats()
+    assert stats.evictions > 0 and stats.cache_tokens <= 150
+    assert session.cache.hf.layers[0].keys.dtype == torch.bfloat16
+    assert Session.restore(half, session.snapshot()).stats() == stats
 
 
 def test_bad_input_is_refused_clearly(model):
