@@ -1,8 +1,9 @@
-"""The attention function of every model the engine runs: PyTorch's SDPA, plus a look at the queries.
+"""The attention function of every model the engine runs: PyTorch's SDPA, with the cache in the loop.
 
 Registered with transformers as "streamvqa". While a forward runs inside `observing(cache)`,
-each attention layer hands its queries and keys (after RoPE) to the cache, which keeps the last
-queries to score its tokens at the next eviction. Outside `observing`, it is plain SDPA.
+each attention layer hands its queries (after RoPE) and the cache's keys to the cache, which
+keeps the last queries to score its tokens at the next eviction and returns the keys rotated
+at their positions. Outside `observing`, it is plain SDPA.
 """
 
 from collections.abc import Iterator
@@ -19,9 +20,9 @@ NAME = "streamvqa"
 
 
 class QueryObserver(Protocol):
-    def observe(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
-        """queries (1, q_heads, c, head_dim) of the c tokens being run and every key
-        (1, kv_heads, N, head_dim), theirs included; both rotated."""
+    def attend(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Given the rotated queries (1, q_heads, c, head_dim) of the c tokens being run and the
+        cache's keys (1, kv_heads, N, head_dim), theirs included, returns the keys to attend."""
 
 
 _observer: ContextVar[QueryObserver | None] = ContextVar("streamvqa_observer", default=None)
@@ -30,7 +31,7 @@ _observer: ContextVar[QueryObserver | None] = ContextVar("streamvqa_observer", d
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
     observer = _observer.get()
     if observer is not None:
-        observer.observe(module.layer_idx, query, key, module.scaling)
+        key = observer.attend(module.layer_idx, query, key, module.scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -81,7 +81,7 @@ class SessionStats:
     cache_bytes: int  # bytes of keys and values held now
     evictions: int  # evictions so far
     evicted_tokens: int  # tokens evicted so far, per layer
-    evict_ms: float  # time spent scoring, selecting and re-rotating
+    evict_ms: float  # time spent scoring, selecting and gathering
     max_position: int  # the highest position any token has had
 
 

@@ -1,5 +1,5 @@
-"""Eviction through a real model: what each KV head keeps is exactly what it would hold had the
-kept tokens been run at their new positions, with each token's kind and time beside it."""
+"""Eviction through a real model: the keys the attention sees after evictions are exactly those of
+the kept tokens run at their new positions, with each token's kind and time beside it."""
 
 import numpy as np
 import pytest
@@ -38,7 +38,7 @@ def test_kept_keys_equal_fresh_keys_at_their_new_positions(policy):
         unrotated = attention.k_proj(language.layers[0].input_layernorm(embeds))
     unrotated = unrotated.view(1, -1, model.kv_heads, attention.head_dim).transpose(1, 2)  # (1, kv, stream, d)
 
-    kept = session.cache.hf.layers[0].keys[0]  # (kv, n, d)
+    kept = session.cache.rotated_keys(0)  # (kv, n, d): what the attention sees
     for head in range(model.kv_heads):
         for slot in range(kept.shape[1]):
             cos, sin = model.rotary(unrotated, torch.tensor([[slot]]))

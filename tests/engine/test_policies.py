@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from engine import load_model
 from engine.kv_cache import KVCache, causal_attention
@@ -14,13 +13,23 @@ KV_HEADS, GROUP, HEAD_DIM = 2, 3, 16  # GQA: 6 query heads read 2 KV heads; the 
 TOTAL, WINDOW, SCALING = 60, 5, 1 / math.sqrt(HEAD_DIM)
 
 
-def _cache(policy, queries: torch.Tensor, keys: torch.Tensor) -> KVCache:
-    """A one-layer cache holding `keys` (1, H, N, d), having seen the prompt `queries` (1, q_heads, w, d)."""
-    cache = KVCache(policy, load_model("tiny-random-llama", "cpu").rotary, num_layers=1, kv_heads=KV_HEADS)
-    cache.hf = DynamicCache(ddp_cache_data=[(keys, torch.zeros_like(keys))])
-    cache.observe(0, queries, keys, SCALING)
-    cache.append(torch.zeros(TOTAL, dtype=torch.int8), torch.zeros(TOTAL))
-    return cache
+ROTARY = load_model("tiny-random-llama", "cpu").rotary
+
+
+def _store(cache: KVCache, stored: torch.Tensor) -> None:
+    cached = cache.hf.layers[0]
+    cached.lazy_initialization(stored, stored)
+    cached.keys, cached.values = stored, torch.zeros_like(stored)
+
+
+def _cache(policy, queries: torch.Tensor, stored: torch.Tensor) -> tuple[KVCache, torch.Tensor]:
+    """A one-layer cache holding `stored` keys (1, H, N, d), having run the prompt whose queries
+    are `queries` (1, q_heads, w, d); and the keys the attention sees: `stored` rotated at their index."""
+    cache = KVCache(policy, ROTARY, num_layers=1, kv_heads=KV_HEADS)
+    _store(cache, stored)
+    seen = cache.attend(0, queries, stored, SCALING)
+    cache.append(torch.zeros(stored.shape[2], dtype=torch.int8), torch.zeros(stored.shape[2]))
+    return cache, seen
 
 
 def _random(seed: int):
@@ -107,9 +116,9 @@ def test_infmllm_per_layer_selection_shares_the_heads_mean():
 def test_evicting_through_the_cache_keeps_the_chosen_tokens_in_order():
     queries, keys = _random(2)
     policy = make_policy("infmllm", budget_tokens=24, sinks=2, recent=6, window=WINDOW, beta=0.7, local_sum=1)
-    cache = _cache(policy, queries, keys)
+    cache, seen = _cache(policy, queries, keys)
     cache.times[0] = torch.arange(TOTAL, dtype=torch.float32).expand(KV_HEADS, TOTAL).clone()  # each token's index
-    s = _reference_column_means(queries, keys)
+    s = _reference_column_means(queries, seen)
     expected = _reference_keep([[TOTAL * s[h][j] + 0.7 * j / (TOTAL - 1) for j in range(TOTAL)] for h in range(KV_HEADS)], 24, 2, 6)
     cache.evict()
     assert cache.tokens == 24
@@ -145,8 +154,8 @@ def _received(queries, keys) -> list[list[float]]:
 def test_h2o_in_the_cache_sums_every_querys_attention_and_carries_it_over():
     queries, keys = _random(4)
     policy = make_policy("h2o", budget_tokens=40, sinks=2, recent=6)
-    cache = _cache(policy, queries, keys)
-    first = _received(queries, keys)
+    cache, seen = _cache(policy, queries, keys)
+    first = _received(queries, seen)
     cache.evict()
     kept = _reference_keep(first, 40, 2, 6)
     carried = [[first[h][j] for j in kept[h]] for h in range(KV_HEADS)]
@@ -155,11 +164,11 @@ def test_h2o_in_the_cache_sums_every_querys_attention_and_carries_it_over():
 
     # a second prompt of 5 tokens: its queries' attention adds to what each kept token carries
     new_queries, new_keys = torch.randn(1, KV_HEADS * GROUP, WINDOW, HEAD_DIM), torch.randn(1, KV_HEADS, WINDOW, HEAD_DIM)
-    keys_now = torch.cat([cache.hf.layers[0].keys, new_keys], dim=2)  # the kept keys, re-rotated
-    cache.hf = DynamicCache(ddp_cache_data=[(keys_now, torch.zeros_like(keys_now))])
-    cache.observe(0, new_queries, keys_now, SCALING)
+    stored_now = torch.cat([cache.hf.layers[0].keys, new_keys], dim=2)  # the kept keys, then the new
+    _store(cache, stored_now)
+    seen_now = cache.attend(0, new_queries, stored_now, SCALING)
     cache.append(torch.zeros(WINDOW, dtype=torch.int8), torch.zeros(WINDOW))
-    second = _received(new_queries, keys_now)
+    second = _received(new_queries, seen_now)
     total = [[(carried[h] + [0.0] * WINDOW)[j] + second[h][j] for j in range(45)] for h in range(KV_HEADS)]
     cache.evict()
     chosen = _reference_keep(total, 40, 2, 6)
