@@ -22,7 +22,6 @@ from streamvqa.protocol import Keys, WorkerInfo
 from streamvqa.redis_server import EmbeddedRedis
 
 log = logging.getLogger("streamvqa.run")
-STARTUP_TIMEOUT_S = 300  # the first start imports torch and builds the model
 
 
 class LauncherSettings(BaseSettings):
@@ -33,6 +32,7 @@ class LauncherSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     run_dir: Path = Field(Path("run"), description="Embedded Redis files and the upload spool.")
+    startup_timeout_s: float = Field(1800, description="How long to wait for the worker's model to load.")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -91,7 +91,7 @@ def main() -> int:
         }
         processes = [children.spawn([sys.executable, "-m", module], env) for module in ("worker", "app")]
         health_url = f"http://{_local_host(settings.host)}:{settings.port}/healthz"
-        wait_until_serving(health_url, redis_url, settings.redis_prefix, processes, STARTUP_TIMEOUT_S)
+        wait_until_serving(health_url, redis_url, settings.redis_prefix, processes, settings.startup_timeout_s)
         where = f"embedded, files in {embedded.directory}" if embedded else "from REDIS_URL"
         log.info(
             "\nstreamvqa is running\n  dashboard: http://%s:%d/\n  redis:     %s (%s)\nPress Ctrl-C to stop.\n",
