@@ -14,6 +14,7 @@ def main() -> None:
         port=settings.port,
         log_level=settings.log_level.lower(),
         proxy_headers=True,
+        ws_max_size=settings.ws_max_message_bytes,
     )
 
 

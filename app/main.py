@@ -8,6 +8,7 @@ from fastapi.staticfiles import StaticFiles
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from app import errors
+from app import streams
 from app.routes import router
 from app.sessions import SessionStore
 from app.settings import GatewaySettings
@@ -48,6 +49,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     )
     errors.install(app)
     app.include_router(router)
+    app.include_router(streams.router)
     if settings.frontend_dir.is_dir():
         app.mount("/", StaticFiles(directory=settings.frontend_dir, html=True), name="dashboard")
     else:

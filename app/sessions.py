@@ -72,12 +72,12 @@ class SessionStore:
             budget_tokens=options.budget_tokens,
             fps=options.fps,
         )
-        session_key, media_key, questions_key = self.keys.session_data(record.id)
+        session_key, media_key, questions_key, _ = self.keys.session_data(record.id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(session_key, mapping={**protocol.to_hash(**record.model_dump()), "token_sha256": _digest(token)})
             for stream in (media_key, questions_key):
                 pipe.xgroup_create(stream, protocol.GROUP, id="0", mkstream=True)
-            for key in (session_key, media_key, questions_key):
+            for key in self.keys.session_data(record.id):
                 pipe.expire(key, self.session_ttl_s)
             pipe.xadd(
                 self.keys.pending(model),
@@ -106,7 +106,7 @@ class SessionStore:
 
     async def delete(self, session_id: str) -> None:
         """Remove the session's data; its worker notices within a heartbeat and frees its memory."""
-        await self.redis.delete(*self.keys.session_data(session_id))
+        await self.redis.delete(*self.keys.session_data(session_id), self.keys.streamer(session_id))
 
     async def upload(self, session_id: str, chunks: AsyncIterator[bytes], max_bytes: int, stall_s: float) -> int:
         """Move an upload's bytes into the session's media stream; returns the byte count.

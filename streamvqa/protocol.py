@@ -9,8 +9,10 @@ payload is raw bytes in the field `data` beside a `type` field.
 
 from __future__ import annotations
 
+import math
+import struct
 import time
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,6 +27,44 @@ QUESTIONS_BACKLOG = 16  # unanswered questions per session before asks are refus
 ANSWER_MAXLEN = 4096  # answer stream entries (tokens plus the final record)
 ANSWER_TTL_S = 3600
 PENDING_MAXLEN = 10_000  # sessions waiting for a worker, per model
+EVENTS_MAXLEN = 1000  # a session's recent events (ingest progress, errors, state changes)
+STREAMER_TTL_S = 30  # a streaming connection's claim on its session, renewed while it lives
+
+# `frames` messages: an 8-byte header, the capture time in seconds as a little-endian IEEE 754
+# double, then one JPEG, PNG or WebP image.
+FRAME_HEADER_BYTES = 8
+MAX_VIDEO_TIME_S = 7 * 24 * 3600.0
+IMAGE_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"RIFF")  # JPEG, PNG, WebP (RIFF....WEBP)
+
+
+def frame_message(time_s: float, image: bytes) -> bytes:
+    """A `frames` message: the header, then the image."""
+    return struct.pack("<d", time_s) + image
+
+
+def parse_frame_header(message: bytes) -> float:
+    """The capture time of a `frames` message; ValueError, for the client, when it is not one."""
+    if len(message) <= FRAME_HEADER_BYTES:
+        raise ValueError(f"a frame message is an {FRAME_HEADER_BYTES}-byte time and an image; got {len(message)} bytes")
+    (time_s,) = struct.unpack_from("<d", message)
+    if not (math.isfinite(time_s) and 0 <= time_s <= MAX_VIDEO_TIME_S):
+        raise ValueError(f"a frame's time must be seconds from 0 to {MAX_VIDEO_TIME_S:.0f}; got {time_s}")
+    image = message[FRAME_HEADER_BYTES:]
+    if not (image.startswith(IMAGE_SIGNATURES[:2]) or (image.startswith(b"RIFF") and image[8:12] == b"WEBP")):
+        raise ValueError("a frame's image must be JPEG, PNG or WebP")
+    return time_s
+
+
+class CloseCode(IntEnum):
+    """Why the gateway closes a streaming WebSocket (besides the standard 1000, 1009, 1011)."""
+
+    UNDECODABLE = 1007  # the media cannot be decoded (an `error` event says why)
+    TRY_AGAIN_LATER = 1013  # the session's worker stopped reading the stream
+    BAD_REQUEST = 4400  # no valid `start` message, or a message that breaks the protocol
+    UNAUTHORIZED = 4401  # no token, or not this session's token
+    NOT_FOUND = 4404  # no such session (or it expired)
+    CONFLICT = 4409  # the session already has other media, or another socket streams into it
+    BACKPRESSURE_IGNORED = 4429  # the client went on sending after a `backpressure` event
 
 
 class Keys:
@@ -45,9 +85,15 @@ class Keys:
     def questions(self, session_id: str) -> str:
         return f"{self.prefix}session:{session_id}:questions"
 
-    def session_data(self, session_id: str) -> tuple[str, str, str]:
-        """The keys that live and expire with a session."""
-        return self.session(session_id), self.media(session_id), self.questions(session_id)
+    def events(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}:events"
+
+    def streamer(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}:streamer"
+
+    def session_data(self, session_id: str) -> tuple[str, str, str, str]:
+        """The keys that live and expire with a session (the hash first)."""
+        return self.session(session_id), self.media(session_id), self.questions(session_id), self.events(session_id)
 
     def answer(self, answer_id: str) -> str:
         return f"{self.prefix}answer:{answer_id}"
@@ -101,8 +147,12 @@ class SessionRecord(BaseModel):
     state: SessionState = SessionState.PENDING
     error: str | None = None
     worker: str | None = None
-    media: Literal["upload"] | None = None
+    media: Literal["upload", "webm", "mp4", "frames"] | None = None
     upload_bytes: int = 0
+    media_duration_s: float | None = Field(None, description="An upload's video duration, once known.")
+    stream_bytes: int = Field(0, description="Bytes received on the session's stream sockets.")
+    frames_dropped: int = Field(0, description="Live frames dropped because the worker fell behind.")
+    ingest_lag_s: float = Field(0.0, description="How far behind real time the last live frame was ingested.")
     frames_ingested: int = 0
     video_time_s: float = 0.0
     cache_tokens: int = 0
@@ -155,6 +205,72 @@ AnswerEvent = Annotated[TokenEvent | DoneEvent | ErrorEvent, Field(discriminator
 
 class AnswerEnvelope(BaseModel):
     event: AnswerEvent
+
+
+class IngestEvent(BaseModel):
+    type: Literal["ingest"] = "ingest"
+    frames: int = Field(description="Frames in the session so far.")
+    times: list[float] = Field(description="Video times of the frames this step appended.")
+    video_time_s: float
+    lag_s: float = Field(description="How far behind real time the last frame was appended (live only).")
+    dropped: int = Field(description="Live frames dropped so far because the worker fell behind.")
+    cache_tokens: int
+
+
+class StateEvent(BaseModel):
+    type: Literal["state"] = "state"
+    state: SessionState
+
+
+class WarningEvent(BaseModel):
+    type: Literal["warning"] = "warning"
+    code: str
+    message: str
+
+
+class MediaErrorEvent(BaseModel):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+    connection: str | None = Field(None, description="The stream connection it concerns (closed with 1007).")
+
+
+class StartedEvent(BaseModel):
+    """The gateway's reply to a stream's `start`."""
+
+    type: Literal["started"] = "started"
+    format: str
+    connection: str
+    bytes_received: int = Field(description="Stream bytes received before this connection (send on from here).")
+    frames: int
+    video_time_s: float
+
+
+class BackpressureEvent(BaseModel):
+    """From the gateway: the worker is behind; stop sending until `paused` is false."""
+
+    type: Literal["backpressure"] = "backpressure"
+    paused: bool
+    backlog: int = Field(description="Media entries waiting for the worker.")
+
+
+SessionEvent = Annotated[
+    IngestEvent | StateEvent | WarningEvent | MediaErrorEvent | StartedEvent | BackpressureEvent,
+    Field(discriminator="type"),
+]
+
+
+class EventEnvelope(BaseModel):
+    event: SessionEvent
+
+
+class StartMessage(BaseModel):
+    """A stream socket's first message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["start"]
+    format: Literal["webm", "mp4", "frames"]
 
 
 class WorkerInfo(BaseModel):

@@ -24,7 +24,9 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """One gateway and one worker, for the tests of a module (each test makes its own sessions)."""
-    with running_stack(redis_url, tmp_path_factory.mktemp("stack"), MAX_UPLOAD_BYTES=str(4 * 1024 * 1024)) as stack:
+    with running_stack(
+        redis_url, tmp_path_factory.mktemp("stack"), MAX_UPLOAD_BYTES=str(4 * 1024 * 1024), MAX_SESSIONS="64"
+    ) as stack:
         yield stack
 
 
@@ -32,4 +34,5 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def client(stack: Stack) -> Iterator[Client]:
     user = Client(stack.url)
     yield user
+    user.delete()
     user.http.close()

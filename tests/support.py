@@ -1,17 +1,20 @@
 """Helpers for tests: sample videos, real gateway and worker processes, a REST client."""
 
 import importlib.util
+import json
 import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from subprocess import Popen
 
 import httpx
 import redis
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
 
 from streamvqa import children
 from streamvqa.redis_server import free_port
@@ -121,6 +124,11 @@ class Client:
         headers = {**self.auth, **({"Content-Type": content_type} if content_type else {})}
         return self.http.post(f"/sessions/{self.id}/upload", content=data, headers=headers)
 
+    def delete(self) -> None:
+        """Delete the session, if any (frees its worker's memory)."""
+        if self.id and self.token:
+            self.http.delete(f"/sessions/{self.id}", headers=self.auth)
+
     def ask(self, question: str, **body: object) -> httpx.Response:
         return self.http.post(f"/sessions/{self.id}/ask", json={"question": question, **body}, headers=self.auth)
 
@@ -132,3 +140,64 @@ class Client:
                 return session
             time.sleep(0.1)
         raise AssertionError(f"session never reached {states}; last: {session}")
+
+
+class StreamSocket:
+    """A client of `WS /sessions/{id}/stream`: sends media, collects the events that come back."""
+
+    def __init__(self, user: Client, media_format: str, token: str | None = None, query_token: bool = False) -> None:
+        url = user.http.base_url.copy_with(scheme="ws", path=f"/sessions/{user.id}/stream")
+        token = token if token is not None else user.token
+        headers = {} if query_token else {"Authorization": f"Bearer {token}"}
+        if query_token:
+            url = url.copy_with(params={"token": token})
+        self.ws = ws_connect(str(url), additional_headers=headers, max_size=None, open_timeout=10)
+        self.events: list[dict] = []
+        self.close_code: int | None = None
+        self.close_reason = ""
+        self.send(json.dumps({"type": "start", "format": media_format}))
+        self.started = self.next_event(timeout_s=10)
+
+    def send(self, message: bytes | str) -> bool:
+        """False when the server has closed the socket (the next `next_event` says why)."""
+        try:
+            self.ws.send(message)
+            return True
+        except ConnectionClosed:
+            return False
+
+    def end(self) -> bool:
+        return self.send(json.dumps({"type": "end"}))
+
+    def next_event(self, timeout_s: float = 30) -> dict | None:
+        """The next event, or None once the server closed the socket (see `close_code`)."""
+        try:
+            event = json.loads(self.ws.recv(timeout=timeout_s))
+        except ConnectionClosed as closed:
+            self.close_code = closed.rcvd.code if closed.rcvd else None
+            self.close_reason = closed.rcvd.reason if closed.rcvd else ""
+            return None
+        self.events.append(event)
+        return event
+
+    def wait_for(self, predicate: Callable[[dict], bool], timeout_s: float = 60) -> dict | None:
+        """Events until one matches (returned) or the socket closes (None)."""
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            event = self.next_event(remaining)
+            if event is None or predicate(event):
+                return event
+        raise AssertionError(f"no matching event within {timeout_s} s; got {self.events[-5:]}")
+
+    def wait_closed(self, timeout_s: float = 30) -> int | None:
+        """Read events until the server closes the socket; its close code."""
+        deadline = time.monotonic() + timeout_s
+        while self.next_event(max(0.1, deadline - time.monotonic())) is not None:
+            pass
+        return self.close_code
+
+    def frame_times(self) -> list[float]:
+        return [t for event in self.events if event["type"] == "ingest" for t in event["times"]]
+
+    def close(self) -> None:
+        self.ws.close()

@@ -1,18 +1,31 @@
-"""Video files to frames sampled by presentation time (PyAV)."""
+"""Media to frames: uploaded files (decord, PyAV as the fallback), live container byte streams
+(PyAV over a blocking reader) and single images (Pillow); frames sampled by presentation time."""
 
+import io
+import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import av
 import numpy as np
+from PIL import Image
+
+log = logging.getLogger(__name__)
 
 TIME_TOLERANCE_S = 1e-3  # frame times within this of a sampling point count as on it
+MAX_SOURCE_PIXELS = 8192 * 8192  # larger frames or images are refused before they are decoded
+STREAM_BUFFER_BYTES = 4096  # PyAV's read size on live streams: small, so frames come out promptly
+DECORD_BATCH_FRAMES = 8  # frames decord fetches per call
+Image.MAX_IMAGE_PIXELS = None  # `decode_image` checks sizes itself (MAX_SOURCE_PIXELS, lower), with a clearer error
 
 # The demuxers FFmpeg may use. Without a list it also reads text files (as ANSI art), images
 # and dozens of rare formats; a list keeps the attack surface to the containers people send.
 CONTAINERS = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,mpeg,flv,ogg,asf,gif,ivf,h264,hevc,m4v"
+STREAM_DEMUXERS = {"webm": "matroska", "mp4": "mp4"}  # live formats a client may declare
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP")  # what `frames` messages may carry
 
 
 class DecodeError(Exception):
@@ -29,7 +42,7 @@ class FrameSampler:
     """Keeps the first frame at or after each point of the grid 0, 1/fps, 2/fps, ...
 
     Frames that arrive when the next grid point is still ahead are skipped; a gap in the video
-    skips the grid points inside it, so no frame is ever repeated.
+    skips the grid points inside it, so no frame is ever repeated and times only increase.
     """
 
     def __init__(self, fps: float) -> None:
@@ -45,36 +58,158 @@ class FrameSampler:
         return True
 
 
-def sample_file(path: Path, fps: float, max_side: int) -> Iterator[Frame]:
-    """Decode the first video stream of a file, yielding frames sampled at `fps`.
+def scaled_size(width: int, height: int, max_side: int) -> tuple[int, int]:
+    """(width, height) scaled down so that the longer side is at most `max_side`, keeping the aspect."""
+    if width * height > MAX_SOURCE_PIXELS:
+        raise DecodeError(f"a {width}x{height} frame is larger than the limit of {MAX_SOURCE_PIXELS} pixels")
+    scale = min(1.0, max_side / max(width, height))
+    return max(2, round(width * scale)), max(2, round(height * scale))
 
-    Frames larger than `max_side` on their longer side are scaled down, keeping their aspect.
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+def sample_file(path: Path, fps: float, max_side: int, info: "VideoInfo | None" = None) -> Iterator[Frame]:
+    """The first video stream of a file, sampled at `fps` and scaled to `max_side`.
+
+    decord reads the sampled frames directly (it seeks rather than converting every frame);
+    files it cannot read go through PyAV, which decodes them in order. PyAV checks the file
+    first, so decord only ever sees a container FFmpeg's allowed demuxers recognise.
     """
+    info = info or probe(path)
     try:
-        container = av.open(str(path), options={"format_whitelist": CONTAINERS})
+        frames = _sample_with_decord(path, fps, scaled_size(info.width, info.height, max_side))
+    except DecodeError:
+        raise
+    except Exception as err:  # decord raises its own errors, and some files it cannot index
+        log.info("decord cannot read %s (%s); decoding with PyAV", path.name, err)
+        frames = None
+    return frames if frames is not None else _sample_with_pyav(path, fps, max_side)
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    width: int
+    height: int
+    duration_s: float | None  # None when the container does not say
+
+
+def probe(path: Path) -> VideoInfo:
+    """What the file's first video stream is; raises DecodeError when it is not a video file."""
+    with _open_container(str(path)) as container:
+        stream = _video_stream(container)
+        if stream.duration is not None:
+            duration_s = float(stream.duration * stream.time_base)
+        else:
+            duration_s = container.duration / av.time_base if container.duration else None
+        return VideoInfo(stream.codec_context.width, stream.codec_context.height, duration_s)
+
+
+def _sample_with_decord(path: Path, fps: float, size: tuple[int, int]) -> Iterator[Frame] | None:
+    import decord  # imported here: only the worker's file path needs it
+
+    width, height = size
+    reader = decord.VideoReader(str(path), width=width, height=height, num_threads=0)
+    if len(reader) == 0:
+        return None
+    starts = reader.get_frame_timestamp(range(len(reader)))[:, 0]  # (frames,) presentation times in s
+    if not np.all(np.isfinite(starts)) or np.any(np.diff(starts) < 0):
+        return None  # out-of-order timestamps: let PyAV decode in presentation order
+    starts = starts - starts[0]
+    sampler = FrameSampler(fps)
+    chosen = [i for i, start in enumerate(starts) if sampler.keep(float(start))]
+    return _read_batches(reader, chosen, starts)
+
+
+def _read_batches(reader, chosen: list[int], starts: np.ndarray) -> Iterator[Frame]:
+    for first in range(0, len(chosen), DECORD_BATCH_FRAMES):
+        indices = chosen[first : first + DECORD_BATCH_FRAMES]
+        batch = reader.get_batch(indices).asnumpy()  # (n, H, W, 3) uint8
+        for index, image in zip(indices, batch, strict=True):
+            yield Frame(np.ascontiguousarray(image), round(float(starts[index]), 6))
+
+
+def _sample_with_pyav(path: Path, fps: float, max_side: int) -> Iterator[Frame]:
+    with _open_container(str(path)) as container:
+        stream = _video_stream(container)
+        start_s = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+        sampler = FrameSampler(fps)
+        for frame, time_s in _decoded(container, stream):
+            if sampler.keep(max(0.0, time_s - start_s)):
+                yield Frame(_to_rgb(frame, max_side), max(0.0, time_s - start_s))
+
+
+# -- live container streams ----------------------------------------------------------------------
+
+
+def decode_stream(
+    source: BinaryIO, container_format: str, max_side: int, keep: Callable[[float], bool]
+) -> Iterator[Frame]:
+    """The frames of a container byte stream whose time `keep` accepts, in order, as the bytes
+    arrive. Times are the stream's own presentation times (not shifted to start at 0);
+    `source.read` blocks for more bytes and returns b'' at the end."""
+    demuxer = STREAM_DEMUXERS.get(container_format)
+    if demuxer is None:
+        raise DecodeError(f"unknown stream format {container_format!r}; use one of {sorted(STREAM_DEMUXERS)}")
+    with _open_container(source, demuxer, buffer_size=STREAM_BUFFER_BYTES) as container:
+        stream = _video_stream(container)
+        for frame, time_s in _decoded(container, stream):
+            if keep(time_s):
+                yield Frame(_to_rgb(frame, max_side), time_s)
+
+
+# -- images --------------------------------------------------------------------------------------
+
+
+def decode_image(data: bytes, max_side: int) -> np.ndarray:
+    """A JPEG, PNG or WebP image as RGB uint8 (H, W, 3), scaled to `max_side`; its size is
+    checked before its pixels are decoded."""
+    try:
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        width, height = scaled_size(image.width, image.height, max_side)
+        image.draft("RGB", (width, height))  # JPEG decodes at a reduced scale directly
+        image = image.convert("RGB")
+        if image.size != (width, height):
+            image = image.resize((width, height), Image.Resampling.BILINEAR)
+        return np.asarray(image)
+    except DecodeError:
+        raise
+    except (OSError, ValueError) as err:
+        raise DecodeError(f"not a readable JPEG, PNG or WebP image ({err})") from err
+
+
+# -- shared --------------------------------------------------------------------------------------
+
+
+def _open_container(source: str | BinaryIO, demuxer: str | None = None, **options: object) -> av.container.InputContainer:
+    try:
+        return av.open(source, format=demuxer, options={"format_whitelist": CONTAINERS}, **options)
     except av.FFmpegError as err:
+        if demuxer:
+            raise DecodeError(f"the stream is not {demuxer} video ({err})") from err
         raise DecodeError(
             f"not a readable video file; supported containers: mp4, mov, mkv, webm, avi, ts, flv, ogg ({err})"
         ) from err
-    with container:
-        if not container.streams.video:
-            raise DecodeError("the file has no video stream")
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        start_s = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
-        sampler = FrameSampler(fps)
-        try:
-            for frame in container.decode(stream):
-                if frame.time is None:
-                    continue
-                time_s = max(0.0, frame.time - start_s)
-                if sampler.keep(time_s):
-                    yield Frame(_to_rgb(frame, max_side), time_s)
-        except av.FFmpegError as err:
-            raise DecodeError(f"the video is corrupt: {err}") from err
+
+
+def _video_stream(container: av.container.InputContainer) -> av.VideoStream:
+    if not container.streams.video:
+        raise DecodeError("the media has no video stream")
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"
+    return stream
+
+
+def _decoded(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[tuple[av.VideoFrame, float]]:
+    """(frame, presentation time in s) in decoding order; frames without a time are skipped."""
+    try:
+        for frame in container.decode(stream):
+            if frame.time is not None:
+                yield frame, frame.time
+    except av.FFmpegError as err:
+        raise DecodeError(f"the video is corrupt: {err}") from err
 
 
 def _to_rgb(frame: av.VideoFrame, max_side: int) -> np.ndarray:
-    scale = min(1.0, max_side / max(frame.width, frame.height))
-    width, height = max(2, round(frame.width * scale)), max(2, round(frame.height * scale))
+    width, height = scaled_size(frame.width, frame.height, max_side)
     return frame.reformat(width=width, height=height, format="rgb24").to_ndarray()

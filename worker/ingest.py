@@ -1,15 +1,55 @@
-"""An upload on its way from the media stream into frames: spooled to disk, then decoded."""
+"""A session's media on its way from the media stream to frames with their video times.
+
+Three kinds, one interface for the worker's loop:
+
+- `UploadIngest`: a file, spooled to disk as its bytes arrive, then sampled (decord, PyAV);
+  nothing is dropped, the worker goes as fast as it can.
+- `StreamIngest`: a live WebM or fragmented-MP4 byte stream, decoded by a thread of its own
+  while the bytes arrive; it survives reconnections.
+- `FramesIngest`: live images, one per message, each with its capture time.
+
+Live frames pass through a `FrameQueue` (real time: late frames are dropped, see there). Every
+method but `next_frames` of an upload is quick; the loop runs them all on its decode thread.
+"""
 
 import itertools
-from collections.abc import Iterator
+import logging
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from worker.decode import DecodeError, Frame, sample_file
+from streamvqa.protocol import FRAME_HEADER_BYTES, parse_frame_header
+from worker import containers
+from worker.buffers import ByteFeed, FeedAborted, FrameQueue
+from worker.decode import DecodeError, Frame, FrameSampler, VideoInfo, decode_image, decode_stream, probe, sample_file
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_STREAMS = 3  # new streams (headers) waiting behind the one being decoded
+
+
+@dataclass
+class LiveLimits:
+    feed_bytes: int  # bytes waiting for the decoder
+    queue_frames: int  # frames waiting for the engine
+    max_lag_s: float  # a frame later than this (behind real time) is dropped
+
+
+@dataclass
+class Batch:
+    frames: list[Frame]
+    lag_s: float = 0.0  # how far behind real time the last frame was appended
+    warnings: list[str] = field(default_factory=list)  # things the client should hear about
 
 
 class UploadIngest:
-    """Bytes arrive with `write`; after `finish`, `next_frames` yields sampled frames until `exhausted`."""
+    """Bytes arrive with `receive('data')`; after `receive('end')`, `next_frames` yields sampled
+    frames until `finished`."""
+
+    live = False
 
     def __init__(self, spool_path: Path, fps: float, max_side: int, max_bytes: int) -> None:
         self.spool_path = spool_path
@@ -17,40 +57,47 @@ class UploadIngest:
         self.max_side = max_side
         self.max_bytes = max_bytes
         self.bytes_received = 0
-        self.exhausted = False
+        self.info: VideoInfo | None = None
+        self.finished = False
         self._file: BinaryIO | None = spool_path.open("wb")
-        self._frames: Iterator[Frame] | None = None
+        self._frames = None
 
     @property
-    def decoding(self) -> bool:
-        return self._frames is not None and not self.exhausted
+    def accepts_media(self) -> bool:
+        return self._file is not None
 
-    def write(self, data: bytes) -> None:
+    @property
+    def has_work(self) -> bool:
+        return self._frames is not None and not self.finished
+
+    def receive(self, kind: str, fields: dict[bytes, bytes]) -> list[str]:
         if self._file is None:
             raise DecodeError("media arrived after the end of the upload")
-        self.bytes_received += len(data)
-        if self.bytes_received > self.max_bytes:
-            raise DecodeError(f"the upload exceeds the limit of {self.max_bytes} bytes")
-        self._file.write(data)
+        if kind == "data":
+            data = fields[b"data"]
+            self.bytes_received += len(data)
+            if self.bytes_received > self.max_bytes:
+                raise DecodeError(f"the upload exceeds the limit of {self.max_bytes} bytes")
+            self._file.write(data)
+        elif kind == "end":
+            self._file.close()
+            self._file = None
+            if self.bytes_received == 0:
+                raise DecodeError("the upload is empty")
+            self.info = probe(self.spool_path)
+            self._frames = sample_file(self.spool_path, self.fps, self.max_side, self.info)
+        else:
+            raise DecodeError(f"unexpected media entry {kind!r} in an upload")
+        return []
 
-    def finish(self) -> None:
-        """All bytes are in; decoding may start."""
-        if self._file is None:
-            return
-        self._file.close()
-        self._file = None
-        if self.bytes_received == 0:
-            raise DecodeError("the upload is empty")
-        self._frames = sample_file(self.spool_path, self.fps, self.max_side)
-
-    def next_frames(self, count: int) -> list[Frame]:
-        """Up to `count` more frames; blocking (decoding), so call it off the event loop."""
+    def next_frames(self, count: int) -> Batch:
+        """Up to `count` more frames; blocking (decoding)."""
         if self._frames is None:
-            return []
+            return Batch([])
         frames = list(itertools.islice(self._frames, count))
         if len(frames) < count:
-            self.exhausted = True
-        return frames
+            self.finished = True
+        return Batch(frames)
 
     def close(self) -> None:
         """Release the spool file; safe to call twice."""
@@ -58,6 +105,281 @@ class UploadIngest:
             self._file.close()
             self._file = None
         if self._frames is not None:
-            self._frames.close()  # type: ignore[attr-defined]
+            self._frames.close()
             self._frames = None
         self.spool_path.unlink(missing_ok=True)
+
+
+class _LiveIngest:
+    """What both live kinds share: the frame queue, video times that only increase, errors
+    raised on the decoder's side and reported by the loop."""
+
+    live = True
+
+    def __init__(self, fps: float, max_side: int, limits: LiveLimits) -> None:
+        self.fps = fps
+        self.max_side = max_side
+        self.limits = limits
+        self.queue = FrameQueue(limits.queue_frames, limits.max_lag_s)
+        self.sampler = FrameSampler(fps)
+        self.connection = ""  # the connection whose media is arriving now
+        self.ended = False  # the client said the stream is over (until it connects again)
+        self._errors: deque[tuple[str, str, str]] = deque(maxlen=8)  # (code, connection, message)
+        self._warnings: deque[str] = deque(maxlen=8)
+
+    @property
+    def dropped(self) -> int:
+        return self.queue.dropped
+
+    def connect(self, connection: str) -> None:
+        self.connection = connection
+        self.ended = False
+        self.queue.restart_clock()
+
+    def take_errors(self) -> list[tuple[str, str, str]]:
+        """(code, connection, message) of the errors since the last call: `decode_failed` ends
+        the connection's stream, `bad_frame` skips one image."""
+        errors = list(self._errors)
+        self._errors.clear()
+        return errors
+
+    def next_frames(self, count: int) -> Batch:
+        frames, lag_s = self.queue.take(count)
+        warnings = list(self._warnings)
+        self._warnings.clear()
+        return Batch(frames, lag_s, warnings)
+
+    def _fail(self, message: str, code: str = "decode_failed") -> None:
+        self._errors.append((code, self.connection, message))
+
+
+class FramesIngest(_LiveIngest):
+    """Images with capture times (the `frames` format). Times must increase: an image at or
+    before the last accepted time is skipped with a warning; the rest are sampled at `fps`."""
+
+    format = "frames"
+
+    def __init__(self, fps: float, max_side: int, limits: LiveLimits) -> None:
+        super().__init__(fps, max_side, limits)
+        self._last_time_s = -math.inf
+
+    @property
+    def accepts_media(self) -> bool:
+        return not self.queue.full
+
+    @property
+    def has_work(self) -> bool:
+        return len(self.queue) > 0 or bool(self._errors) or bool(self._warnings)
+
+    @property
+    def finished(self) -> bool:
+        return self.ended and len(self.queue) == 0
+
+    def receive(self, kind: str, fields: dict[bytes, bytes]) -> None:
+        if kind == "connect":
+            self.connect(fields[b"connection"].decode())
+        elif kind == "end":
+            self.ended = True
+        elif kind == "frame":
+            self._receive_frame(fields[b"data"])
+        elif kind != "disconnect":
+            self._fail(f"unexpected media entry {kind!r} in a frames stream", "bad_frame")
+
+    def _receive_frame(self, message: bytes) -> None:
+        try:
+            time_s = parse_frame_header(message)
+        except ValueError as err:
+            self._fail(str(err), "bad_frame")
+            return
+        if time_s <= self._last_time_s:
+            self._warnings.append(
+                f"frame at {time_s:.3f} s skipped: not after the previous frame ({self._last_time_s:.3f} s)"
+            )
+            return
+        if not self.sampler.keep(time_s):
+            self._last_time_s = time_s
+            return
+        try:
+            image = decode_image(message[FRAME_HEADER_BYTES:], self.max_side)
+        except DecodeError as err:
+            self._fail(f"frame at {time_s:.3f} s: {err}", "bad_frame")
+            return
+        self._last_time_s = time_s
+        self.queue.put(Frame(image, time_s), block=False)  # never full: the loop reads only while there is room
+
+    def close(self) -> None:
+        self.queue.close()
+
+
+class StreamIngest(_LiveIngest):
+    """A WebM or fragmented-MP4 byte stream, decoded while it arrives, across reconnections.
+
+    A connection's bytes continue the stream being decoded, unless they start with a header
+    (a new stream: its frames follow the earlier ones in time) or no stream is being decoded
+    (after an `end` or a decoding error): then the saved init segment is put before them,
+    from their first Cluster (WebM) or `moof` (MP4) on, and decoding resumes there.
+    """
+
+    def __init__(self, container_format: str, fps: float, max_side: int, limits: LiveLimits) -> None:
+        super().__init__(fps, max_side, limits)
+        self.format = container_format
+        self.init_segment: bytes | None = None
+        self._header = bytearray()  # the start of the first stream, until its first fragment
+        self._feed: ByteFeed | None = None  # the stream receiving bytes
+        self._pending: deque[ByteFeed] = deque()  # streams the decoder thread has not started
+        self._joining = False  # the next data starts a connection
+        self._seeking = False  # dropping bytes until a fragment starts
+        self._time_base: float | None = None  # added to stream times so that the first frame is at 0
+        self._last_time_s = -math.inf
+        self._broken = False  # decoding failed: the rest of this connection's bytes are dropped
+        self._wake = threading.Condition()
+        self._closed = False
+        self._busy = False  # the decoder thread is decoding a stream
+        self._thread = threading.Thread(target=self._decode_streams, name="stream-decoder", daemon=True)
+        self._thread.start()
+
+    @property
+    def accepts_media(self) -> bool:
+        return self._feed is None or self._feed.room_bytes > 0
+
+    @property
+    def has_work(self) -> bool:
+        return len(self.queue) > 0 or bool(self._errors) or bool(self._warnings)
+
+    @property
+    def finished(self) -> bool:
+        with self._wake:
+            return self.ended and not self._busy and not self._pending and len(self.queue) == 0
+
+    def receive(self, kind: str, fields: dict[bytes, bytes]) -> None:
+        if kind == "connect":
+            self.connect(fields[b"connection"].decode())
+            self._joining = True
+            if self._broken:
+                self._broken = False
+                self._feed = None
+        elif kind == "data":
+            self._receive_bytes(fields[b"data"])
+        elif kind == "end":
+            self.ended = True
+            self._end_stream()
+        elif kind != "disconnect":  # a disconnected client may come back and go on
+            self._fail(f"unexpected media entry {kind!r} in a {self.format} stream")
+
+    def _receive_bytes(self, data: bytes) -> None:
+        if self._broken:
+            return
+        if self._joining:
+            self._joining = False
+            if containers.starts_stream(self.format, data):
+                self._start_stream()
+            elif self._feed is None:
+                self._seeking = True
+        if self._seeking:
+            data = self._seek_fragment(data)
+            if not data:
+                return
+        if self._feed is None:
+            self._start_stream()
+        if self.init_segment is None and self._header is not None:
+            self._keep_header(data)
+        self._feed.write(data)
+
+    def _seek_fragment(self, data: bytes) -> bytes:
+        if self.init_segment is None:
+            self._seeking = False
+            self._fail("the stream does not start with a header, and none was seen before")
+            return b""
+        at = containers.first_fragment(self.format, data)
+        if at is None:
+            return b""
+        self._seeking = False
+        self._start_stream()
+        self._feed.write(self.init_segment)
+        return data[at:]
+
+    def _keep_header(self, data: bytes) -> None:
+        at = containers.first_fragment(self.format, bytes(self._header[-3:]) + data)
+        if at is not None:
+            self._header += data[: max(0, at - min(3, len(self._header)))]
+            self.init_segment = bytes(self._header)
+            self._header = None
+        elif len(self._header) + len(data) > containers.MAX_INIT_SEGMENT_BYTES:
+            self._header = None  # no init segment: a stream that breaks cannot be rejoined
+        else:
+            self._header += data
+
+    def _start_stream(self) -> None:
+        self._end_stream()
+        if len(self._pending) >= MAX_PENDING_STREAMS:
+            self._fail("too many new streams at once")
+            return
+        self._feed = ByteFeed(self.limits.feed_bytes)
+        with self._wake:
+            self._pending.append(self._feed)
+            self._wake.notify_all()
+
+    def _end_stream(self) -> None:
+        if self._feed is not None:
+            self._feed.end_input()
+            self._feed = None
+
+    def _decode_streams(self) -> None:
+        """The decoder thread: one stream after another, until closed."""
+        while True:
+            with self._wake:
+                self._busy = False
+                self._wake.wait_for(lambda: self._closed or self._pending)
+                if self._closed:
+                    return
+                feed = self._pending.popleft()
+                self._busy = True
+            try:
+                self._decode(feed)
+            except FeedAborted:
+                pass
+            except Exception as err:
+                if not isinstance(err, DecodeError):
+                    log.exception("decoding a live stream failed")
+                self._broken = True
+                self._fail(str(err) if isinstance(err, DecodeError) else f"decoding failed: {err}")
+            finally:
+                feed.abort()
+
+    def _decode(self, feed: ByteFeed) -> None:
+        offset: float | None = None
+
+        def keep(stream_time_s: float) -> bool:
+            nonlocal offset
+            if offset is None:
+                if self._time_base is None:
+                    self._time_base = -stream_time_s
+                offset = self._time_base
+                if stream_time_s + offset <= self._last_time_s:  # a new stream restarts its clock
+                    offset = self._last_time_s + 1 / self.fps - stream_time_s
+            time_s = stream_time_s + offset
+            if time_s <= self._last_time_s or not self.sampler.keep(time_s):
+                return False
+            self._last_time_s = time_s
+            return True
+
+        for frame in decode_stream(feed, self.format, self.max_side, keep):
+            if not self.queue.put(Frame(frame.image, round(frame.time_s + offset, 6))):
+                return  # closed
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            for feed in self._pending:
+                feed.abort()
+            self._wake.notify_all()
+        if self._feed is not None:
+            self._feed.abort()
+        self.queue.close()
+        self._thread.join(timeout=5)
+
+
+def open_live(container_format: str, fps: float, max_side: int, limits: LiveLimits) -> FramesIngest | StreamIngest:
+    if container_format == "frames":
+        return FramesIngest(fps, max_side, limits)
+    return StreamIngest(container_format, fps, max_side, limits)

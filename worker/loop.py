@@ -1,9 +1,11 @@
 """The worker's loop: take sessions by lease, answer their questions first, then ingest their media.
 
 One event loop does all Redis I/O. The engine runs on one thread of its own (one model, one
-device); decoding runs on another. Each turn reads every stream the worker owns in one
-XREADGROUP, answers the questions it got, stores the media, then decodes a few frames of each
-session that has an upload ready, so questions never wait behind a whole video.
+device); decoding runs on another, and each live container stream has a decoder thread of its
+own. Each turn reads every stream the worker owns in one XREADGROUP, answers the questions it
+got, hands the media to each session's ingest, then appends a few frames of each session that
+has frames ready, so questions never wait behind a whole video. Ingest progress, warnings and
+errors go to the session's events stream (the gateway relays them to stream sockets).
 """
 
 import asyncio
@@ -25,16 +27,21 @@ from streamvqa.protocol import (
     AnswerEnvelope,
     DoneEvent,
     ErrorEvent,
+    EventEnvelope,
     Evidence,
+    IngestEvent,
     Keys,
+    MediaErrorEvent,
     Question,
     SessionRecord,
     SessionState,
+    StateEvent,
     TokenEvent,
+    WarningEvent,
     WorkerInfo,
 )
 from worker.decode import DecodeError
-from worker.ingest import UploadIngest
+from worker.ingest import FramesIngest, LiveLimits, StreamIngest, UploadIngest, open_live
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,7 @@ T = TypeVar("T")
 
 READ_COUNT = 8  # entries per stream per turn
 IDLE_BLOCK_MS = 250  # how long an idle turn waits for new entries (and new sessions wait to be taken)
+LIVE_BLOCK_MS = 50  # the same while a live stream is open (its frames come from a decoder thread)
 MAX_BACKOFF_S = 5.0  # longest wait between retries while Redis fails
 DEAD_WORKER_FORGET_S = 3600  # workers silent this long leave the registry
 
@@ -80,14 +88,19 @@ class Hosted:
 
     record: SessionRecord
     engine: Session
-    ingest: UploadIngest | None = None
+    ingest: UploadIngest | FramesIngest | StreamIngest | None = None
     media_closed: bool = False  # the upload ended, failed or was aborted: no more media is read
+    settled: bool = False  # a live stream's end was reported (until it connects again)
     error: str | None = None
     lost: bool = False  # the lease or the session is gone; dropped at the next turn
 
     @property
-    def decoding(self) -> bool:
-        return self.ingest is not None and self.ingest.decoding
+    def has_work(self) -> bool:
+        return self.ingest is not None and self.ingest.has_work
+
+    @property
+    def reads_media(self) -> bool:
+        return not self.media_closed and (self.ingest is None or self.ingest.accepts_media)
 
 
 class Worker:
@@ -105,6 +118,7 @@ class Worker:
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(RELEASE_LUA)
         self._lease_ms = int(settings.lease_ttl_s * 1000)
+        self._live_limits = LiveLimits(settings.live_feed_bytes, settings.live_queue_frames, settings.live_max_lag_s)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -140,8 +154,13 @@ class Worker:
         await self._take_new_sessions(block_ms=None if self.sessions else IDLE_BLOCK_MS)
         if not self.sessions:
             return
-        busy = any(hosted.decoding for hosted in self.sessions.values())
-        reply = await self._read(self._streams_to_read(), READ_COUNT, None if busy else IDLE_BLOCK_MS)
+        if any(hosted.has_work for hosted in self.sessions.values()):
+            block_ms = None
+        elif any(hosted.ingest is not None and hosted.ingest.live for hosted in self.sessions.values()):
+            block_ms = LIVE_BLOCK_MS
+        else:
+            block_ms = IDLE_BLOCK_MS
+        reply = await self._read(self._streams_to_read(), READ_COUNT, block_ms)
         entries = {key.decode(): rows for key, rows in reply}
         for session_id in list(self.sessions):
             for entry_id, fields in entries.get(self.keys.questions(session_id), []):
@@ -150,8 +169,8 @@ class Worker:
             for entry_id, fields in entries.get(self.keys.media(session_id), []):
                 await self._receive_media(session_id, entry_id, fields)
         for session_id, hosted in list(self.sessions.items()):
-            if hosted.decoding:
-                await self._decode_step(session_id, hosted)
+            if hosted.has_work or (hosted.ingest is not None and hosted.ingest.live and not hosted.settled):
+                await self._ingest_step(session_id, hosted)
 
     async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list:
         """XREADGROUP; when a stream or its group is gone (a deleted session, a Redis that lost
@@ -164,11 +183,11 @@ class Worker:
             raise
 
     def _streams_to_read(self) -> dict[str, str]:
-        """Every held session's questions, and its media unless it is busy decoding or done."""
+        """Every held session's questions, and its media unless it is done or its ingest is full."""
         streams = {}
         for session_id, hosted in self.sessions.items():
             streams[self.keys.questions(session_id)] = ">"
-            if not hosted.media_closed and not hosted.decoding:
+            if hosted.reads_media:
                 streams[self.keys.media(session_id)] = ">"
         return streams
 
@@ -226,7 +245,7 @@ class Worker:
         data is gone; True when either was needed."""
         repaired = await self._ensure_group(self.keys.pending(self.model.name))
         for session_id, hosted in self.sessions.items():
-            if await self.redis.exists(*self.keys.session_data(session_id)) < 3:
+            if await self.redis.exists(*self.keys.session_data(session_id)[:3]) < 3:
                 hosted.lost = repaired = True
         return repaired
 
@@ -237,6 +256,7 @@ class Worker:
             hosted.ingest.close()
             hosted.ingest = None
         await self._set(session_id, SessionState.ERROR, error=message)
+        await self._event(session_id, MediaErrorEvent(code="session_error", message=message))
         log.info("session %s failed: %s", session_id, message)
 
     # -- questions -----------------------------------------------------------------------------
@@ -300,35 +320,54 @@ class Worker:
                     hosted.ingest.close()
                     hosted.ingest = None
                 return
-            if hosted.ingest is None:
+            if kind == "connect":
+                await self._connect(session_id, hosted, fields[b"format"].decode())
+            elif hosted.ingest is None:
                 spool = self.settings.spool_dir / f"{self.id}-{session_id}.upload"
                 hosted.ingest = UploadIngest(
                     spool, hosted.record.fps, self.settings.max_frame_side, self.settings.max_upload_bytes
                 )
-            if kind == "data":
-                hosted.ingest.write(fields[b"data"])
-                await self._set(session_id, upload_bytes=hosted.ingest.bytes_received)
-            elif kind == "end":
-                hosted.media_closed = True
-                hosted.ingest.finish()
-            else:
-                raise DecodeError(f"unknown media entry {kind!r}")
+            await self._in_thread(self._decode_thread, hosted.ingest.receive, kind, fields)
+            if isinstance(hosted.ingest, UploadIngest):
+                await self._received_upload(session_id, hosted, kind)
         except DecodeError as err:
             await self._fail(session_id, hosted, str(err))
         except RedisError:
             raise
         except Exception as err:
             log.exception("session %s: receiving media failed", session_id)
-            await self._fail(session_id, hosted, f"receiving the upload failed: {err}")
+            await self._fail(session_id, hosted, f"receiving media failed: {err}")
         finally:
             await self._consume(self.keys.media(session_id), entry_id)
 
-    async def _decode_step(self, session_id: str, hosted: Hosted) -> None:
-        assert hosted.ingest is not None
+    async def _connect(self, session_id: str, hosted: Hosted, media_format: str) -> None:
+        """A stream socket connected: keep the session's live ingest (a reconnection) or open one."""
+        ingest = hosted.ingest
+        if ingest is None or not ingest.live or ingest.format != media_format:
+            if ingest is not None:
+                ingest.close()
+            hosted.ingest = open_live(media_format, hosted.record.fps, self.settings.max_frame_side, self._live_limits)
+        hosted.settled = False
+        await self._set(session_id, SessionState.INGESTING)
+        await self._event(session_id, StateEvent(state=SessionState.INGESTING))
+
+    async def _received_upload(self, session_id: str, hosted: Hosted, kind: str) -> None:
+        ingest = hosted.ingest
+        if kind == "end":
+            hosted.media_closed = True
+            duration_s = ingest.info.duration_s if ingest.info else None
+            await self._set(session_id, upload_bytes=ingest.bytes_received, media_duration_s=duration_s)
+        else:
+            await self._set(session_id, upload_bytes=ingest.bytes_received)
+
+    async def _ingest_step(self, session_id: str, hosted: Hosted) -> None:
+        """Append the frames that are ready (decoding an upload's next few), report, and notice the end."""
+        ingest = hosted.ingest
+        assert ingest is not None
         try:
-            frames = await self._in_thread(self._decode_thread, hosted.ingest.next_frames, self.settings.frames_per_step)
-            if frames:
-                images, times = [f.image for f in frames], [f.time_s for f in frames]
+            batch = await self._in_thread(self._decode_thread, ingest.next_frames, self.settings.frames_per_step)
+            if batch.frames:
+                images, times = [f.image for f in batch.frames], [f.time_s for f in batch.frames]
                 await self._in_engine(hosted.engine.append_frames, images, times)
         except DecodeError as err:
             await self._fail(session_id, hosted, str(err))
@@ -337,15 +376,44 @@ class Worker:
             log.exception("session %s: ingest failed", session_id)
             await self._fail(session_id, hosted, f"ingest failed: {err}")
             return
-        if not hosted.ingest.exhausted:
-            await self._set(session_id, **self._progress(hosted.engine))
-            return
-        hosted.ingest.close()
-        hosted.ingest = None
+        for message in batch.warnings:
+            await self._event(session_id, WarningEvent(code="frame_skipped", message=message))
+        if ingest.live:
+            for code, connection, message in ingest.take_errors():
+                await self._event(session_id, MediaErrorEvent(code=code, message=message, connection=connection))
+        if batch.frames:
+            stats = hosted.engine.stats()
+            dropped = ingest.dropped if ingest.live else 0
+            await self._event(
+                session_id,
+                IngestEvent(
+                    frames=stats.frames,
+                    times=[f.time_s for f in batch.frames],
+                    video_time_s=stats.video_time_s,
+                    lag_s=round(batch.lag_s, 3),
+                    dropped=dropped,
+                    cache_tokens=stats.cache_tokens,
+                ),
+            )
+            await self._set(session_id, frames_dropped=dropped, ingest_lag_s=round(batch.lag_s, 3), **self._progress(hosted.engine))
+        if ingest.finished:
+            await self._finish_ingest(session_id, hosted)
+
+    async def _finish_ingest(self, session_id: str, hosted: Hosted) -> None:
+        if isinstance(hosted.ingest, UploadIngest):
+            hosted.ingest.close()
+            hosted.ingest = None
+            if hosted.engine.stats().frames == 0:
+                await self._fail(session_id, hosted, "the video has no frames")
+                return
+        hosted.settled = True  # a live ingest stays, for a client that connects again
         if hosted.engine.stats().frames == 0:
-            await self._fail(session_id, hosted, "the video has no frames")
-        else:
-            await self._set(session_id, SessionState.INGESTED, SessionState.INGESTING, **self._progress(hosted.engine))
+            await self._set(session_id, SessionState.READY, SessionState.INGESTING)
+            message = "the stream ended before any frame could be decoded"
+            await self._event(session_id, MediaErrorEvent(code="empty_stream", message=message, connection=hosted.ingest.connection))
+            return
+        await self._set(session_id, SessionState.INGESTED, SessionState.INGESTING, **self._progress(hosted.engine))
+        await self._event(session_id, StateEvent(state=SessionState.INGESTED))
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -370,6 +438,13 @@ class Worker:
         pairs = [item for pair in protocol.to_hash(**fields).items() for item in pair]
         args = [self.settings.session_ttl_s, state or "", from_state or "", *pairs]
         return bool(await self._update(keys=list(self.keys.session_data(session_id)), args=args))
+
+    async def _event(self, session_id: str, event: IngestEvent | StateEvent | WarningEvent | MediaErrorEvent) -> None:
+        stream = self.keys.events(session_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(stream, {"m": EventEnvelope(event=event).model_dump_json()}, maxlen=protocol.EVENTS_MAXLEN, approximate=True)
+            pipe.expire(stream, self.settings.session_ttl_s)
+            await pipe.execute()
 
     async def _consume(self, stream: str, entry_id: bytes) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -17,3 +17,10 @@ class WorkerSettings(CommonSettings):
     )
     frames_per_step: int = Field(8, ge=1, le=256, description="Frames decoded and appended per turn of a session.")
     max_frame_side: int = Field(768, ge=32, description="Decoded frames are scaled down to this longer side.")
+    live_max_lag_s: float = Field(
+        3.0, gt=0, description="A live frame this far behind real time is dropped (the newest is always kept)."
+    )
+    live_queue_frames: int = Field(16, ge=1, le=1024, description="Live frames waiting for the engine, per session.")
+    live_feed_bytes: int = Field(
+        4 * 1024 * 1024, ge=64 * 1024, description="Live stream bytes waiting for the decoder, per session."
+    )

@@ -1,0 +1,306 @@
+"""Live video over a WebSocket: `WS /sessions/{id}/stream`.
+
+The client authenticates (bearer header or `token` query parameter), sends a `start` message
+naming its format, then binary messages: container bytes cut anywhere (`webm`, `mp4`) or one
+timed image each (`frames`). The gateway moves them into the session's media stream, tells the
+client when the worker falls behind (`backpressure`), relays the session's events (ingest
+progress, warnings, errors, state changes), and closes with a code from `CloseCode` when
+something is wrong. One socket streams into a session at a time; a client that reconnects
+continues the same stream. docs/streaming.md is the protocol, with an example.
+"""
+
+import asyncio
+import json
+import logging
+import uuid
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from pydantic import BaseModel, ValidationError
+from redis.asyncio import Redis
+
+from app.deps import SESSION_ID
+from app.sessions import SessionStore
+from app.settings import GatewaySettings
+from streamvqa import protocol
+from streamvqa.protocol import (
+    BackpressureEvent,
+    CloseCode,
+    EventEnvelope,
+    Keys,
+    MediaErrorEvent,
+    SessionRecord,
+    StartedEvent,
+    StartMessage,
+    parse_frame_header,
+)
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+START_TIMEOUT_S = 10  # a socket that sends no `start` within this is closed
+INBOX_MESSAGES = 32  # messages read ahead of Redis; more while paused means backpressure is ignored
+EVENTS_BLOCK_MS = 1000
+
+# Claims a session's media for a stream socket. KEYS = hash, streamer key; ARGV = format,
+# connection id, claim TTL (ms). Returns the stream bytes received so far, -1 when the session
+# is gone, -2 when it has other media, -3 when another socket streams into it.
+CLAIM_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local media = redis.call('HGET', KEYS[1], 'media')
+if media and media ~= ARGV[1] then return -2 end
+if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[3]) then return -3 end
+redis.call('HSET', KEYS[1], 'media', ARGV[1])
+return tonumber(redis.call('HGET', KEYS[1], 'stream_bytes') or '0')
+"""
+RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_END = object()  # the client's `end` message, in the inbox
+
+
+class StreamClosed(Exception):
+    """Close the socket with `code`; `reason` is sent with it (at most 123 bytes)."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+@router.websocket("/sessions/{session_id}/stream")
+async def stream(websocket: WebSocket, session_id: str, token: str | None = None) -> None:
+    """Stream live video into a session; events come back on the same socket."""
+    await websocket.accept()
+    state = websocket.app.state
+    connection = StreamConnection(websocket, state.redis, state.keys, state.store, state.settings, session_id)
+    try:
+        await connection.run(token)
+    except StreamClosed as closed:
+        await connection.close(closed.code, closed.reason)
+    except WebSocketDisconnect:
+        pass
+    except Exception:
+        log.exception("stream socket of session %s failed", session_id)
+        await connection.close(1011, "the gateway failed; the error is in its log")
+
+
+class StreamConnection:
+    def __init__(
+        self,
+        websocket: WebSocket,
+        redis: Redis,
+        keys: Keys,
+        store: SessionStore,
+        settings: GatewaySettings,
+        session_id: str,
+    ) -> None:
+        self.websocket = websocket
+        self.redis = redis
+        self.keys = keys
+        self.store = store
+        self.settings = settings
+        self.session_id = session_id
+        self.id = uuid.uuid4().hex[:16]
+        self.format = ""
+        self._inbox: asyncio.Queue = asyncio.Queue(INBOX_MESSAGES)
+        self._paused = False
+        self._ended = False
+        self._send_lock = asyncio.Lock()
+        self._claim = redis.register_script(CLAIM_LUA)
+        self._renew = redis.register_script(RENEW_LUA)
+        self._release = redis.register_script(RELEASE_LUA)
+
+    async def run(self, token: str | None) -> None:
+        record = await self._authenticate(token)
+        self.format = (await self._start()).format
+        claimed = await self._claim(
+            keys=[self.keys.session(self.session_id), self.keys.streamer(self.session_id)],
+            args=[self.format, self.id, protocol.STREAMER_TTL_S * 1000],
+        )
+        if claimed == -1:
+            raise StreamClosed(CloseCode.NOT_FOUND, "the session is gone")
+        if claimed == -2:
+            raise StreamClosed(CloseCode.CONFLICT, f"the session already has {record.media} media")
+        if claimed == -3:
+            raise StreamClosed(CloseCode.CONFLICT, "another socket is streaming into this session")
+        try:
+            since = await self._last_event_id()
+            await self._add({"type": "connect", "format": self.format, "connection": self.id})
+            await self.send(
+                StartedEvent(
+                    format=self.format,
+                    connection=self.id,
+                    bytes_received=claimed,
+                    frames=record.frames_ingested,
+                    video_time_s=record.video_time_s,
+                )
+            )
+            await self._serve(since)
+        finally:
+            await self._add({"type": "disconnect", "connection": self.id})
+            await self._release(keys=[self.keys.streamer(self.session_id)], args=[self.id])
+
+    async def send(self, event: BaseModel) -> None:
+        async with self._send_lock:
+            await self.websocket.send_text(event.model_dump_json())
+
+    async def close(self, code: int, reason: str) -> None:
+        try:
+            async with self._send_lock:
+                await self.websocket.close(code, reason.encode()[:123].decode(errors="ignore"))
+        except (RuntimeError, WebSocketDisconnect, OSError):
+            pass  # already closed
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    async def _authenticate(self, token: str | None) -> SessionRecord:
+        header = self.websocket.headers.get("authorization", "")
+        if header.lower().startswith("bearer "):
+            token = header[7:].strip()
+        if not SESSION_ID.fullmatch(self.session_id):
+            raise StreamClosed(CloseCode.NOT_FOUND, f"no session {self.session_id}")
+        record, valid = await self.store.authenticate(self.session_id, token)
+        if record is None:
+            raise StreamClosed(CloseCode.NOT_FOUND, f"no session {self.session_id}")
+        if not valid:
+            raise StreamClosed(CloseCode.UNAUTHORIZED, "send this session's token as a bearer header or ?token=")
+        return record
+
+    async def _start(self) -> StartMessage:
+        try:
+            message = await asyncio.wait_for(self.websocket.receive(), START_TIMEOUT_S)
+        except TimeoutError as err:
+            raise StreamClosed(CloseCode.BAD_REQUEST, f"no start message within {START_TIMEOUT_S} s") from err
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        try:
+            return StartMessage.model_validate_json(message.get("text") or "")
+        except ValidationError as err:
+            raise StreamClosed(
+                CloseCode.BAD_REQUEST, 'first send {"type": "start", "format": "webm" | "mp4" | "frames"}'
+            ) from err
+
+    async def _last_event_id(self) -> str:
+        last = await self.redis.xrevrange(self.keys.events(self.session_id), count=1)
+        return last[0][0].decode() if last else "0-0"
+
+    # -- serving -------------------------------------------------------------------------------
+
+    async def _serve(self, since: str) -> None:
+        """Run the socket's tasks until one ends: the client leaving, or a reason to close."""
+        tasks = [
+            asyncio.create_task(self._receive()),
+            asyncio.create_task(self._forward()),
+            asyncio.create_task(self._relay(since)),
+            asyncio.create_task(self._keep_claim()),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in done:
+            task.result()  # raises StreamClosed or the failure
+
+    async def _receive(self) -> None:
+        """Socket to inbox. Text messages are control messages: `{"type": "end"}` ends the stream."""
+        while True:
+            message = await self.websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message.get("bytes") is not None:
+                if self._ended:
+                    raise StreamClosed(CloseCode.BAD_REQUEST, "media after the end of the stream")
+                if self._inbox.full():
+                    raise StreamClosed(CloseCode.BACKPRESSURE_IGNORED, "the client kept sending while paused")
+                self._inbox.put_nowait(message["bytes"])
+            elif _is_end(message.get("text")):
+                self._ended = True
+                await self._inbox.put(_END)
+            else:
+                await self.send(MediaErrorEvent(code="bad_message", message='text messages: {"type": "end"}'))
+
+    async def _forward(self) -> None:
+        """Inbox to the media stream, waiting while the worker's backlog is full."""
+        while True:
+            item = await self._inbox.get()
+            if item is _END:
+                await self._add({"type": "end"})
+                continue
+            if self.format == "frames":
+                try:
+                    time_s = parse_frame_header(item)
+                except ValueError as err:
+                    await self.send(MediaErrorEvent(code="bad_frame", message=str(err), connection=self.id))
+                    continue
+                await self._wait_for_room()
+                await self._add({"type": "frame", "time_s": repr(time_s), "data": item}, len(item))
+                continue
+            for start in range(0, len(item), protocol.MEDIA_CHUNK_BYTES):
+                chunk = item[start : start + protocol.MEDIA_CHUNK_BYTES]
+                await self._wait_for_room()
+                await self._add({"type": "data", "data": chunk}, len(chunk))
+
+    async def _wait_for_room(self) -> None:
+        """Return when the media backlog has room; tell the client while it has none."""
+        stream = self.keys.media(self.session_id)
+        backlog = await self.redis.xlen(stream)
+        if backlog < protocol.MEDIA_BACKLOG_ENTRIES:
+            return
+        await self.send(BackpressureEvent(paused=True, backlog=backlog))
+        deadline = asyncio.get_running_loop().time() + self.settings.upload_stall_s
+        while backlog >= protocol.MEDIA_BACKLOG_ENTRIES // 2:
+            if asyncio.get_running_loop().time() > deadline:
+                raise StreamClosed(CloseCode.TRY_AGAIN_LATER, "the session's worker stopped reading the stream")
+            if not await self.redis.exists(self.keys.session(self.session_id)):
+                raise StreamClosed(CloseCode.NOT_FOUND, "the session is gone")
+            await asyncio.sleep(0.05)
+            backlog = await self.redis.xlen(stream)
+        await self.send(BackpressureEvent(paused=False, backlog=backlog))
+
+    async def _add(self, fields: dict, stream_bytes: int = 0) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self.keys.media(self.session_id), fields, maxlen=protocol.MEDIA_MAXLEN, approximate=True)
+            if stream_bytes:
+                pipe.hincrby(self.keys.session(self.session_id), "stream_bytes", stream_bytes)
+            await pipe.execute()
+
+    async def _relay(self, since: str) -> None:
+        """The session's events to the socket; an error about this connection closes it."""
+        stream = self.keys.events(self.session_id)
+        while True:
+            reply = await self.redis.xread({stream: since}, block=EVENTS_BLOCK_MS, count=64)
+            for _, entries in reply:
+                for entry_id, fields in entries:
+                    since = entry_id
+                    event = EventEnvelope.model_validate_json(fields[b"m"]).event
+                    await self.send(event)
+                    if event.type == "error" and _closes(event, self.id):
+                        raise StreamClosed(CloseCode.UNDECODABLE, event.message)
+
+    async def _keep_claim(self) -> None:
+        streamer = self.keys.streamer(self.session_id)
+        while True:
+            await asyncio.sleep(protocol.STREAMER_TTL_S / 3)
+            if not await self._renew(keys=[streamer], args=[self.id, protocol.STREAMER_TTL_S * 1000]):
+                raise StreamClosed(CloseCode.CONFLICT, "the session's stream was taken over or the session is gone")
+            await self.store.touch(self.session_id)
+
+
+def _closes(error: MediaErrorEvent, connection: str) -> bool:
+    """Whether an error ends this connection: its stream cannot be decoded, or the session failed."""
+    if error.code == "session_error":
+        return True
+    return error.code in ("decode_failed", "empty_stream") and error.connection == connection
+
+
+def _is_end(text: str | None) -> bool:
+    try:
+        return json.loads(text or "") == {"type": "end"}
+    except ValueError:
+        return False

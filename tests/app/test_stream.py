@@ -1,0 +1,240 @@
+"""Live video over `WS /sessions/{id}/stream`, against a real gateway, worker and Redis."""
+
+import os
+import random
+import signal
+import struct
+import threading
+import zlib
+
+import pytest
+
+from streamvqa.protocol import frame_message
+from tests.media import file_bytes, jpeg, png, random_cuts, stream_bytes, timed_jpeg
+from tests.support import Client, StreamSocket
+
+SECONDS = 6  # each generated stream: 6 s at 10 frames per second
+EXPECTED_TIMES = {
+    1.0: [0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+    2.0: [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5],
+}
+
+
+def _ingested(socket: StreamSocket) -> dict | None:
+    return socket.wait_for(lambda e: e["type"] == "state" and e["state"] == "ingested")
+
+
+@pytest.mark.parametrize("codec", ["libx264", "libvpx", "libvpx-vp9", "mpeg4"])
+@pytest.mark.parametrize("fps", [1.0, 2.0])
+def test_a_stream_cut_anywhere_reaches_the_engine_at_its_video_times(client, codec, fps):
+    media_format, data = stream_bytes(codec, SECONDS)
+    client.create(fps=fps)
+    socket = StreamSocket(client, media_format)
+    assert socket.started["type"] == "started"
+    assert (socket.started["format"], socket.started["bytes_received"]) == (media_format, 0)
+    for piece in random_cuts(data, seed=len(codec) * 10 + int(fps)):
+        socket.send(piece)
+    socket.end()
+    assert _ingested(socket) is not None, socket.events
+    assert socket.frame_times() == EXPECTED_TIMES[fps]
+    session = client.get().json()
+    assert (session["state"], session["media"], session["frames_ingested"]) == ("ingested", media_format, len(EXPECTED_TIMES[fps]))
+    assert session["stream_bytes"] == len(data)
+    socket.close()
+
+
+def test_thirty_jpeg_frames_give_thirty_frames_at_their_times(client):
+    client.create(fps=1)
+    socket = StreamSocket(client, "frames", query_token=True)  # the token as a query parameter
+    for second in range(30):
+        socket.send(timed_jpeg(float(second), second))
+    socket.end()
+    assert _ingested(socket) is not None, socket.events
+    assert socket.frame_times() == [float(second) for second in range(30)]
+    assert client.get().json()["frames_ingested"] == 30
+    socket.close()
+
+
+def test_frames_out_of_order_or_repeated_are_skipped_with_a_warning(client):
+    client.create(fps=2)
+    socket = StreamSocket(client, "frames")
+    for time_s in [0.0, 1.0, 1.0, 0.5, 2.0, 2.2, 2.5]:
+        socket.send(timed_jpeg(time_s))
+    socket.end()
+    assert _ingested(socket) is not None
+    assert socket.frame_times() == [0.0, 1.0, 2.0, 2.5]  # 2.2 is before the next 0.5 s point
+    warnings = [e for e in socket.events if e["type"] == "warning"]
+    assert [w["code"] for w in warnings] == ["frame_skipped", "frame_skipped"]
+    assert "not after the previous frame" in warnings[0]["message"]
+
+
+def test_a_reconnecting_client_resumes_its_webm_stream(client):
+    media_format, data = stream_bytes("libvpx", SECONDS)
+    cut = random.Random(7).randrange(len(data) // 3, 2 * len(data) // 3)
+    client.create(fps=1)
+    first = StreamSocket(client, media_format)
+    for piece in random_cuts(data[:cut], seed=3, pieces=5):
+        first.send(piece)
+    first.wait_for(lambda e: e["type"] == "ingest")
+    first.close()  # the connection drops, without `end`
+
+    second = StreamSocket(client, media_format)
+    assert second.started["bytes_received"] == cut
+    for piece in random_cuts(data[cut:], seed=4, pieces=5):
+        second.send(piece)
+    second.end()
+    assert _ingested(second) is not None, second.events
+    session = client.get().json()
+    assert (session["frames_ingested"], session["video_time_s"]) == (SECONDS, 5.0)  # every frame, once
+    assert second.frame_times() == EXPECTED_TIMES[1.0][-len(second.frame_times()) :]
+    assert first.frame_times()[0] == 0.0
+
+
+def test_the_token_of_another_session_or_none_is_refused(stack):
+    owner, other = Client(stack.url), Client(stack.url)
+    owner.create()
+    other.create()
+    for token, code in [(other.token, 4401), ("", 4401)]:
+        socket = StreamSocket(owner, "frames", token=token)
+        assert socket.started is None and socket.close_code == code
+    missing = Client(stack.url)
+    missing.id, missing.token = "0" * 32, owner.token
+    socket = StreamSocket(missing, "frames")
+    assert socket.started is None and socket.close_code == 4404
+
+
+def test_a_bad_start_message_closes_with_4400(client):
+    client.create()
+    socket = StreamSocket(client, "gif")
+    assert socket.started is None
+    assert socket.close_code == 4400
+    assert "start" in socket.close_reason
+
+
+def test_one_socket_at_a_time_and_no_stream_into_an_upload_session(client, stack):
+    client.create()
+    streaming = StreamSocket(client, "frames")
+    second = StreamSocket(client, "frames")
+    assert (second.started, second.close_code) == (None, 4409)
+    streaming.close()
+
+    uploaded = Client(stack.url)
+    uploaded.create()
+    assert uploaded.upload(file_bytes("mp4", 2.0)).status_code == 202
+    socket = StreamSocket(uploaded, "webm")
+    assert (socket.started, socket.close_code) == (None, 4409)
+    assert "upload" in socket.close_reason
+
+
+def _png_declaring(width: int, height: int) -> bytes:
+    """A PNG whose header declares `width` x `height` pixels (and holds almost none)."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def _bad_stream(user: Client, media_format: str, messages: list[bytes], end: bool = True) -> StreamSocket:
+    socket = StreamSocket(user, media_format)
+    for message in messages:
+        socket.send(message)
+    if end:
+        socket.end()
+    return socket
+
+
+def test_bad_media_gets_clear_errors_while_another_stream_goes_on(stack):
+    good = Client(stack.url)
+    good.create(fps=2)
+    media_format, data = stream_bytes("libvpx", SECONDS)
+    good_socket = StreamSocket(good, media_format)
+    good_result: dict = {}
+
+    def stream_the_good_one() -> None:
+        for piece in random_cuts(data, seed=11, pieces=30):
+            good_socket.send(piece)
+        good_socket.end()
+        good_result["ingested"] = _ingested(good_socket)
+
+    sender = threading.Thread(target=stream_the_good_one)
+    sender.start()
+
+    cases = {
+        "random bytes": ("webm", [random.Random(1).randbytes(50_000)]),
+        "a png declared as webm": ("webm", [png(0)]),
+        "a truncated mp4": ("mp4", [stream_bytes("libx264", 2.0)[1][:300]]),
+        "an audio-only webm": ("webm", [_audio_only_webm()]),
+    }
+    for name, (media_format, messages) in cases.items():
+        user = Client(stack.url)
+        user.create()
+        socket = _bad_stream(user, media_format, messages)
+        event = socket.wait_for(lambda e: e["type"] == "error", timeout_s=30)
+        assert event is not None and event["code"] == "decode_failed", (name, socket.events)
+        assert socket.wait_closed() == 1007, name
+
+    empty = Client(stack.url)
+    empty.create()
+    socket = _bad_stream(empty, "webm", [])
+    event = socket.wait_for(lambda e: e["type"] == "error")
+    assert event["code"] == "empty_stream"
+
+    huge = Client(stack.url)
+    huge.create()
+    socket = _bad_stream(huge, "frames", [frame_message(0.0, _png_declaring(20_000, 20_000)), timed_jpeg(1.0)])
+    event = socket.wait_for(lambda e: e["type"] == "error")
+    assert event["code"] == "bad_frame" and "20000x20000" in event["message"]
+    assert _ingested(socket) is not None
+    assert socket.frame_times() == [1.0]  # the stream goes on after a bad frame
+
+    garbage = Client(stack.url)
+    garbage.create()
+    socket = _bad_stream(garbage, "frames", [b"\x00\x01", frame_message(-1.0, jpeg(0)), frame_message(0.0, b"GIF89a...")], end=False)
+    errors = [socket.wait_for(lambda e: e["type"] == "error") for _ in range(3)]
+    assert [e["code"] for e in errors] == ["bad_frame"] * 3
+    socket.close()
+
+    oversized = Client(stack.url)
+    oversized.create()
+    socket = _bad_stream(oversized, "frames", [timed_jpeg(0.0) + b"\0" * (5 * 1024 * 1024)], end=False)
+    assert socket.wait_closed() == 1009
+
+    sender.join(timeout=120)
+    assert good_result.get("ingested") is not None, good_socket.events
+    assert good_socket.frame_times() == EXPECTED_TIMES[2.0]
+    assert stack.processes["worker"].poll() is None  # the worker is still up
+
+
+def _audio_only_webm() -> bytes:
+    import io
+
+    import av
+    import numpy as np
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="webm") as container:
+        stream = container.add_stream("libopus", rate=48000)
+        for i in range(20):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 960), np.float32), format="flt", layout="mono")
+            frame.sample_rate, frame.pts = 48000, i * 960
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+def test_a_stalled_worker_brings_backpressure_then_a_close_if_ignored(client, stack):
+    client.create(fps=4)
+    client.wait_for_state("ready")
+    socket = StreamSocket(client, "frames")
+    worker = stack.processes["worker"]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        for i in range(200):
+            socket.send(timed_jpeg(i * 0.25))
+        event = socket.wait_for(lambda e: e["type"] == "backpressure", timeout_s=30)
+        assert event is not None and event["paused"] is True and event["backlog"] >= 64
+        assert socket.wait_closed() == 4429
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)

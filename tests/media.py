@@ -1,0 +1,86 @@
+"""Media made in the tests with PyAV and Pillow: encoded streams and files with known frame times."""
+
+import io
+import random
+from collections.abc import Iterator
+
+import av
+import numpy as np
+from PIL import Image
+
+from streamvqa.protocol import frame_message
+
+# codec -> (stream format, muxer, muxer options): each codec as a live client would send it
+STREAMS = {
+    "libx264": ("mp4", "mp4", {"movflags": "frag_keyframe+empty_moov+default_base_moof"}),
+    "mpeg4": ("mp4", "mp4", {"movflags": "frag_keyframe+empty_moov+default_base_moof"}),
+    "libvpx": ("webm", "webm", {}),
+    "libvpx-vp9": ("webm", "webm", {}),
+}
+# container -> (muxer, codec) for uploaded files
+FILES = {"mp4": ("mp4", "libx264"), "mov": ("mov", "libx264"), "mkv": ("matroska", "libvpx-vp9"),
+         "webm": ("webm", "libvpx"), "avi": ("avi", "mpeg4")}
+
+
+def picture(index: int, width: int = 160, height: int = 120) -> np.ndarray:
+    """A frame that changes with its index: a moving bar on a coloured ground, RGB uint8."""
+    image = np.zeros((height, width, 3), np.uint8)
+    image[:] = ((index * 37) % 256, (index * 91) % 256, 128)
+    x = (index * 7) % (width - 16)
+    image[:, x : x + 16] = 255
+    return image
+
+
+def encode(codec: str, muxer: str, seconds: float, rate: int = 10, options: dict | None = None,
+           size: tuple[int, int] = (160, 120), gop: int | None = None) -> bytes:
+    """`seconds` of video at `rate` frames per second; frame i is at i / rate seconds."""
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=muxer, options=options or {}) as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        stream.gop_size = gop or rate  # a keyframe (and a fragment) every second
+        if codec == "libx264":
+            stream.options = {"preset": "ultrafast", "bf": "0"}
+        elif codec.startswith("libvpx"):
+            stream.options = {"deadline": "realtime", "cpu-used": "8", "lag-in-frames": "0"}
+        for i in range(round(seconds * rate)):
+            frame = av.VideoFrame.from_ndarray(picture(i, *size), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+def stream_bytes(codec: str, seconds: float, rate: int = 10) -> tuple[str, bytes]:
+    """(format, bytes) of a live stream in `codec`."""
+    stream_format, muxer, options = STREAMS[codec]
+    return stream_format, encode(codec, muxer, seconds, rate, options)
+
+
+def file_bytes(container: str, seconds: float, rate: int = 10) -> bytes:
+    muxer, codec = FILES[container]
+    return encode(codec, muxer, seconds, rate)
+
+
+def random_cuts(data: bytes, seed: int, pieces: int = 12) -> Iterator[bytes]:
+    """`data` cut at `pieces - 1` random byte boundaries."""
+    cuts = sorted(random.Random(seed).sample(range(1, len(data)), pieces - 1))
+    for start, end in zip([0, *cuts], [*cuts, len(data)], strict=True):
+        yield data[start:end]
+
+
+def jpeg(index: int, size: tuple[int, int] = (160, 120)) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(picture(index, *size)).save(buffer, "JPEG", quality=80)
+    return buffer.getvalue()
+
+
+def png(index: int, size: tuple[int, int] = (160, 120)) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(picture(index, *size)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def timed_jpeg(time_s: float, index: int = 0) -> bytes:
+    return frame_message(time_s, jpeg(index))
