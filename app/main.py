@@ -35,6 +35,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.redis = redis
         app.state.keys = keys
         app.state.store = SessionStore(redis, keys, settings.session_ttl_s)
+        app.state.stream_sockets = 0  # open `WS /sessions/{id}/stream` sockets, at most max_stream_sockets
         try:
             yield
         finally:

@@ -15,5 +15,8 @@ class GatewaySettings(CommonSettings):
     ws_max_message_bytes: int = Field(
         4 * 1024 * 1024, ge=64 * 1024, description="Largest WebSocket message; larger ones close the socket with 1009."
     )
+    max_stream_sockets: int = Field(
+        128, ge=1, description="Stream sockets one gateway serves at once (each holds a Redis connection)."
+    )
     redis_max_connections: int = Field(256, ge=4, description="Redis connections per gateway process.")
     frontend_dir: Path = Field(FRONTEND_DIR, description="Static files served at `/`.")

@@ -38,19 +38,32 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 START_TIMEOUT_S = 10  # a socket that sends no `start` within this is closed
-INBOX_MESSAGES = 32  # messages read ahead of Redis; more while paused means backpressure is ignored
+INBOX_BYTES = 8 * 1024 * 1024  # bytes read ahead of Redis per socket; the socket is not read while over
+PAUSED_MESSAGES = 32  # messages a client may still send after `backpressure`; one more closes it (4429)
+CLAIM_WAIT_S = 2.0  # how long a connecting socket waits for the previous one's claim to be released
 EVENTS_BLOCK_MS = 1000
 
 # Claims a session's media for a stream socket. KEYS = hash, streamer key; ARGV = format,
 # connection id, claim TTL (ms). Returns the stream bytes received so far, -1 when the session
-# is gone, -2 when it has other media, -3 when another socket streams into it.
+# is gone, -2 when it has other media, -3 when another socket streams into it, -4 when it failed.
 CLAIM_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HGET', KEYS[1], 'state') == 'error' then return -4 end
 local media = redis.call('HGET', KEYS[1], 'media')
 if media and media ~= ARGV[1] then return -2 end
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[3]) then return -3 end
 redis.call('HSET', KEYS[1], 'media', ARGV[1])
 return tonumber(redis.call('HGET', KEYS[1], 'stream_bytes') or '0')
+"""
+# Adds a media entry to a live session. KEYS = hash, media stream; ARGV = MAXLEN, stream bytes
+# to count, then the entry's field, value pairs. Returns 1, or -1 when the session is gone (the
+# entry is not added: nothing outlives a session), -2 when it failed.
+ADD_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HGET', KEYS[1], 'state') == 'error' then return -2 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 3))
+if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[1], 'stream_bytes', ARGV[2]) end
+return 1
 """
 RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -61,6 +74,7 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 _END = object()  # the client's `end` message, in the inbox
+_LEFT = object()  # the client closed the socket: what it sent before is forwarded, then the socket ends
 
 
 class StreamClosed(Exception):
@@ -77,6 +91,10 @@ async def stream(websocket: WebSocket, session_id: str, token: str | None = None
     await websocket.accept()
     state = websocket.app.state
     connection = StreamConnection(websocket, state.redis, state.keys, state.store, state.settings, session_id)
+    if state.stream_sockets >= state.settings.max_stream_sockets:
+        await connection.close(CloseCode.TRY_AGAIN_LATER, "this gateway streams as many sockets as it may")
+        return
+    state.stream_sockets += 1
     try:
         await connection.run(token)
     except StreamClosed as closed:
@@ -86,6 +104,8 @@ async def stream(websocket: WebSocket, session_id: str, token: str | None = None
     except Exception:
         log.exception("stream socket of session %s failed", session_id)
         await connection.close(1011, "the gateway failed; the error is in its log")
+    finally:
+        state.stream_sockets -= 1
 
 
 class StreamConnection:
@@ -106,27 +126,22 @@ class StreamConnection:
         self.session_id = session_id
         self.id = uuid.uuid4().hex[:16]
         self.format = ""
-        self._inbox: asyncio.Queue = asyncio.Queue(INBOX_MESSAGES)
-        self._paused = False
+        self._inbox: asyncio.Queue = asyncio.Queue()  # bounded by INBOX_BYTES, counted in _inbox_bytes
+        self._inbox_bytes = 0
+        self._inbox_drained = asyncio.Event()
+        self._paused = False  # a `backpressure` event told the client to stop
+        self._sent_while_paused = 0
         self._ended = False
         self._send_lock = asyncio.Lock()
         self._claim = redis.register_script(CLAIM_LUA)
+        self._add_entry = redis.register_script(ADD_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(RELEASE_LUA)
 
     async def run(self, token: str | None) -> None:
         record = await self._authenticate(token)
         self.format = (await self._start()).format
-        claimed = await self._claim(
-            keys=[self.keys.session(self.session_id), self.keys.streamer(self.session_id)],
-            args=[self.format, self.id, protocol.STREAMER_TTL_S * 1000],
-        )
-        if claimed == -1:
-            raise StreamClosed(CloseCode.NOT_FOUND, "the session is gone")
-        if claimed == -2:
-            raise StreamClosed(CloseCode.CONFLICT, f"the session already has {record.media} media")
-        if claimed == -3:
-            raise StreamClosed(CloseCode.CONFLICT, "another socket is streaming into this session")
+        claimed = await self._claim_media(record)
         try:
             since = await self._last_event_id()
             await self._add({"type": "connect", "format": self.format, "connection": self.id})
@@ -141,7 +156,7 @@ class StreamConnection:
             )
             await self._serve(since)
         finally:
-            await self._add({"type": "disconnect", "connection": self.id})
+            await self._add({"type": "disconnect", "connection": self.id}, closing=True)
             await self._release(keys=[self.keys.streamer(self.session_id)], args=[self.id])
 
     async def send(self, event: BaseModel) -> None:
@@ -184,6 +199,27 @@ class StreamConnection:
                 CloseCode.BAD_REQUEST, 'first send {"type": "start", "format": "webm" | "mp4" | "frames"}'
             ) from err
 
+    async def _claim_media(self, record: SessionRecord) -> int:
+        """Claim the session's media for this socket; the stream bytes received before it."""
+        deadline = asyncio.get_running_loop().time() + CLAIM_WAIT_S
+        while True:
+            claimed = await self._claim(
+                keys=[self.keys.session(self.session_id), self.keys.streamer(self.session_id)],
+                args=[self.format, self.id, protocol.STREAMER_TTL_S * 1000],
+            )
+            if claimed != -3 or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.1)  # a reconnecting client's old socket may still be closing
+        if claimed == -1:
+            raise StreamClosed(CloseCode.NOT_FOUND, "the session is gone")
+        if claimed == -2:
+            raise StreamClosed(CloseCode.CONFLICT, f"the session already has {record.media} media")
+        if claimed == -3:
+            raise StreamClosed(CloseCode.CONFLICT, "another socket is streaming into this session")
+        if claimed == -4:
+            raise StreamClosed(CloseCode.CONFLICT, f"the session failed: {record.error}")
+        return claimed
+
     async def _last_event_id(self) -> str:
         last = await self.redis.xrevrange(self.keys.events(self.session_id), count=1)
         return last[0][0].decode() if last else "0-0"
@@ -191,34 +227,45 @@ class StreamConnection:
     # -- serving -------------------------------------------------------------------------------
 
     async def _serve(self, since: str) -> None:
-        """Run the socket's tasks until one ends: the client leaving, or a reason to close."""
-        tasks = [
+        """Run the socket's tasks until the client has left and what it sent is forwarded, or
+        until one of them finds a reason to close."""
+        forward = asyncio.create_task(self._forward())
+        tasks = {
             asyncio.create_task(self._receive()),
-            asyncio.create_task(self._forward()),
+            forward,
             asyncio.create_task(self._relay(since)),
             asyncio.create_task(self._keep_claim()),
-        ]
+        }
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            while forward in tasks:
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # raises StreamClosed or the failure
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        for task in done:
-            task.result()  # raises StreamClosed or the failure
 
     async def _receive(self) -> None:
         """Socket to inbox. Text messages are control messages: `{"type": "end"}` ends the stream."""
         while True:
             message = await self.websocket.receive()
             if message["type"] == "websocket.disconnect":
+                await self._inbox.put(_LEFT)
                 return
-            if message.get("bytes") is not None:
+            data = message.get("bytes")
+            if data is not None:
                 if self._ended:
                     raise StreamClosed(CloseCode.BAD_REQUEST, "media after the end of the stream")
-                if self._inbox.full():
-                    raise StreamClosed(CloseCode.BACKPRESSURE_IGNORED, "the client kept sending while paused")
-                self._inbox.put_nowait(message["bytes"])
+                if self._paused:
+                    self._sent_while_paused += 1
+                    if self._sent_while_paused > PAUSED_MESSAGES:
+                        raise StreamClosed(CloseCode.BACKPRESSURE_IGNORED, "the client kept sending while paused")
+                while self._inbox_bytes > INBOX_BYTES:  # stop reading the socket: TCP slows the client
+                    self._inbox_drained.clear()
+                    await self._inbox_drained.wait()
+                self._inbox_bytes += len(data)
+                await self._inbox.put(data)
             elif _is_end(message.get("text")):
                 self._ended = True
                 await self._inbox.put(_END)
@@ -226,25 +273,33 @@ class StreamConnection:
                 await self.send(MediaErrorEvent(code="bad_message", message='text messages: {"type": "end"}'))
 
     async def _forward(self) -> None:
-        """Inbox to the media stream, waiting while the worker's backlog is full."""
+        """Inbox to the media stream, waiting while the worker's backlog is full; returns once
+        the client has left and everything it sent is in the stream."""
         while True:
             item = await self._inbox.get()
+            if item is _LEFT:
+                return
             if item is _END:
                 await self._add({"type": "end"})
                 continue
-            if self.format == "frames":
-                try:
-                    time_s = parse_frame_header(item)
-                except ValueError as err:
-                    await self.send(MediaErrorEvent(code="bad_frame", message=str(err), connection=self.id))
-                    continue
-                await self._wait_for_room()
-                await self._add({"type": "frame", "time_s": repr(time_s), "data": item}, len(item))
-                continue
-            for start in range(0, len(item), protocol.MEDIA_CHUNK_BYTES):
-                chunk = item[start : start + protocol.MEDIA_CHUNK_BYTES]
-                await self._wait_for_room()
-                await self._add({"type": "data", "data": chunk}, len(chunk))
+            await self._forward_media(item)
+            self._inbox_bytes -= len(item)
+            self._inbox_drained.set()
+
+    async def _forward_media(self, message: bytes) -> None:
+        if self.format == "frames":
+            try:
+                time_s = parse_frame_header(message)
+            except ValueError as err:
+                await self.send(MediaErrorEvent(code="bad_frame", message=str(err), connection=self.id))
+                return
+            await self._wait_for_room()
+            await self._add({"type": "frame", "time_s": repr(time_s), "data": message}, len(message))
+            return
+        for start in range(0, len(message), protocol.MEDIA_CHUNK_BYTES):
+            chunk = message[start : start + protocol.MEDIA_CHUNK_BYTES]
+            await self._wait_for_room()
+            await self._add({"type": "data", "data": chunk}, len(chunk))
 
     async def _wait_for_room(self) -> None:
         """Return when the media backlog has room; tell the client while it has none."""
@@ -252,6 +307,7 @@ class StreamConnection:
         backlog = await self.redis.xlen(stream)
         if backlog < protocol.MEDIA_BACKLOG_ENTRIES:
             return
+        self._paused, self._sent_while_paused = True, 0
         await self.send(BackpressureEvent(paused=True, backlog=backlog))
         deadline = asyncio.get_running_loop().time() + self.settings.upload_stall_s
         while backlog >= protocol.MEDIA_BACKLOG_ENTRIES // 2:
@@ -261,14 +317,19 @@ class StreamConnection:
                 raise StreamClosed(CloseCode.NOT_FOUND, "the session is gone")
             await asyncio.sleep(0.05)
             backlog = await self.redis.xlen(stream)
+        self._paused = False
         await self.send(BackpressureEvent(paused=False, backlog=backlog))
 
-    async def _add(self, fields: dict, stream_bytes: int = 0) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self.keys.media(self.session_id), fields, maxlen=protocol.MEDIA_MAXLEN, approximate=True)
-            if stream_bytes:
-                pipe.hincrby(self.keys.session(self.session_id), "stream_bytes", stream_bytes)
-            await pipe.execute()
+    async def _add(self, fields: dict, stream_bytes: int = 0, closing: bool = False) -> None:
+        """Add a media entry, unless the session is gone or failed (then close, unless `closing`)."""
+        pairs = [item for pair in fields.items() for item in pair]
+        keys = [self.keys.session(self.session_id), self.keys.media(self.session_id)]
+        added = await self._add_entry(keys=keys, args=[protocol.MEDIA_MAXLEN, stream_bytes, *pairs])
+        if added == 1 or closing:
+            return
+        if added == -1:
+            raise StreamClosed(CloseCode.NOT_FOUND, "the session is gone")
+        raise StreamClosed(CloseCode.UNDECODABLE, "the session failed")
 
     async def _relay(self, since: str) -> None:
         """The session's events to the socket; an error about this connection closes it."""

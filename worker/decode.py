@@ -69,24 +69,6 @@ def scaled_size(width: int, height: int, max_side: int) -> tuple[int, int]:
 # -- files ---------------------------------------------------------------------------------------
 
 
-def sample_file(path: Path, fps: float, max_side: int, info: "VideoInfo | None" = None) -> Iterator[Frame]:
-    """The first video stream of a file, sampled at `fps` and scaled to `max_side`.
-
-    decord reads the sampled frames directly (it seeks rather than converting every frame);
-    files it cannot read go through PyAV, which decodes them in order. PyAV checks the file
-    first, so decord only ever sees a container FFmpeg's allowed demuxers recognise.
-    """
-    info = info or probe(path)
-    try:
-        frames = _sample_with_decord(path, fps, scaled_size(info.width, info.height, max_side))
-    except DecodeError:
-        raise
-    except Exception as err:  # decord raises its own errors, and some files it cannot index
-        log.info("decord cannot read %s (%s); decoding with PyAV", path.name, err)
-        frames = None
-    return frames if frames is not None else _sample_with_pyav(path, fps, max_side)
-
-
 @dataclass(frozen=True)
 class VideoInfo:
     width: int
@@ -105,20 +87,46 @@ def probe(path: Path) -> VideoInfo:
         return VideoInfo(stream.codec_context.width, stream.codec_context.height, duration_s)
 
 
-def _sample_with_decord(path: Path, fps: float, size: tuple[int, int]) -> Iterator[Frame] | None:
+def sample_file(path: Path, fps: float, max_side: int, info: VideoInfo | None = None) -> Iterator[Frame]:
+    """The first video stream of a file, sampled at `fps` and scaled to `max_side`; lazy.
+
+    decord reads the sampled frames directly (it seeks rather than converting every frame);
+    where it fails, at the start or part-way, PyAV decodes the rest in order. PyAV checks the
+    file first (`probe`, now), so decord only ever sees a container that FFmpeg's allowed
+    demuxers recognise, at a size within the limits.
+    """
+    info = info or probe(path)
+    return _sample_file(path, fps, max_side, scaled_size(info.width, info.height, max_side))
+
+
+def _sample_file(path: Path, fps: float, max_side: int, size: tuple[int, int]) -> Iterator[Frame]:
+    last_s = -math.inf
+    try:
+        for frame in _sample_with_decord(path, fps, size):
+            last_s = frame.time_s
+            yield frame
+        return
+    except Exception as err:  # decord raises its own errors, and some files it cannot index
+        log.info("decord cannot read %s after %.3f s (%s); decoding with PyAV", path.name, last_s, err)
+    for frame in _sample_with_pyav(path, fps, max_side):
+        if frame.time_s > last_s:
+            yield frame
+
+
+def _sample_with_decord(path: Path, fps: float, size: tuple[int, int]) -> Iterator[Frame]:
     import decord  # imported here: only the worker's file path needs it
 
     width, height = size
-    reader = decord.VideoReader(str(path), width=width, height=height, num_threads=0)
+    reader = decord.VideoReader(str(path), width=width, height=height, num_threads=0)  # 0: all cores
     if len(reader) == 0:
-        return None
+        raise ValueError("decord found no frames")
     starts = reader.get_frame_timestamp(range(len(reader)))[:, 0]  # (frames,) presentation times in s
     if not np.all(np.isfinite(starts)) or np.any(np.diff(starts) < 0):
-        return None  # out-of-order timestamps: let PyAV decode in presentation order
+        raise ValueError("timestamps out of order")  # PyAV decodes in presentation order
     starts = starts - starts[0]
     sampler = FrameSampler(fps)
     chosen = [i for i, start in enumerate(starts) if sampler.keep(float(start))]
-    return _read_batches(reader, chosen, starts)
+    yield from _read_batches(reader, chosen, starts)
 
 
 def _read_batches(reader, chosen: list[int], starts: np.ndarray) -> Iterator[Frame]:

@@ -36,6 +36,7 @@ class LiveLimits:
     feed_bytes: int  # bytes waiting for the decoder
     queue_frames: int  # frames waiting for the engine
     max_lag_s: float  # a frame later than this (behind real time) is dropped
+    read_ahead: int  # media entries the worker may read in one turn (frames mode keeps room for them)
 
 
 @dataclass
@@ -139,15 +140,11 @@ class _LiveIngest:
     def take_errors(self) -> list[tuple[str, str, str]]:
         """(code, connection, message) of the errors since the last call: `decode_failed` ends
         the connection's stream, `bad_frame` skips one image."""
-        errors = list(self._errors)
-        self._errors.clear()
-        return errors
+        return _take_all(self._errors)
 
     def next_frames(self, count: int) -> Batch:
         frames, lag_s = self.queue.take(count)
-        warnings = list(self._warnings)
-        self._warnings.clear()
-        return Batch(frames, lag_s, warnings)
+        return Batch(frames, lag_s, _take_all(self._warnings))
 
     def _fail(self, message: str, code: str = "decode_failed") -> None:
         self._errors.append((code, self.connection, message))
@@ -165,7 +162,7 @@ class FramesIngest(_LiveIngest):
 
     @property
     def accepts_media(self) -> bool:
-        return not self.queue.full
+        return self.queue.capacity - len(self.queue) >= self.limits.read_ahead
 
     @property
     def has_work(self) -> bool:
@@ -205,10 +202,20 @@ class FramesIngest(_LiveIngest):
             self._fail(f"frame at {time_s:.3f} s: {err}", "bad_frame")
             return
         self._last_time_s = time_s
-        self.queue.put(Frame(image, time_s), block=False)  # never full: the loop reads only while there is room
+        if not self.queue.put(Frame(image, time_s), block=False):  # the loop reads only while there is room
+            self.queue.dropped += 1
 
     def close(self) -> None:
         self.queue.close()
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One container byte stream on its way to the decoder thread."""
+
+    feed: ByteFeed
+    connection: str  # the connection that wrote to it last (its errors are reported to it)
+    failed: bool = False  # decoding failed: its remaining bytes are dropped
 
 
 class StreamIngest(_LiveIngest):
@@ -223,24 +230,23 @@ class StreamIngest(_LiveIngest):
     def __init__(self, container_format: str, fps: float, max_side: int, limits: LiveLimits) -> None:
         super().__init__(fps, max_side, limits)
         self.format = container_format
-        self.init_segment: bytes | None = None
-        self._header = bytearray()  # the start of the first stream, until its first fragment
-        self._feed: ByteFeed | None = None  # the stream receiving bytes
-        self._pending: deque[ByteFeed] = deque()  # streams the decoder thread has not started
+        self.init_segment: bytes | None = None  # the latest stream's bytes before its first fragment
+        self._header: bytearray | None = None  # the start of the latest stream, until its first fragment
+        self._current: _Stream | None = None  # the stream receiving bytes
+        self._pending: deque[_Stream] = deque()  # streams the decoder thread has not started
+        self._decoding: _Stream | None = None  # the stream the decoder thread is on
         self._joining = False  # the next data starts a connection
         self._seeking = False  # dropping bytes until a fragment starts
         self._time_base: float | None = None  # added to stream times so that the first frame is at 0
         self._last_time_s = -math.inf
-        self._broken = False  # decoding failed: the rest of this connection's bytes are dropped
         self._wake = threading.Condition()
         self._closed = False
-        self._busy = False  # the decoder thread is decoding a stream
         self._thread = threading.Thread(target=self._decode_streams, name="stream-decoder", daemon=True)
         self._thread.start()
 
     @property
     def accepts_media(self) -> bool:
-        return self._feed is None or self._feed.room_bytes > 0
+        return self._current is None or self._current.feed.room_bytes > 0
 
     @property
     def has_work(self) -> bool:
@@ -249,15 +255,16 @@ class StreamIngest(_LiveIngest):
     @property
     def finished(self) -> bool:
         with self._wake:
-            return self.ended and not self._busy and not self._pending and len(self.queue) == 0
+            idle = self._decoding is None and not self._pending
+        return self.ended and idle and len(self.queue) == 0
 
     def receive(self, kind: str, fields: dict[bytes, bytes]) -> None:
         if kind == "connect":
             self.connect(fields[b"connection"].decode())
             self._joining = True
-            if self._broken:
-                self._broken = False
-                self._feed = None
+            self._seeking = False
+            if self._current is not None and self._current.failed:
+                self._end_stream()
         elif kind == "data":
             self._receive_bytes(fields[b"data"])
         elif kind == "end":
@@ -267,84 +274,88 @@ class StreamIngest(_LiveIngest):
             self._fail(f"unexpected media entry {kind!r} in a {self.format} stream")
 
     def _receive_bytes(self, data: bytes) -> None:
-        if self._broken:
-            return
         if self._joining:
             self._joining = False
             if containers.starts_stream(self.format, data):
                 self._start_stream()
-            elif self._feed is None:
+                self._header = bytearray()
+            elif self._current is None:
                 self._seeking = True
+        elif self._current is None and not self._seeking:
+            self._seeking = True  # bytes after an `end` (without a new connection)
         if self._seeking:
             data = self._seek_fragment(data)
-            if not data:
-                return
-        if self._feed is None:
-            self._start_stream()
-        if self.init_segment is None and self._header is not None:
+        if not data or self._current is None or self._current.failed:
+            return  # waiting for a fragment, or dropping the rest of a failed stream
+        if self._header is not None:
             self._keep_header(data)
-        self._feed.write(data)
+        self._current.connection = self.connection
+        self._current.feed.write(data)
 
     def _seek_fragment(self, data: bytes) -> bytes:
+        """The part of `data` from its first fragment on, behind a new stream that starts with the
+        init segment; b'' while no fragment has come."""
         if self.init_segment is None:
             self._seeking = False
             self._fail("the stream does not start with a header, and none was seen before")
+            self._start_stream(failed=True)  # drop the rest of this connection
             return b""
         at = containers.first_fragment(self.format, data)
         if at is None:
             return b""
         self._seeking = False
-        self._start_stream()
-        self._feed.write(self.init_segment)
+        if self._start_stream():
+            self._current.feed.write(self.init_segment)
         return data[at:]
 
     def _keep_header(self, data: bytes) -> None:
-        at = containers.first_fragment(self.format, bytes(self._header[-3:]) + data)
+        self._header += data
+        at = containers.first_fragment(self.format, bytes(self._header))
         if at is not None:
-            self._header += data[: max(0, at - min(3, len(self._header)))]
-            self.init_segment = bytes(self._header)
+            self.init_segment = bytes(self._header[:at])
             self._header = None
-        elif len(self._header) + len(data) > containers.MAX_INIT_SEGMENT_BYTES:
-            self._header = None  # no init segment: a stream that breaks cannot be rejoined
-        else:
-            self._header += data
+        elif len(self._header) > containers.MAX_INIT_SEGMENT_BYTES:
+            self._header = None  # not an init segment; the previous one (if any) stays
 
-    def _start_stream(self) -> None:
+    def _start_stream(self, failed: bool = False) -> bool:
+        """End the current stream and open a new one (False when refused: too many wait)."""
         self._end_stream()
-        if len(self._pending) >= MAX_PENDING_STREAMS:
-            self._fail("too many new streams at once")
-            return
-        self._feed = ByteFeed(self.limits.feed_bytes)
         with self._wake:
-            self._pending.append(self._feed)
-            self._wake.notify_all()
+            if not failed and len(self._pending) >= MAX_PENDING_STREAMS:
+                self._fail("too many new streams at once")
+                failed = True
+            self._current = _Stream(ByteFeed(self.limits.feed_bytes), self.connection, failed)
+            if not failed:
+                self._pending.append(self._current)
+                self._wake.notify_all()
+        return not failed
 
     def _end_stream(self) -> None:
-        if self._feed is not None:
-            self._feed.end_input()
-            self._feed = None
+        if self._current is not None:
+            self._current.feed.end_input()
+            self._current = None
 
     def _decode_streams(self) -> None:
         """The decoder thread: one stream after another, until closed."""
         while True:
             with self._wake:
-                self._busy = False
+                self._decoding = None
                 self._wake.wait_for(lambda: self._closed or self._pending)
                 if self._closed:
                     return
-                feed = self._pending.popleft()
-                self._busy = True
+                stream = self._decoding = self._pending.popleft()
             try:
-                self._decode(feed)
+                self._decode(stream.feed)
             except FeedAborted:
                 pass
             except Exception as err:
                 if not isinstance(err, DecodeError):
                     log.exception("decoding a live stream failed")
-                self._broken = True
-                self._fail(str(err) if isinstance(err, DecodeError) else f"decoding failed: {err}")
+                stream.failed = True
+                message = str(err) if isinstance(err, DecodeError) else f"decoding failed: {err}"
+                self._errors.append(("decode_failed", stream.connection, message))
             finally:
-                feed.abort()
+                stream.feed.abort()
 
     def _decode(self, feed: ByteFeed) -> None:
         offset: float | None = None
@@ -368,15 +379,22 @@ class StreamIngest(_LiveIngest):
                 return  # closed
 
     def close(self) -> None:
+        """Stop decoding and drop what waits; the daemon decoder thread ends on its own."""
         with self._wake:
             self._closed = True
-            for feed in self._pending:
-                feed.abort()
+            for stream in [*self._pending, self._current, self._decoding]:
+                if stream is not None:
+                    stream.feed.abort()
             self._wake.notify_all()
-        if self._feed is not None:
-            self._feed.abort()
         self.queue.close()
-        self._thread.join(timeout=5)
+
+
+def _take_all(items: deque) -> list:
+    """Empty a deque that another thread appends to, losing nothing."""
+    taken = []
+    while items:
+        taken.append(items.popleft())
+    return taken
 
 
 def open_live(container_format: str, fps: float, max_side: int, limits: LiveLimits) -> FramesIngest | StreamIngest:

@@ -118,7 +118,9 @@ class Worker:
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(RELEASE_LUA)
         self._lease_ms = int(settings.lease_ttl_s * 1000)
-        self._live_limits = LiveLimits(settings.live_feed_bytes, settings.live_queue_frames, settings.live_max_lag_s)
+        self._live_limits = LiveLimits(
+            settings.live_feed_bytes, settings.live_queue_frames, settings.live_max_lag_s, read_ahead=READ_COUNT
+        )
 
     def stop(self) -> None:
         self._stopping.set()
@@ -148,6 +150,7 @@ class Worker:
     async def _turn(self) -> None:
         lost = [session_id for session_id, hosted in self.sessions.items() if hosted.lost]
         for session_id in lost:
+            await self._release(keys=[self.keys.lease(session_id)], args=[self.id])
             self._drop(session_id)
         if lost:
             await self._advertise()

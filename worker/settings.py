@@ -20,7 +20,9 @@ class WorkerSettings(CommonSettings):
     live_max_lag_s: float = Field(
         3.0, gt=0, description="A live frame this far behind real time is dropped (the newest is always kept)."
     )
-    live_queue_frames: int = Field(16, ge=1, le=1024, description="Live frames waiting for the engine, per session.")
+    live_queue_frames: int = Field(
+        16, ge=8, le=1024, description="Live frames waiting for the engine, per session (at least a turn's 8 reads)."
+    )
     live_feed_bytes: int = Field(
         4 * 1024 * 1024, ge=64 * 1024, description="Live stream bytes waiting for the decoder, per session."
     )

@@ -163,6 +163,7 @@ def test_bad_media_gets_clear_errors_while_another_stream_goes_on(stack):
 
     cases = {
         "random bytes": ("webm", [random.Random(1).randbytes(50_000)]),
+        "a webm header, then random bytes": ("webm", [data[:200] + random.Random(2).randbytes(50_000)]),
         "a png declared as webm": ("webm", [png(0)]),
         "a truncated mp4": ("mp4", [stream_bytes("libx264", 2.0)[1][:300]]),
         "an audio-only webm": ("webm", [_audio_only_webm()]),
@@ -238,3 +239,20 @@ def test_a_stalled_worker_brings_backpressure_then_a_close_if_ignored(client, st
         assert socket.wait_closed() == 4429
     finally:
         os.kill(worker.pid, signal.SIGCONT)
+
+
+def test_deleting_a_session_mid_stream_closes_its_socket_and_leaves_no_keys(client, stack, redis_url):
+    import redis
+
+    client.create(fps=4)
+    socket = StreamSocket(client, "frames")
+    socket.send(timed_jpeg(0.0))
+    socket.wait_for(lambda e: e["type"] == "ingest")
+    client.delete()
+    for i in range(1, 5):
+        socket.send(timed_jpeg(float(i)))
+    assert socket.wait_closed() == 4404
+    store = redis.Redis.from_url(redis_url)
+    leftovers = store.keys(f"{stack.prefix}session:{client.id}*")
+    assert [key for key in leftovers if store.ttl(key) < 0] == []  # nothing that never expires
+    assert {key.decode().rsplit(":", 1)[-1] for key in leftovers} <= {"lease"}  # freed at the next heartbeat

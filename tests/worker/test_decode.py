@@ -65,3 +65,15 @@ def test_common_containers_decode(tmp_path, suffix, codec):
     path = tmp_path / f"clip{suffix}"
     _write_video(path, codec)
     assert [round(f.time_s, 2) for f in sample_file(path, 1.0, max_side=768)] == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("container", ["mp4", "mov", "mkv", "webm", "avi"])
+def test_decord_reads_the_sampled_frames_of_each_container(tmp_path, container):
+    from tests.media import file_bytes
+    from worker.decode import _sample_with_decord
+
+    path = tmp_path / f"clip.{container}"
+    path.write_bytes(file_bytes(container, 3.0))  # 3 s at 10 frames per second, 160x120
+    frames = list(_sample_with_decord(path, 2.0, (80, 60)))
+    assert [f.time_s for f in frames] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+    assert frames[0].image.shape == (60, 80, 3)

@@ -1,5 +1,6 @@
 """Live ingest without a server: the real-time frame queue, and streams that break, rejoin and restart."""
 
+import threading
 import time
 
 import numpy as np
@@ -10,7 +11,7 @@ from worker.buffers import ByteFeed, FrameQueue
 from worker.decode import Frame
 from worker.ingest import FramesIngest, LiveLimits, StreamIngest
 
-LIMITS = LiveLimits(feed_bytes=4 << 20, queue_frames=64, max_lag_s=100.0)
+LIMITS = LiveLimits(feed_bytes=4 << 20, queue_frames=64, max_lag_s=100.0, read_ahead=8)
 
 
 class Clock:
@@ -49,7 +50,19 @@ def test_a_client_faster_than_real_time_is_never_dropped_but_fills_the_queue():
     assert (lag_s, queue.dropped) == (0.0, 0)
 
 
-def test_the_byte_feed_blocks_its_reader_until_bytes_or_the_end():
+def test_the_byte_feed_blocks_its_reader_until_bytes_come():
+    feed = ByteFeed(max_bytes=10)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(feed.read(4)))
+    reader.start()
+    reader.join(timeout=0.2)
+    assert reader.is_alive() and got == []  # nothing to read yet: it waits
+    feed.write(b"xy")
+    reader.join(timeout=5)
+    assert got == [b"xy"]
+
+
+def test_the_byte_feed_hands_over_its_bytes_then_the_end():
     feed = ByteFeed(max_bytes=10)
     feed.write(b"abcdefgh")
     assert feed.room_bytes == 2
@@ -140,3 +153,58 @@ def test_frames_keep_the_first_at_each_sampling_point_and_report_bad_images():
     [(code, connection, message)] = ingest.take_errors()
     assert (code, connection) == ("bad_frame", "camera") and message.startswith("frame at 4.000 s")
     assert ingest.finished
+
+
+def test_a_new_stream_after_a_drop_inside_a_fragment_is_decoded():
+    media_format, data = stream_bytes("libx264", 3.0)
+    fragments = [i - 4 for i in range(len(data)) if data[i : i + 4] == b"moof"]
+    ingest = StreamIngest(media_format, fps=1.0, max_side=768, limits=LIMITS)
+    try:
+        _connect(ingest, media_format, "dropped")
+        ingest.receive("data", {b"data": data[: fragments[2] - 100]})  # the connection drops here
+        _connect(ingest, media_format, "restarted")  # a restarted recorder: a new header
+        ingest.receive("data", {b"data": data})
+        ingest.receive("end", {})
+        # the first stream's frames up to its cut, then the new one's from 1/fps after the last kept
+        assert _drain(ingest) == [0.0, 1.0, 2.0, 3.0, 4.0]
+        [(code, connection, _)] = ingest.take_errors()  # the cut-off stream, not the new one
+        assert (code, connection) == ("decode_failed", "dropped")
+    finally:
+        ingest.close()
+
+
+def test_a_connection_that_never_reached_a_fragment_does_not_spoil_the_next():
+    media_format, data = stream_bytes("libx264", 3.0)
+    fragments = [i - 4 for i in range(len(data)) if data[i : i + 4] == b"moof"]
+    ingest = StreamIngest(media_format, fps=1.0, max_side=768, limits=LIMITS)
+    try:
+        _connect(ingest, media_format, "first")
+        ingest.receive("data", {b"data": data})
+        ingest.receive("end", {})
+        assert _drain(ingest) == [0.0, 1.0, 2.0]
+        _connect(ingest, media_format, "mid-way")  # bytes from inside a fragment, then gone
+        ingest.receive("data", {b"data": data[fragments[1] + 50 : fragments[1] + 400]})
+        _connect(ingest, media_format, "fresh")
+        ingest.receive("data", {b"data": data})
+        ingest.receive("end", {})
+        assert _drain(ingest) == [3.0, 4.0, 5.0]
+        assert ingest.take_errors() == []
+    finally:
+        ingest.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_init_segment_is_exact_wherever_the_cuts_fall(seed):
+    media_format, data = stream_bytes("libx264", 2.0)
+    first = data.find(b"moof") - 4
+    ingest = StreamIngest(media_format, fps=1.0, max_side=768, limits=LIMITS)
+    try:
+        _connect(ingest, media_format, "c")
+        cuts = [first - 2, first + 1, first + 5, *range(first + 6, first + 12)]  # inside the size, the type
+        pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+        for piece in pieces[: seed * 3]:
+            ingest.receive("data", {b"data": piece})
+        ingest.receive("data", {b"data": b"".join(pieces[seed * 3 :])})
+        assert ingest.init_segment == data[:first]
+    finally:
+        ingest.close()
