@@ -5,7 +5,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
-from redis.asyncio import BlockingConnectionPool, Redis
 
 from app import errors
 from app import streams
@@ -13,8 +12,7 @@ from app.routes import router
 from app.sessions import SessionStore
 from app.settings import GatewaySettings
 from streamvqa.protocol import Keys
-
-REDIS_POOL_WAIT_S = 5  # a request waits this long for a free Redis connection, then gets 503
+from streamvqa.redis_client import connect
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -22,14 +20,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        pool = BlockingConnectionPool.from_url(
-            settings.redis_url,
-            max_connections=settings.redis_max_connections,
-            timeout=REDIS_POOL_WAIT_S,
-            health_check_interval=30,
-            socket_keepalive=True,
-        )
-        redis = Redis(connection_pool=pool)
+        redis = connect(settings.redis_url, settings.redis_max_connections)
         keys = Keys(settings.redis_prefix)
         app.state.settings = settings
         app.state.redis = redis
@@ -40,7 +31,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             yield
         finally:
             await redis.aclose()
-            await pool.aclose()
+            await redis.connection_pool.aclose()
 
     app = FastAPI(
         title="streamvqa",

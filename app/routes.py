@@ -106,6 +106,8 @@ async def ask(session: AuthorizedSession, body: AskRequest, redis: RedisDep, key
             if ttft_ms is None:
                 ttft_ms = (time.monotonic() - started) * 1000
             if event.type == "error":
+                if event.code == "session_reset":  # its worker died while answering: ask again
+                    raise ApiError(503, event.code, event.message, {"Retry-After": "1"})
                 raise ApiError(409 if event.code == "session_error" else 500, event.code, event.message)
             if event.type == "done":
                 return Answer(

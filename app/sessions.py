@@ -72,7 +72,7 @@ class SessionStore:
             budget_tokens=options.budget_tokens,
             fps=options.fps,
         )
-        session_key, media_key, questions_key, _ = self.keys.session_data(record.id)
+        session_key, media_key, questions_key, *_ = self.keys.session_data(record.id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(session_key, mapping={**protocol.to_hash(**record.model_dump()), "token_sha256": _digest(token)})
             for stream in (media_key, questions_key):

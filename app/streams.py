@@ -17,6 +17,7 @@ import uuid
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from app.deps import SESSION_ID
 from app.sessions import SessionStore
@@ -101,6 +102,9 @@ async def stream(websocket: WebSocket, session_id: str, token: str | None = None
         await connection.close(closed.code, closed.reason)
     except WebSocketDisconnect:
         pass
+    except RedisError as err:
+        log.warning("stream socket of session %s: Redis failed (%s)", session_id, err)
+        await connection.close(CloseCode.TRY_AGAIN_LATER, "Redis is unreachable; connect again in a few seconds")
     except Exception:
         log.exception("stream socket of session %s failed", session_id)
         await connection.close(1011, "the gateway failed; the error is in its log")

@@ -91,9 +91,18 @@ class Keys:
     def streamer(self, session_id: str) -> str:
         return f"{self.prefix}session:{session_id}:streamer"
 
-    def session_data(self, session_id: str) -> tuple[str, str, str, str]:
-        """The keys that live and expire with a session (the hash first)."""
-        return self.session(session_id), self.media(session_id), self.questions(session_id), self.events(session_id)
+    def snapshot(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}:snapshot"
+
+    def session_data(self, session_id: str) -> tuple[str, ...]:
+        """The keys that live and expire with a session: hash, media, questions, events, snapshot."""
+        return (
+            self.session(session_id),
+            self.media(session_id),
+            self.questions(session_id),
+            self.events(session_id),
+            self.snapshot(session_id),
+        )
 
     def answer(self, answer_id: str) -> str:
         return f"{self.prefix}answer:{answer_id}"
@@ -149,6 +158,7 @@ class SessionRecord(BaseModel):
     worker: str | None = None
     media: Literal["upload", "webm", "mp4", "frames"] | None = None
     upload_bytes: int = 0
+    upload_ended: bool = Field(False, description="Every byte of the upload reached the worker.")
     media_duration_s: float | None = Field(None, description="An upload's video duration, once known.")
     stream_bytes: int = Field(0, description="Bytes received on the session's stream sockets.")
     frames_dropped: int = Field(0, description="Live frames dropped because the worker fell behind.")
@@ -279,6 +289,7 @@ class WorkerInfo(BaseModel):
     sessions: int
     max_sessions: int
     expires_at: float  # unix time after which the worker counts as gone
+    session_ids: list[str] = []  # the sessions it holds (at most max_sessions)
 
     @property
     def alive(self) -> bool:

@@ -5,9 +5,9 @@ import logging
 import signal
 
 import torch
-from redis.asyncio import Redis
 
 from engine import load_model
+from streamvqa.redis_client import connect
 from worker.loop import Worker
 from worker.settings import WorkerSettings
 
@@ -16,7 +16,7 @@ async def serve(settings: WorkerSettings) -> None:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     model = load_model(settings.model, settings.torch_device)
-    redis = Redis.from_url(settings.redis_url, health_check_interval=30, socket_keepalive=True)
+    redis = connect(settings.redis_url)
     worker = Worker(settings, model, redis)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -49,12 +49,12 @@ class FrameSampler:
         if not fps > 0:
             raise ValueError(f"fps must be positive, got {fps}")
         self.fps = fps
-        self._next_s = 0.0
+        self.next_s = 0.0  # the next grid point
 
     def keep(self, time_s: float) -> bool:
-        if time_s + TIME_TOLERANCE_S < self._next_s:
+        if time_s + TIME_TOLERANCE_S < self.next_s:
             return False
-        self._next_s = (math.floor((time_s + TIME_TOLERANCE_S) * self.fps) + 1) / self.fps
+        self.next_s = (math.floor((time_s + TIME_TOLERANCE_S) * self.fps) + 1) / self.fps
         return True
 
 

@@ -15,6 +15,7 @@ method but `next_frames` of an upload is quick; the loop runs them all on its de
 import itertools
 import logging
 import math
+import os
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -91,6 +92,32 @@ class UploadIngest:
             raise DecodeError(f"unexpected media entry {kind!r} in an upload")
         return []
 
+    def state(self) -> dict:
+        """What a snapshot needs to resume this upload elsewhere (the spool file must be reachable)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        return {"kind": "upload", "spool": str(self.spool_path), "bytes": self.bytes_received, "ended": self._file is None}
+
+    @classmethod
+    def resume(cls, state: dict, fps: float, max_side: int, max_bytes: int, after_s: float | None) -> "UploadIngest":
+        """The upload a `state` describes; frames up to `after_s` (already in the cache) are skipped.
+        DecodeError when its spool file is gone or shorter than it was."""
+        spool = Path(state["spool"])
+        if not spool.is_file() or spool.stat().st_size < state["bytes"]:
+            raise DecodeError("the upload was lost with the worker that held it; upload it again to a new session")
+        ingest = cls.__new__(cls)
+        ingest.spool_path, ingest.fps, ingest.max_side, ingest.max_bytes = spool, fps, max_side, max_bytes
+        ingest.bytes_received, ingest.info, ingest.finished, ingest._frames = state["bytes"], None, False, None
+        with spool.open("r+b") as file:
+            file.truncate(state["bytes"])  # bytes written after the snapshot come again from the media stream
+        ingest._file = None if state["ended"] else spool.open("ab")
+        if state["ended"]:
+            ingest.info = probe(spool)
+            frames = sample_file(spool, fps, max_side, ingest.info)
+            ingest._frames = (f for f in frames if after_s is None or f.time_s > after_s)
+        return ingest
+
     def next_frames(self, count: int) -> Batch:
         """Up to `count` more frames; blocking (decoding)."""
         if self._frames is None:
@@ -125,6 +152,7 @@ class _LiveIngest:
         self.sampler = FrameSampler(fps)
         self.connection = ""  # the connection whose media is arriving now
         self.ended = False  # the client said the stream is over (until it connects again)
+        self._last_time_s = -math.inf  # the last frame kept
         self._errors: deque[tuple[str, str, str]] = deque(maxlen=8)  # (code, connection, message)
         self._warnings: deque[str] = deque(maxlen=8)
 
@@ -136,6 +164,15 @@ class _LiveIngest:
         self.connection = connection
         self.ended = False
         self.queue.restart_clock()
+
+    def state(self) -> dict:
+        """What a snapshot needs to go on with this stream elsewhere: its sampling clock (and, for
+        container streams, the init segment to rejoin at the next fragment)."""
+        return {"kind": "live", "format": self.format, "next_s": self.sampler.next_s, "last_s": self._last_time_s}
+
+    def resume(self, state: dict) -> None:
+        self.sampler.next_s = state["next_s"]
+        self._last_time_s = state["last_s"]
 
     def take_errors(self) -> list[tuple[str, str, str]]:
         """(code, connection, message) of the errors since the last call: `decode_failed` ends
@@ -155,10 +192,6 @@ class FramesIngest(_LiveIngest):
     before the last accepted time is skipped with a warning; the rest are sampled at `fps`."""
 
     format = "frames"
-
-    def __init__(self, fps: float, max_side: int, limits: LiveLimits) -> None:
-        super().__init__(fps, max_side, limits)
-        self._last_time_s = -math.inf
 
     @property
     def accepts_media(self) -> bool:
@@ -238,7 +271,6 @@ class StreamIngest(_LiveIngest):
         self._joining = False  # the next data starts a connection
         self._seeking = False  # dropping bytes until a fragment starts
         self._time_base: float | None = None  # added to stream times so that the first frame is at 0
-        self._last_time_s = -math.inf
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._decode_streams, name="stream-decoder", daemon=True)
@@ -272,6 +304,16 @@ class StreamIngest(_LiveIngest):
             self._end_stream()
         elif kind != "disconnect":  # a disconnected client may come back and go on
             self._fail(f"unexpected media entry {kind!r} in a {self.format} stream")
+
+    def state(self) -> dict:
+        init = self.init_segment.hex() if self.init_segment is not None else None
+        return {**super().state(), "time_base": self._time_base, "init": init}
+
+    def resume(self, state: dict) -> None:
+        """Go on after a snapshot: the next bytes rejoin the stream at its next fragment."""
+        super().resume(state)
+        self._time_base = state["time_base"]
+        self.init_segment = bytes.fromhex(state["init"]) if state["init"] is not None else None
 
     def _receive_bytes(self, data: bytes) -> None:
         if self._joining:

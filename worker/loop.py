@@ -13,9 +13,10 @@ import logging
 import os
 import socket
 import time
+from pathlib import Path
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from redis.asyncio import Redis
@@ -43,6 +44,7 @@ from streamvqa.protocol import (
 from worker.decode import DecodeError
 from worker.ingest import FramesIngest, LiveLimits, StreamIngest, UploadIngest, open_live
 from worker.settings import WorkerSettings
+from worker.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,6 +54,7 @@ IDLE_BLOCK_MS = 250  # how long an idle turn waits for new entries (and new sess
 LIVE_BLOCK_MS = 50  # the same while a live stream is open (its frames come from a decoder thread)
 MAX_BACKOFF_S = 5.0  # longest wait between retries while Redis fails
 DEAD_WORKER_FORGET_S = 3600  # workers silent this long leave the registry
+SNAPSHOT_AFTER_ENTRIES = protocol.MEDIA_BACKLOG_ENTRIES // 2  # unacknowledged live media that forces a snapshot
 
 # Updates a live session: KEYS = its hash, media and question streams; ARGV[1] = TTL (s),
 # ARGV[2] = a state to set ('' for none), ARGV[3] = the state it must replace ('' for any),
@@ -66,12 +69,26 @@ end
 for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 return 1
 """
-# Renews a lease only while this worker holds it (ARGV[1]); returns 1 when renewed.
+# Renews a lease while this worker (ARGV[1]) holds it, and takes it back when nobody does (a
+# restarted Redis forgets leases that lapsed while it was down). KEYS = the lease, the session's
+# hash; ARGV[2] = TTL (ms). Returns 1 when the worker holds the lease.
 RENEW_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if holder or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('HSET', KEYS[2], 'worker', ARGV[1])
+return 1
+"""
+# Puts a dead worker's session back in the pending queue, once: KEYS = its hash, its lease, the
+# pending stream; ARGV = the dead worker's id, the pending MAXLEN, the session id. Returns 1
+# when queued (the lease has lapsed and the hash still names the dead worker).
+REQUEUE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'worker', '')
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'session_id', ARGV[3])
+return 1
 """
 # Deletes a lease only while this worker holds it.
 RELEASE_LUA = """
@@ -93,6 +110,9 @@ class Hosted:
     settled: bool = False  # a live stream's end was reported (until it connects again)
     error: str | None = None
     lost: bool = False  # the lease or the session is gone; dropped at the next turn
+    unacked: list[bytes] = field(default_factory=list)  # live media entries no snapshot covers yet
+    changed: bool = False  # the cache changed since the last snapshot
+    snapshot_at: float = field(default_factory=time.monotonic)
 
     @property
     def has_work(self) -> bool:
@@ -117,6 +137,10 @@ class Worker:
         self._update = redis.register_script(UPDATE_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(RELEASE_LUA)
+        self._requeue = redis.register_script(REQUEUE_LUA)
+        self.snapshots = SnapshotStore(
+            redis, self.keys, settings.snapshot_dir, settings.snapshot_redis_max_bytes, settings.session_ttl_s
+        )
         self._lease_ms = int(settings.lease_ttl_s * 1000)
         self._live_limits = LiveLimits(
             settings.live_feed_bytes, settings.live_queue_frames, settings.live_max_lag_s, read_ahead=READ_COUNT
@@ -127,8 +151,16 @@ class Worker:
 
     async def run(self) -> None:
         self.settings.spool_dir.mkdir(parents=True, exist_ok=True)
-        await self._ensure_group(self.keys.pending(self.model.name))
-        await self._advertise()
+        backoff_s = 0.1
+        while True:  # Redis may not be up yet
+            try:
+                await self._ensure_group(self.keys.pending(self.model.name))
+                await self._advertise()
+                break
+            except RedisError as err:
+                log.warning("Redis unreachable (%s); retrying in %.1f s", err, backoff_s)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
         heartbeat = asyncio.create_task(self._heartbeat())
         log.info("worker %s serves %s (at most %d sessions)", self.id, self.model.name, self.settings.max_sessions)
         backoff_s = 0.1
@@ -151,6 +183,8 @@ class Worker:
         lost = [session_id for session_id, hosted in self.sessions.items() if hosted.lost]
         for session_id in lost:
             await self._release(keys=[self.keys.lease(session_id)], args=[self.id])
+            if not await self.redis.exists(self.keys.session(session_id)):
+                self.snapshots.delete_file(session_id)  # deleted or expired (a lost lease: the next owner's)
             self._drop(session_id)
         if lost:
             await self._advertise()
@@ -174,6 +208,8 @@ class Worker:
         for session_id, hosted in list(self.sessions.items()):
             if hosted.has_work or (hosted.ingest is not None and hosted.ingest.live and not hosted.settled):
                 await self._ingest_step(session_id, hosted)
+        for session_id, hosted in list(self.sessions.items()):
+            await self._maybe_snapshot(session_id, hosted)
 
     async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list:
         """XREADGROUP; when a stream or its group is gone (a deleted session, a Redis that lost
@@ -202,7 +238,8 @@ class Worker:
         if room <= 0:
             return
         pending = self.keys.pending(self.model.name)
-        reply = await self._read({pending: ">"}, room, block_ms)
+        _, orphans, *_ = await self.redis.xautoclaim(pending, protocol.GROUP, self.id, self._lease_ms, "0-0", count=room)
+        reply = [(pending, orphans)] if orphans else await self._read({pending: ">"}, room, block_ms)
         for _, rows in reply:
             for entry_id, fields in rows:
                 try:
@@ -217,6 +254,8 @@ class Worker:
             await self._advertise()
 
     async def _claim(self, session_id: str) -> None:
+        """Take a session: a new one, or one whose worker died (from its snapshot, then the media
+        and questions that worker had read but not finished)."""
         lease = self.keys.lease(session_id)
         if not await self.redis.set(lease, self.id, nx=True, px=self._lease_ms):
             return  # another worker holds it
@@ -227,15 +266,81 @@ class Worker:
             return  # it expired while it waited
         try:
             record = SessionRecord.from_hash(stored)
-            config = SessionConfig(policy=record.policy, budget_tokens=record.budget_tokens)
-            engine = await self._in_engine(Session, self.model, config)
+            hosted = await self._open(session_id, record)
         except Exception as err:
             await self._release(keys=[lease], args=[self.id])
             await self._set(session_id, SessionState.ERROR, error=f"the worker could not open it: {err}")
             raise
-        self.sessions[session_id] = Hosted(record, engine)
-        await self._set(session_id, SessionState.READY, SessionState.PENDING, worker=self.id, **self._progress(engine))
+        self.sessions[session_id] = hosted
+        await self._set(session_id, worker=self.id, **self._progress(hosted.engine))
+        await self._set(session_id, SessionState.READY, SessionState.PENDING)
+        await self._replay(session_id)
         log.info("took session %s", session_id)
+
+    async def _open(self, session_id: str, record: SessionRecord) -> Hosted:
+        """The session's engine and ingest: restored from its snapshot when it has one."""
+        snapshot = await self.snapshots.load(session_id)
+        if snapshot is None:
+            config = SessionConfig(policy=record.policy, budget_tokens=record.budget_tokens)
+            hosted = Hosted(record, await self._in_engine(Session, self.model, config))
+        else:
+            log.info("session %s: restoring its snapshot of %d bytes", session_id, len(snapshot.engine))
+            hosted = Hosted(record, await self._in_engine(Session.restore, self.model, snapshot.engine))
+            if snapshot.ingest is not None and snapshot.ingest.get("kind") == "live":
+                hosted.ingest = open_live(
+                    snapshot.ingest["format"], record.fps, self.settings.max_frame_side, self._live_limits
+                )
+                hosted.ingest.resume(snapshot.ingest)
+        if record.media == "upload" and record.upload_bytes > 0 and record.state == SessionState.INGESTING:
+            after_s = hosted.engine.stats().video_time_s if hosted.engine.stats().frames else None
+            state = {"spool": str(self._spool(session_id)), "bytes": record.upload_bytes, "ended": record.upload_ended}
+            try:
+                hosted.ingest = await self._in_thread(
+                    self._decode_thread, UploadIngest.resume, state, record.fps, self.settings.max_frame_side,
+                    self.settings.max_upload_bytes, after_s,
+                )
+                hosted.media_closed = record.upload_ended
+            except DecodeError as err:
+                hosted.error, hosted.media_closed = str(err), True
+        return hosted
+
+    async def _replay(self, session_id: str) -> None:
+        """Finish what a dead worker had read but not finished: its questions (each answered once,
+        or failed with `session_reset` when it had begun answering), then its media, in order."""
+        for stream, handle in ((self.keys.questions(session_id), self._reanswer), (self.keys.media(session_id), self._receive_media)):
+            start = "0-0"
+            while True:
+                start, entries, *_ = await self.redis.xautoclaim(stream, protocol.GROUP, self.id, 0, start, count=64)
+                for entry_id, fields in entries:
+                    if session_id in self.sessions and fields:
+                        await handle(session_id, entry_id, fields)
+                    elif not fields:  # deleted after it was read (Redis 6 still lists it)
+                        await self._consume(stream, entry_id)
+                if start in (b"0-0", "0-0"):
+                    break
+        hosted = self.sessions.get(session_id)
+        if hosted is not None and hosted.error:
+            await self._fail(session_id, hosted, hosted.error)
+
+    async def _reanswer(self, session_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        try:
+            question = Question.model_validate_json(fields[b"m"])
+        except (KeyError, ValueError):
+            await self._consume(self.keys.questions(session_id), entry_id)
+            return
+        events = await self.redis.xrange(self.keys.answer(question.answer_id))
+        kinds = {AnswerEnvelope.model_validate_json(f[b"m"]).event.type for _, f in events}
+        if kinds & {"done", "error"}:
+            await self._consume(self.keys.questions(session_id), entry_id)  # answered before the worker died
+        elif kinds:
+            message = "the worker answering this question stopped part-way; ask again"
+            await self._publish(self.keys.answer(question.answer_id), ErrorEvent(code="session_reset", message=message))
+            await self._consume(self.keys.questions(session_id), entry_id)
+        else:
+            await self._answer(session_id, entry_id, fields)
+
+    def _spool(self, session_id: str) -> Path:
+        return self.settings.spool_dir / f"{session_id}.upload"
 
     def _drop(self, session_id: str) -> None:
         hosted = self.sessions.pop(session_id)
@@ -255,6 +360,9 @@ class Worker:
     async def _fail(self, session_id: str, hosted: Hosted, message: str) -> None:
         hosted.error = message
         hosted.media_closed = True
+        if hosted.unacked:  # nothing will ever replay them
+            await self._consume(self.keys.media(session_id), *hosted.unacked)
+            hosted.unacked = []
         if hosted.ingest is not None:
             hosted.ingest.close()
             hosted.ingest = None
@@ -295,6 +403,7 @@ class Worker:
                 worker_ms=round((time.monotonic() - started) * 1000, 1),
             )
             await self._publish(stream, done)
+            hosted.changed = True
             await self._set(session_id, **self._progress(hosted.engine))
         except RedisError:
             raise
@@ -315,33 +424,39 @@ class Worker:
     # -- media ---------------------------------------------------------------------------------
 
     async def _receive_media(self, session_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """Hand a media entry to the session's ingest. An upload's entries are acknowledged once
+        spooled, with its byte count; a live stream's once a snapshot covers them."""
         hosted = self.sessions[session_id]
         kind = fields.get(b"type", b"").decode()
+        media = self.keys.media(session_id)
         try:
             if kind == "abort":  # the gateway gave up on this upload and freed the slot; drop its bytes
                 if hosted.ingest is not None:
                     hosted.ingest.close()
                     hosted.ingest = None
+                await self._consume(media, entry_id)
                 return
             if kind == "connect":
                 await self._connect(session_id, hosted, fields[b"format"].decode())
             elif hosted.ingest is None:
-                spool = self.settings.spool_dir / f"{self.id}-{session_id}.upload"
                 hosted.ingest = UploadIngest(
-                    spool, hosted.record.fps, self.settings.max_frame_side, self.settings.max_upload_bytes
+                    self._spool(session_id), hosted.record.fps, self.settings.max_frame_side,
+                    self.settings.max_upload_bytes,
                 )
             await self._in_thread(self._decode_thread, hosted.ingest.receive, kind, fields)
             if isinstance(hosted.ingest, UploadIngest):
-                await self._received_upload(session_id, hosted, kind)
+                await self._received_upload(session_id, hosted, kind, entry_id)
+            else:
+                hosted.unacked.append(entry_id)
         except DecodeError as err:
+            await self._consume(media, entry_id)
             await self._fail(session_id, hosted, str(err))
         except RedisError:
             raise
         except Exception as err:
             log.exception("session %s: receiving media failed", session_id)
+            await self._consume(media, entry_id)
             await self._fail(session_id, hosted, f"receiving media failed: {err}")
-        finally:
-            await self._consume(self.keys.media(session_id), entry_id)
 
     async def _connect(self, session_id: str, hosted: Hosted, media_format: str) -> None:
         """A stream socket connected: keep the session's live ingest (a reconnection) or open one."""
@@ -354,14 +469,20 @@ class Worker:
         await self._set(session_id, SessionState.INGESTING)
         await self._event(session_id, StateEvent(state=SessionState.INGESTING))
 
-    async def _received_upload(self, session_id: str, hosted: Hosted, kind: str) -> None:
+    async def _received_upload(self, session_id: str, hosted: Hosted, kind: str, entry_id: bytes) -> None:
+        """Record the upload's progress and acknowledge the entry in one step, so that a worker
+        taking over finds the spool file and the count in agreement."""
         ingest = hosted.ingest
+        fields: dict[str, object] = {"upload_bytes": ingest.bytes_received}
         if kind == "end":
             hosted.media_closed = True
-            duration_s = ingest.info.duration_s if ingest.info else None
-            await self._set(session_id, upload_bytes=ingest.bytes_received, media_duration_s=duration_s)
-        else:
-            await self._set(session_id, upload_bytes=ingest.bytes_received)
+            fields |= {"upload_ended": True, "media_duration_s": ingest.info.duration_s if ingest.info else None}
+        session, media = self.keys.session(session_id), self.keys.media(session_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(session, mapping=protocol.to_hash(**fields))
+            pipe.xack(media, protocol.GROUP, entry_id)
+            pipe.xdel(media, entry_id)
+            await pipe.execute()
 
     async def _ingest_step(self, session_id: str, hosted: Hosted) -> None:
         """Append the frames that are ready (decoding an upload's next few), report, and notice the end."""
@@ -372,6 +493,7 @@ class Worker:
             if batch.frames:
                 images, times = [f.image for f in batch.frames], [f.time_s for f in batch.frames]
                 await self._in_engine(hosted.engine.append_frames, images, times)
+                hosted.changed = True
         except DecodeError as err:
             await self._fail(session_id, hosted, str(err))
             return
@@ -404,6 +526,7 @@ class Worker:
 
     async def _finish_ingest(self, session_id: str, hosted: Hosted) -> None:
         if isinstance(hosted.ingest, UploadIngest):
+            await self._maybe_snapshot(session_id, hosted, force=True)  # it covers the whole upload: the spool can go
             hosted.ingest.close()
             hosted.ingest = None
             if hosted.engine.stats().frames == 0:
@@ -417,6 +540,32 @@ class Worker:
             return
         await self._set(session_id, SessionState.INGESTED, SessionState.INGESTING, **self._progress(hosted.engine))
         await self._event(session_id, StateEvent(state=SessionState.INGESTED))
+
+    # -- snapshots -----------------------------------------------------------------------------
+
+    async def _maybe_snapshot(self, session_id: str, hosted: Hosted, force: bool = False) -> None:
+        """Snapshot a session that changed, every SNAPSHOT_INTERVAL_S or once SNAPSHOT_AFTER_ENTRIES
+        live media entries wait for one; then acknowledge the media it covers."""
+        if hosted.lost or hosted.error or not (hosted.changed or hosted.unacked):
+            return
+        due = time.monotonic() - hosted.snapshot_at >= self.settings.snapshot_interval_s
+        if not (force or due or len(hosted.unacked) >= SNAPSHOT_AFTER_ENTRIES):
+            return
+        covered, hosted.unacked = hosted.unacked, []
+        hosted.changed, hosted.snapshot_at = False, time.monotonic()
+        try:
+            engine = await self._in_engine(hosted.engine.snapshot)
+            ingest = hosted.ingest.state() if hosted.ingest is not None and hosted.ingest.live else None
+            await self.snapshots.save(session_id, engine, ingest)
+        except RedisError:
+            hosted.unacked = covered + hosted.unacked
+            raise
+        except Exception:
+            log.exception("session %s: snapshot failed", session_id)
+            hosted.unacked = covered + hosted.unacked
+            return
+        if covered:
+            await self._consume(self.keys.media(session_id), *covered)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -449,10 +598,10 @@ class Worker:
             pipe.expire(stream, self.settings.session_ttl_s)
             await pipe.execute()
 
-    async def _consume(self, stream: str, entry_id: bytes) -> None:
+    async def _consume(self, stream: str, *entry_ids: bytes) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(stream, protocol.GROUP, entry_id)
-            pipe.xdel(stream, entry_id)
+            pipe.xack(stream, protocol.GROUP, *entry_ids)
+            pipe.xdel(stream, *entry_ids)
             await pipe.execute()
 
     async def _ensure_group(self, stream: str) -> bool:
@@ -472,6 +621,7 @@ class Worker:
             sessions=len(self.sessions),
             max_sessions=self.settings.max_sessions,
             expires_at=time.time() + self.settings.lease_ttl_s,
+            session_ids=list(self.sessions),
         )
         await self.redis.hset(self.keys.workers(), self.id, info.model_dump_json())
 
@@ -482,8 +632,8 @@ class Worker:
             try:
                 await self._advertise()
                 for session_id, hosted in list(self.sessions.items()):
-                    renewed = await self._renew(keys=[self.keys.lease(session_id)], args=[self.id, self._lease_ms])
-                    if not renewed or not await self.redis.exists(self.keys.session(session_id)):
+                    keys = [self.keys.lease(session_id), self.keys.session(session_id)]
+                    if not await self._renew(keys=keys, args=[self.id, self._lease_ms]):
                         hosted.lost = True
                 await self._forget_dead_workers()
             except RedisError as err:
@@ -492,17 +642,31 @@ class Worker:
                 log.exception("heartbeat failed")
 
     async def _forget_dead_workers(self) -> None:
-        horizon = time.time() - DEAD_WORKER_FORGET_S
+        """Put the sessions of workers whose advertisement lapsed back in the pending queue (a
+        Lua script makes sure only one worker does, and only once their leases lapsed); forget
+        workers silent for DEAD_WORKER_FORGET_S."""
+        now = time.time()
         for worker_id, raw in (await self.redis.hgetall(self.keys.workers())).items():
-            if WorkerInfo.model_validate_json(raw).expires_at < horizon:
+            info = WorkerInfo.model_validate_json(raw)
+            if info.alive or info.id == self.id:
+                continue
+            pending = self.keys.pending(info.model)
+            for session_id in info.session_ids:
+                keys = [self.keys.session(session_id), self.keys.lease(session_id), pending]
+                if await self._requeue(keys=keys, args=[info.id, protocol.PENDING_MAXLEN, session_id]):
+                    log.info("session %s of the dead worker %s is free again", session_id, info.id)
+            if info.expires_at < now - DEAD_WORKER_FORGET_S:
                 await self.redis.hdel(self.keys.workers(), worker_id)
 
     async def _shutdown(self) -> None:
-        """Release every session (their caches die with this process) and leave the registry."""
+        """Hand every session over: snapshot it, release its lease and queue it for another
+        worker (or this one, restarted); then leave the registry."""
         try:
             for session_id, hosted in list(self.sessions.items()):
-                await self._fail(session_id, hosted, "the worker holding this session stopped")
+                await self._maybe_snapshot(session_id, hosted, force=True)
                 await self._release(keys=[self.keys.lease(session_id)], args=[self.id])
+                keys = [self.keys.session(session_id), self.keys.lease(session_id), self.keys.pending(self.model.name)]
+                await self._requeue(keys=keys, args=[self.id, protocol.PENDING_MAXLEN, session_id])
                 self._drop(session_id)
             await self.redis.hdel(self.keys.workers(), self.id)
         except RedisError as err:

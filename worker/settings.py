@@ -13,7 +13,18 @@ class WorkerSettings(CommonSettings):
     max_sessions: int = Field(8, ge=1, description="Sessions this worker holds at once.")
     lease_ttl_s: float = Field(15.0, ge=1.0, description="A session whose worker is silent this long is free.")
     spool_dir: Path = Field(
-        Path(tempfile.gettempdir()) / "streamvqa-spool", description="Where uploads wait to be decoded."
+        Path(tempfile.gettempdir()) / "streamvqa-spool",
+        description="Where uploads wait to be decoded; shared by every worker, an upload survives its worker.",
+    )
+    snapshot_interval_s: float = Field(
+        10.0, gt=0, description="A session that changed is snapshotted at least this often (for crash recovery)."
+    )
+    snapshot_dir: Path = Field(
+        Path(tempfile.gettempdir()) / "streamvqa-snapshots",
+        description="Where snapshots too large for Redis go; shared by every worker.",
+    )
+    snapshot_redis_max_bytes: int = Field(
+        32 * 1024 * 1024, ge=0, description="Snapshots up to this size are kept in Redis, larger ones in SNAPSHOT_DIR."
     )
     frames_per_step: int = Field(8, ge=1, le=256, description="Frames decoded and appended per turn of a session.")
     max_frame_side: int = Field(768, ge=32, description="Decoded frames are scaled down to this longer side.")

@@ -1,0 +1,169 @@
+"""Several workers on one Redis: placement, a worker killed mid-stream, and Redis going away."""
+
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from streamvqa.protocol import AnswerEnvelope
+from streamvqa.redis_server import EmbeddedRedis
+from tests.media import timed_jpeg
+from tests.support import Client, Stack, StreamSocket, delete_prefix
+
+LEASE_TTL_S = 2.0
+TAKEOVER_MARGIN_S = 8.0  # a heartbeat (LEASE_TTL_S / 3) to notice, then restoring and replaying
+
+
+def _stack(redis_url: str, directory, **env: str) -> Stack:
+    return Stack(
+        redis_url, f"svqa-test-{uuid.uuid4().hex[:12]}:", directory,
+        LEASE_TTL_S=str(LEASE_TTL_S), SNAPSHOT_INTERVAL_S="0.5", SNAPSHOT_DIR=str(directory / "snapshots"), **env,
+    )
+
+
+@pytest.fixture
+def two_workers(redis_url: str, tmp_path) -> Iterator[Stack]:
+    stack = _stack(redis_url, tmp_path, MAX_SESSIONS="3")
+    stack.start("a", "worker", WORKER_ID="a")
+    stack.start("b", "worker", WORKER_ID="b")
+    stack.start("gateway", "app")
+    try:
+        stack.wait_until_serving(workers=2)
+        yield stack
+    finally:
+        stack.stop()
+        delete_prefix(redis_url, stack.prefix)
+
+
+def _answer_finals(redis_url: str, prefix: str) -> dict[str, list[str]]:
+    """For every answer stream under `prefix`: the types of its final events (done, error:code)."""
+    store = redis.Redis.from_url(redis_url)
+    finals = {}
+    for key in store.scan_iter(match=f"{prefix}answer:*"):
+        events = [AnswerEnvelope.model_validate_json(f[b"m"]).event for _, f in store.xrange(key)]
+        finals[key.decode()] = [e.type if e.type == "done" else f"error:{e.code}" for e in events if e.type != "token"]
+    return finals
+
+
+def test_six_sessions_on_two_workers_each_held_by_one_and_all_answered(two_workers, redis_url):
+    users = [Client(two_workers.url) for _ in range(6)]
+    for user in users:
+        assert user.create().status_code == 201
+    owners = [user.wait_for_state("ready")["worker"] for user in users]
+    assert sorted(owners) == ["a", "a", "a", "b", "b", "b"]  # three sessions each: MAX_SESSIONS
+    store = redis.Redis.from_url(redis_url)
+    for user, owner in zip(users, owners, strict=True):
+        assert store.get(f"{two_workers.prefix}session:{user.id}:lease") == owner.encode()
+
+    replies: dict[int, int] = {}
+    threads = [
+        threading.Thread(target=lambda i=i, u=u: replies.__setitem__(i, u.ask("What do you see?", max_new_tokens=4).status_code))
+        for i, u in enumerate(users)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert replies == {i: 200 for i in range(6)}
+
+
+def test_a_killed_worker_s_stream_goes_on_elsewhere_and_every_question_ends_once(redis_url, tmp_path):
+    stack = _stack(redis_url, tmp_path, MAX_SESSIONS="4")
+    stack.start("a", "worker", WORKER_ID="a")
+    stack.start("gateway", "app")
+    try:
+        stack.wait_until_serving()
+        user = Client(stack.url)
+        user.create(fps=1)
+        assert user.wait_for_state("ready")["worker"] == "a"
+        stack.start("b", "worker", WORKER_ID="b")
+        stack.wait_until_serving(workers=2)
+
+        socket = StreamSocket(user, "frames")
+        for second in range(10):
+            socket.send(timed_jpeg(float(second), second))
+        socket.wait_for(lambda e: e["type"] == "ingest" and e["frames"] == 10)
+        statuses: list[int] = []
+        assert user.ask("before?", max_new_tokens=4).status_code == 200
+        time.sleep(1.0)  # a snapshot covers the ten frames and the first answer
+
+        def ask(question: str) -> None:
+            asker = Client(stack.url)
+            asker.id, asker.token = user.id, user.token
+            statuses.append(asker.ask(question, max_new_tokens=24).status_code)
+
+        askers = [threading.Thread(target=ask, args=("during?",))]
+        askers[0].start()
+        time.sleep(0.05)  # the question reaches the worker, which starts answering
+        os.kill(stack.processes["a"].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        askers.append(threading.Thread(target=ask, args=("while nobody holds it?",)))
+        askers[-1].start()
+        for second in range(10, 20):  # the gateway keeps taking frames while no worker reads them
+            socket.send(timed_jpeg(float(second), second))
+
+        while user.get().json()["worker"] != "b":
+            assert time.monotonic() - killed_at < LEASE_TTL_S + TAKEOVER_MARGIN_S, "no takeover"
+            time.sleep(0.1)
+        for second in range(20, 30):
+            socket.send(timed_jpeg(float(second), second))
+        socket.end()
+        assert socket.wait_for(lambda e: e["type"] == "state" and e["state"] == "ingested", timeout_s=60)
+        ask("after?")
+        for asker in askers:
+            asker.join(timeout=120)
+
+        session = user.get().json()
+        assert (session["worker"], session["video_time_s"]) == ("b", 29.0)
+        times = socket.frame_times()
+        assert times == sorted(set(times))  # nothing appended twice
+        assert set(range(10, 30)) <= {int(t) for t in times}  # every frame sent after the kill
+        assert len(statuses) == 3 and set(statuses) <= {200, 503}  # 503: session_reset, for one cut short
+        finals = _answer_finals(redis_url, stack.prefix)
+        assert len(finals) == 4  # before, during, while nobody holds it, after
+        assert all(ends in (["done"], ["error:session_reset"]) for ends in finals.values()), finals
+    finally:
+        stack.stop()
+        delete_prefix(redis_url, stack.prefix)
+
+
+def test_redis_away_for_ten_seconds_is_survived(tmp_path):
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    stack = Stack(server.url, "svqa-test-blip:", tmp_path, LEASE_TTL_S="5")
+    stack.start("worker", "worker")
+    stack.start("gateway", "app")
+    try:
+        stack.wait_until_serving()
+        user = Client(stack.url)
+        user.create(fps=1)
+        user.wait_for_state("ready")
+        socket = StreamSocket(user, "frames")
+        socket.send(timed_jpeg(0.0))
+        socket.wait_for(lambda e: e["type"] == "ingest")
+        socket.close()
+        redis.Redis.from_url(server.url).save()  # the restarted server loads this
+        server.stop()
+        time.sleep(10)
+        assert user.get().status_code == 503  # the gateway says Redis is away, and stays up
+        server.start()
+        deadline = time.monotonic() + 30
+        while user.get().status_code != 200:
+            assert time.monotonic() < deadline, "the gateway did not reconnect"
+            time.sleep(0.5)
+        socket = StreamSocket(user, "frames")
+        socket.send(timed_jpeg(1.0, 1))
+        socket.end()
+        ingested = socket.wait_for(lambda e: e["type"] == "state" and e["state"] == "ingested", timeout_s=60)
+        assert ingested, (socket.events, socket.close_code, socket.close_reason, stack.log("worker"))
+        assert user.get().json()["frames_ingested"] == 2
+        assert user.ask("still there?", max_new_tokens=4).status_code == 200
+        assert all(process.poll() is None for process in stack.processes.values())
+    finally:
+        stack.stop()
+        server.stop()
