@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench-memory bench-speed bench-quality
+.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load
 
 run: $(STAMP)
 	$(BIN)/python -m streamvqa.run
@@ -24,6 +24,12 @@ bench-speed: $(STAMP)
 
 bench-quality: $(STAMP)
 	$(BIN)/python -m bench.quality $(BENCH_ARGS)
+
+bench-ingest: $(STAMP)
+	$(BIN)/python -m bench.ingest $(BENCH_ARGS)
+
+bench-load: $(STAMP)
+	$(BIN)/python -m bench.load $(BENCH_ARGS)
 
 # torch first, so that its build is the one TORCH_SPEC names (a CPU wheel here; see README).
 $(STAMP): pyproject.toml

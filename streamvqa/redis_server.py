@@ -38,6 +38,10 @@ class EmbeddedRedis:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._process: Popen | None = None
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
     def start(self, timeout_s: float = 10.0) -> str:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._process = children.spawn(

@@ -1,0 +1,181 @@
+"""Many sessions at once against real processes: questions answered, time to first token, ingest lag.
+
+    python -m bench.load [--sessions 20] [--seconds 60] [--ask-every 5] [--fps 1] [--workers 1]
+
+Starts Redis (REDIS_URL, else an embedded server), one gateway and `--workers` workers serving
+the built-in `tiny-random-llava` on loopback. Each session streams JPEG frames over its stream
+socket in real time at `--fps` and asks a question every `--ask-every` seconds (`POST
+/sessions/{id}/ask`), for `--seconds`. Then every outstanding question is awaited. Prints one
+JSON line: `sessions`, `seconds`, `asked`, `answered`, `failed`, `ttft_p50_ms`, `ttft_p99_ms`
+(gateway to first token, as `ask` reports it), `total_p99_ms`, `lag_p99_s` (how far behind real
+time frames reached the cache), `frames`, `dropped`, and the peak RSS of each process in MiB.
+"""
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import websockets
+from PIL import Image
+
+from streamvqa import children
+from streamvqa.protocol import frame_message
+from streamvqa.redis_server import EmbeddedRedis, free_port
+from streamvqa.run import wait_until_serving
+
+QUESTIONS = ["What do you see?", "What changed?", "What colour is the bar?", "Is anything moving?"]
+
+
+def _jpeg(index: int) -> bytes:
+    image = np.zeros((240, 320, 3), np.uint8)
+    image[:] = ((index * 37) % 256, (index * 91) % 256, 128)
+    image[:, (index * 13) % 300 : (index * 13) % 300 + 20] = 255
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, "JPEG", quality=80)
+    return buffer.getvalue()
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 3) if values else None
+
+
+class Results:
+    def __init__(self) -> None:
+        self.asked = self.answered = self.failed = self.frames = self.dropped = 0
+        self.ttft_ms: list[float] = []
+        self.total_ms: list[float] = []
+        self.lag_s: list[float] = []
+
+
+async def _session(http: httpx.AsyncClient, base: str, args: argparse.Namespace, results: Results) -> None:
+    created = (await http.post(f"{base}/sessions", json={"fps": args.fps})).json()
+    sid, token = created["id"], created["token"]
+    url = f"ws://{base.removeprefix('http://')}/sessions/{sid}/stream?token={token}"
+    asks: list[asyncio.Task] = []
+    dropped = 0
+
+    async def ask(question: str) -> None:
+        results.asked += 1
+        reply = await http.post(
+            f"{base}/sessions/{sid}/ask", json={"question": question, "max_new_tokens": 16},
+            headers={"Authorization": f"Bearer {token}"}, timeout=600,
+        )
+        if reply.status_code == 200:
+            results.answered += 1
+            results.ttft_ms.append(reply.json()["ttft_ms"])
+            results.total_ms.append(reply.json()["total_ms"])
+        else:
+            results.failed += 1
+
+    async with websockets.connect(url, max_size=None) as socket:
+        await socket.send(json.dumps({"type": "start", "format": "frames"}))
+
+        async def events() -> None:
+            nonlocal dropped
+            async for message in socket:
+                event = json.loads(message)
+                if event["type"] == "ingest":
+                    results.frames += len(event["times"])
+                    results.lag_s.append(event["lag_s"])
+                    dropped = event["dropped"]
+
+        reader = asyncio.create_task(events())
+        started = time.monotonic()
+        frame = 0
+        while (elapsed := time.monotonic() - started) < args.seconds:
+            await socket.send(frame_message(elapsed, _jpeg(frame)))
+            if frame % max(1, round(args.ask_every * args.fps)) == 0:
+                asks.append(asyncio.create_task(ask(QUESTIONS[frame % len(QUESTIONS)])))
+            frame += 1
+            await asyncio.sleep(max(0.0, started + frame / args.fps - time.monotonic()))
+        await asyncio.gather(*asks)
+        reader.cancel()
+    results.dropped += dropped
+
+
+def _watch_rss(pids: dict[str, int], peaks: dict[str, int], stop: threading.Event) -> None:
+    while not stop.is_set():
+        for name, pid in pids.items():
+            try:
+                with open(f"/proc/{pid}/status") as status:
+                    rss = int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) * 1024
+                peaks[name] = max(peaks.get(name, 0), rss)
+            except (OSError, StopIteration):
+                pass
+        stop.wait(0.5)
+
+
+async def _load(base: str, args: argparse.Namespace) -> Results:
+    results = Results()
+    limits = httpx.Limits(max_connections=4 * args.sessions)
+    async with httpx.AsyncClient(limits=limits, timeout=60) as http:
+        await asyncio.gather(*(_session(http, base, args, results) for _ in range(args.sessions)))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=20)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--ask-every", type=float, default=5.0, help="seconds between questions per session")
+    parser.add_argument("--fps", type=float, default=1.0)
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args()
+
+    folder = Path(tempfile.mkdtemp(prefix="streamvqa-load-"))
+    embedded = None if os.environ.get("REDIS_URL") else EmbeddedRedis(folder / "redis")
+    redis_url = os.environ.get("REDIS_URL") or embedded.start()
+    prefix, port = f"svqa-load-{uuid.uuid4().hex[:8]}:", free_port()
+    env = {
+        **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "PORT": str(port),
+        "MAX_SESSIONS": str(args.sessions), "SPOOL_DIR": str(folder / "spool"), "LOG_LEVEL": "WARNING",
+        "SNAPSHOT_DIR": str(folder / "snapshots"),
+    }
+    processes = {f"worker{i}": children.spawn([sys.executable, "-m", "worker"], env) for i in range(args.workers)}
+    processes["gateway"] = children.spawn([sys.executable, "-m", "app"], env)
+    peaks: dict[str, int] = {}
+    stop = threading.Event()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until_serving(f"{base}/healthz", redis_url, prefix, list(processes.values()), 300, args.workers)
+        pids = {name: p.pid for name, p in processes.items()}
+        if embedded is not None:
+            pids["redis"] = embedded.pid
+        watcher = threading.Thread(target=_watch_rss, args=(pids, peaks, stop), daemon=True)
+        watcher.start()
+        results = asyncio.run(_load(base, args))
+    finally:
+        stop.set()
+        for process in processes.values():
+            children.stop(process)
+        if embedded is not None:
+            embedded.stop()
+    line = {
+        "sessions": args.sessions,
+        "seconds": args.seconds,
+        "asked": results.asked,
+        "answered": results.answered,
+        "failed": results.failed,
+        "ttft_p50_ms": _percentile(results.ttft_ms, 50),
+        "ttft_p99_ms": _percentile(results.ttft_ms, 99),
+        "total_p99_ms": _percentile(results.total_ms, 99),
+        "lag_p99_s": _percentile(results.lag_s, 99),
+        "frames": results.frames,
+        "dropped": results.dropped,
+        **{f"peak_rss_mib_{name}": round(rss / 2**20) for name, rss in sorted(peaks.items())},
+    }
+    print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
