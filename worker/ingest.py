@@ -15,7 +15,6 @@ method but `next_frames` of an upload is quick; the loop runs them all on its de
 import itertools
 import logging
 import math
-import os
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -81,6 +80,7 @@ class UploadIngest:
             if self.bytes_received > self.max_bytes:
                 raise DecodeError(f"the upload exceeds the limit of {self.max_bytes} bytes")
             self._file.write(data)
+            self._file.flush()  # acknowledged next: the bytes must be in the file, for another worker
         elif kind == "end":
             self._file.close()
             self._file = None
@@ -91,13 +91,6 @@ class UploadIngest:
         else:
             raise DecodeError(f"unexpected media entry {kind!r} in an upload")
         return []
-
-    def state(self) -> dict:
-        """What a snapshot needs to resume this upload elsewhere (the spool file must be reachable)."""
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        return {"kind": "upload", "spool": str(self.spool_path), "bytes": self.bytes_received, "ended": self._file is None}
 
     @classmethod
     def resume(cls, state: dict, fps: float, max_side: int, max_bytes: int, after_s: float | None) -> "UploadIngest":
@@ -127,15 +120,17 @@ class UploadIngest:
             self.finished = True
         return Batch(frames)
 
-    def close(self) -> None:
-        """Release the spool file; safe to call twice."""
+    def close(self, delete: bool = True) -> None:
+        """Release the spool file, and delete it unless another worker goes on with it; safe to
+        call twice."""
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._frames is not None:
             self._frames.close()
             self._frames = None
-        self.spool_path.unlink(missing_ok=True)
+        if delete:
+            self.spool_path.unlink(missing_ok=True)
 
 
 class _LiveIngest:
@@ -238,7 +233,7 @@ class FramesIngest(_LiveIngest):
         if not self.queue.put(Frame(image, time_s), block=False):  # the loop reads only while there is room
             self.queue.dropped += 1
 
-    def close(self) -> None:
+    def close(self, delete: bool = True) -> None:
         self.queue.close()
 
 
@@ -420,7 +415,7 @@ class StreamIngest(_LiveIngest):
             if not self.queue.put(Frame(frame.image, round(frame.time_s + offset, 6))):
                 return  # closed
 
-    def close(self) -> None:
+    def close(self, delete: bool = True) -> None:
         """Stop decoding and drop what waits; the daemon decoder thread ends on its own."""
         with self._wake:
             self._closed = True

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -69,15 +70,34 @@ end
 for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 return 1
 """
-# Renews a lease while this worker (ARGV[1]) holds it, and takes it back when nobody does (a
-# restarted Redis forgets leases that lapsed while it was down). KEYS = the lease, the session's
+# Renews a lease while this worker (ARGV[1]) holds it, and takes it back when nobody does and
+# the hash still names this worker (a restarted Redis forgets leases that lapsed while it was
+# down; a session queued again for another worker no longer names it). KEYS = the lease, the session's
 # hash; ARGV[2] = TTL (ms). Returns 1 when the worker holds the lease.
 RENEW_LUA = """
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if holder or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+if holder or redis.call('HGET', KEYS[2], 'worker') ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+# Takes a session's lease and names this worker in its hash, in one step, so that a worker that
+# dies while opening the session leaves it to be queued again. KEYS = the lease, the hash;
+# ARGV = worker id, TTL (ms). Returns 1 when taken, 0 when held by another, -1 when gone.
+CLAIM_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
 redis.call('HSET', KEYS[2], 'worker', ARGV[1])
+return 1
+"""
+# Records an upload's progress and acknowledges its media entry in one step. KEYS = the hash,
+# the media stream; ARGV = the entry id, then field, value pairs. A session that is gone is not
+# brought back: returns 0 and only acknowledges.
+UPLOAD_ACK_LUA = """
+redis.call('XACK', KEYS[2], 'workers', ARGV[1])
+redis.call('XDEL', KEYS[2], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 return 1
 """
 # Puts a dead worker's session back in the pending queue, once: KEYS = its hash, its lease, the
@@ -110,13 +130,20 @@ class Hosted:
     settled: bool = False  # a live stream's end was reported (until it connects again)
     error: str | None = None
     lost: bool = False  # the lease or the session is gone; dropped at the next turn
+    lease_until: float = 0.0  # monotonic time until which the lease surely holds (renewed by the heartbeat)
     unacked: list[bytes] = field(default_factory=list)  # live media entries no snapshot covers yet
     changed: bool = False  # the cache changed since the last snapshot
     snapshot_at: float = field(default_factory=time.monotonic)
 
     @property
+    def held(self) -> bool:
+        """Whether the lease surely still holds: a session whose renewal is late (Redis away) is
+        left alone, neither read nor snapshotted, until its lease is renewed or lost."""
+        return time.monotonic() < self.lease_until
+
+    @property
     def has_work(self) -> bool:
-        return self.ingest is not None and self.ingest.has_work
+        return self.held and self.ingest is not None and self.ingest.has_work
 
     @property
     def reads_media(self) -> bool:
@@ -128,7 +155,8 @@ class Worker:
         self.settings = settings
         self.model = model
         self.redis = redis
-        self.id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        # a restarted process never reuses a dead one's id (containers restart with the same pid)
+        self.id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.keys = Keys(settings.redis_prefix)
         self.sessions: dict[str, Hosted] = {}  # at most settings.max_sessions
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
@@ -138,10 +166,14 @@ class Worker:
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(RELEASE_LUA)
         self._requeue = redis.register_script(REQUEUE_LUA)
+        self._take_lease = redis.register_script(CLAIM_LUA)
+        self._upload_ack = redis.register_script(UPLOAD_ACK_LUA)
+        self._claiming: set[str] = set()  # sessions being opened: advertised, not yet held
         self.snapshots = SnapshotStore(
             redis, self.keys, settings.snapshot_dir, settings.snapshot_redis_max_bytes, settings.session_ttl_s
         )
         self._lease_ms = int(settings.lease_ttl_s * 1000)
+        self._lease_margin_s = settings.lease_ttl_s * 0.8  # act on a lease only this long after renewing it
         self._live_limits = LiveLimits(
             settings.live_feed_bytes, settings.live_queue_frames, settings.live_max_lag_s, read_ahead=READ_COUNT
         )
@@ -197,7 +229,11 @@ class Worker:
             block_ms = LIVE_BLOCK_MS
         else:
             block_ms = IDLE_BLOCK_MS
-        reply = await self._read(self._streams_to_read(), READ_COUNT, block_ms)
+        streams = self._streams_to_read()
+        if not streams:  # every lease is waiting to be renewed
+            await asyncio.sleep(IDLE_BLOCK_MS / 1000)
+            return
+        reply = await self._read(streams, READ_COUNT, block_ms)
         entries = {key.decode(): rows for key, rows in reply}
         for session_id in list(self.sessions):
             for entry_id, fields in entries.get(self.keys.questions(session_id), []):
@@ -206,8 +242,12 @@ class Worker:
             for entry_id, fields in entries.get(self.keys.media(session_id), []):
                 await self._receive_media(session_id, entry_id, fields)
         for session_id, hosted in list(self.sessions.items()):
+            if not hosted.held:
+                continue
             if hosted.has_work or (hosted.ingest is not None and hosted.ingest.live and not hosted.settled):
                 await self._ingest_step(session_id, hosted)
+            elif isinstance(hosted.ingest, UploadIngest) and hosted.ingest.finished:
+                await self._finish_ingest(session_id, hosted)  # its last try could not snapshot
         for session_id, hosted in list(self.sessions.items()):
             await self._maybe_snapshot(session_id, hosted)
 
@@ -225,6 +265,8 @@ class Worker:
         """Every held session's questions, and its media unless it is done or its ingest is full."""
         streams = {}
         for session_id, hosted in self.sessions.items():
+            if not hosted.held:
+                continue
             streams[self.keys.questions(session_id)] = ">"
             if hosted.reads_media:
                 streams[self.keys.media(session_id)] = ">"
@@ -245,11 +287,10 @@ class Worker:
                 try:
                     await self._claim(fields[b"session_id"].decode())
                 except RedisError:
-                    raise
+                    raise  # the entry stays pending: this or another worker claims it again
                 except Exception:
                     log.exception("could not take a session from %r", fields)
-                finally:
-                    await self._consume(pending, entry_id)
+                await self._consume(pending, entry_id)
         if reply:
             await self._advertise()
 
@@ -257,20 +298,28 @@ class Worker:
         """Take a session: a new one, or one whose worker died (from its snapshot, then the media
         and questions that worker had read but not finished)."""
         lease = self.keys.lease(session_id)
-        if not await self.redis.set(lease, self.id, nx=True, px=self._lease_ms):
-            return  # another worker holds it
-        stored = await self.redis.hgetall(self.keys.session(session_id))
-        stored.pop(b"token_sha256", None)
-        if not stored:
-            await self._release(keys=[lease], args=[self.id])
-            return  # it expired while it waited
+        if await self._take_lease(keys=[lease, self.keys.session(session_id)], args=[self.id, self._lease_ms]) != 1:
+            return  # another worker holds it, or it expired while it waited
+        self._claiming.add(session_id)
         try:
+            await self._advertise()  # named in the registry before opening: if this worker dies now, it is queued again
+            stored = await self.redis.hgetall(self.keys.session(session_id))
+            stored.pop(b"token_sha256", None)
             record = SessionRecord.from_hash(stored)
             hosted = await self._open(session_id, record)
+        except RedisError:
+            raise
         except Exception as err:
             await self._release(keys=[lease], args=[self.id])
             await self._set(session_id, SessionState.ERROR, error=f"the worker could not open it: {err}")
             raise
+        finally:
+            self._claiming.discard(session_id)
+        if not await self._renew(keys=[lease, self.keys.session(session_id)], args=[self.id, self._lease_ms]):
+            if hosted.ingest is not None:
+                hosted.ingest.close(delete=False)
+            return  # opening took longer than the lease, and another worker has it now
+        hosted.lease_until = time.monotonic() + self._lease_margin_s
         self.sessions[session_id] = hosted
         await self._set(session_id, worker=self.id, **self._progress(hosted.engine))
         await self._set(session_id, SessionState.READY, SessionState.PENDING)
@@ -312,10 +361,15 @@ class Worker:
             while True:
                 start, entries, *_ = await self.redis.xautoclaim(stream, protocol.GROUP, self.id, 0, start, count=64)
                 for entry_id, fields in entries:
-                    if session_id in self.sessions and fields:
-                        await handle(session_id, entry_id, fields)
-                    elif not fields:  # deleted after it was read (Redis 6 still lists it)
-                        await self._consume(stream, entry_id)
+                    hosted = self.sessions.get(session_id)
+                    if hosted is None or not fields or (hosted.error and handle is self._receive_media):
+                        await self._consume(stream, entry_id)  # gone, deleted after it was read, or media of a failed session
+                        continue
+                    for _ in range(1000):  # the queue has room before the next entry
+                        if hosted.ingest is None or not hosted.ingest.live or hosted.ingest.accepts_media:
+                            break
+                        await self._ingest_step(session_id, hosted)
+                    await handle(session_id, entry_id, fields)
                 if start in (b"0-0", "0-0"):
                     break
         hosted = self.sessions.get(session_id)
@@ -343,9 +397,10 @@ class Worker:
         return self.settings.spool_dir / f"{session_id}.upload"
 
     def _drop(self, session_id: str) -> None:
+        """Forget a session this worker no longer holds; its upload spool stays for the next holder."""
         hosted = self.sessions.pop(session_id)
         if hosted.ingest is not None:
-            hosted.ingest.close()
+            hosted.ingest.close(delete=False)
         log.info("dropped session %s", session_id)
 
     async def _repair(self) -> bool:
@@ -477,12 +532,9 @@ class Worker:
         if kind == "end":
             hosted.media_closed = True
             fields |= {"upload_ended": True, "media_duration_s": ingest.info.duration_s if ingest.info else None}
-        session, media = self.keys.session(session_id), self.keys.media(session_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(session, mapping=protocol.to_hash(**fields))
-            pipe.xack(media, protocol.GROUP, entry_id)
-            pipe.xdel(media, entry_id)
-            await pipe.execute()
+        pairs = [item for pair in protocol.to_hash(**fields).items() for item in pair]
+        keys = [self.keys.session(session_id), self.keys.media(session_id)]
+        await self._upload_ack(keys=keys, args=[entry_id, *pairs])
 
     async def _ingest_step(self, session_id: str, hosted: Hosted) -> None:
         """Append the frames that are ready (decoding an upload's next few), report, and notice the end."""
@@ -526,7 +578,8 @@ class Worker:
 
     async def _finish_ingest(self, session_id: str, hosted: Hosted) -> None:
         if isinstance(hosted.ingest, UploadIngest):
-            await self._maybe_snapshot(session_id, hosted, force=True)  # it covers the whole upload: the spool can go
+            if not await self._maybe_snapshot(session_id, hosted, force=True):
+                return  # the spool stays until a snapshot covers the whole upload; tried again next turn
             hosted.ingest.close()
             hosted.ingest = None
             if hosted.engine.stats().frames == 0:
@@ -543,29 +596,35 @@ class Worker:
 
     # -- snapshots -----------------------------------------------------------------------------
 
-    async def _maybe_snapshot(self, session_id: str, hosted: Hosted, force: bool = False) -> None:
+    async def _maybe_snapshot(self, session_id: str, hosted: Hosted, force: bool = False) -> bool:
         """Snapshot a session that changed, every SNAPSHOT_INTERVAL_S or once SNAPSHOT_AFTER_ENTRIES
-        live media entries wait for one; then acknowledge the media it covers."""
-        if hosted.lost or hosted.error or not (hosted.changed or hosted.unacked):
-            return
+        live media entries wait for one, then acknowledge the media it covers. A live session is
+        snapshotted only while no frame waits for the engine, so the media it acknowledges is in
+        the cache (or sampled out). True when the session's state is in a snapshot."""
+        if hosted.lost or hosted.error or not hosted.held:
+            return False
+        if not (hosted.changed or hosted.unacked):
+            return True
         due = time.monotonic() - hosted.snapshot_at >= self.settings.snapshot_interval_s
         if not (force or due or len(hosted.unacked) >= SNAPSHOT_AFTER_ENTRIES):
-            return
+            return False
+        if hosted.ingest is not None and hosted.ingest.live and len(hosted.ingest.queue) and not force:
+            return False
         covered, hosted.unacked = hosted.unacked, []
-        hosted.changed, hosted.snapshot_at = False, time.monotonic()
+        changed, hosted.changed, hosted.snapshot_at = hosted.changed, False, time.monotonic()
         try:
             engine = await self._in_engine(hosted.engine.snapshot)
             ingest = hosted.ingest.state() if hosted.ingest is not None and hosted.ingest.live else None
             await self.snapshots.save(session_id, engine, ingest)
-        except RedisError:
-            hosted.unacked = covered + hosted.unacked
-            raise
-        except Exception:
+        except Exception as err:
+            hosted.unacked, hosted.changed = covered + hosted.unacked, changed or hosted.changed
+            if isinstance(err, RedisError):
+                raise
             log.exception("session %s: snapshot failed", session_id)
-            hosted.unacked = covered + hosted.unacked
-            return
+            return False
         if covered:
             await self._consume(self.keys.media(session_id), *covered)
+        return True
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -621,7 +680,7 @@ class Worker:
             sessions=len(self.sessions),
             max_sessions=self.settings.max_sessions,
             expires_at=time.time() + self.settings.lease_ttl_s,
-            session_ids=list(self.sessions),
+            session_ids=[*self.sessions, *self._claiming],
         )
         await self.redis.hset(self.keys.workers(), self.id, info.model_dump_json())
 
@@ -633,7 +692,10 @@ class Worker:
                 await self._advertise()
                 for session_id, hosted in list(self.sessions.items()):
                     keys = [self.keys.lease(session_id), self.keys.session(session_id)]
-                    if not await self._renew(keys=keys, args=[self.id, self._lease_ms]):
+                    renewed_at = time.monotonic()
+                    if await self._renew(keys=keys, args=[self.id, self._lease_ms]):
+                        hosted.lease_until = renewed_at + self._lease_margin_s
+                    else:
                         hosted.lost = True
                 await self._forget_dead_workers()
             except RedisError as err:
@@ -663,6 +725,10 @@ class Worker:
         worker (or this one, restarted); then leave the registry."""
         try:
             for session_id, hosted in list(self.sessions.items()):
+                for _ in range(self.settings.live_queue_frames):  # frames already read go into the snapshot
+                    if not (hosted.ingest is not None and hosted.ingest.live and len(hosted.ingest.queue)):
+                        break
+                    await self._ingest_step(session_id, hosted)
                 await self._maybe_snapshot(session_id, hosted, force=True)
                 await self._release(keys=[self.keys.lease(session_id)], args=[self.id])
                 keys = [self.keys.session(session_id), self.keys.lease(session_id), self.keys.pending(self.model.name)]

@@ -34,8 +34,9 @@ def test_a_flood_of_media_and_unread_answers_stay_bounded(stack, redis_url):
 
     def watch_backlog() -> None:
         nonlocal longest_backlog
+        watcher_store = redis.Redis.from_url(redis_url)
         while not done.is_set():
-            longest_backlog = max(longest_backlog, store.xlen(f"{stack.prefix}session:{flooder.id}:media"))
+            longest_backlog = max(longest_backlog, watcher_store.xlen(f"{stack.prefix}session:{flooder.id}:media"))
             time.sleep(0.02)
 
     done = threading.Event()
@@ -63,13 +64,18 @@ def test_a_flood_of_media_and_unread_answers_stay_bounded(stack, redis_url):
             calm_socket.send(timed_jpeg(calm_times[-1]))
         if not flood.send(protocol.frame_message(i * 0.25, image)):
             break
-    assert flood.wait_closed() == 4429  # told to pause, went on, closed
-    assert any(e["type"] == "backpressure" and e["paused"] for e in flood.events)
+    flood.end()
     calm_socket.end()
-    assert calm_socket.wait_for(lambda e: e["type"] == "state" and e["state"] == "ingested", timeout_s=120)
-    assert calm_socket.frame_times() == calm_times
-    done.set()
-    watcher.join()
+    try:
+        # paused by the gateway; closed with 4429 if it went on sending after that, else it drains
+        last = flood.wait_for(lambda e: e["type"] == "state" and e["state"] == "ingested", timeout_s=300)
+        assert last is not None or flood.close_code == 4429
+        assert any(e["type"] == "backpressure" and e["paused"] for e in flood.events)
+        assert calm_socket.wait_for(lambda e: e["type"] == "state" and e["state"] == "ingested", timeout_s=120)
+        assert calm_socket.frame_times() == calm_times
+    finally:
+        done.set()
+        watcher.join()
     assert longest_backlog <= protocol.MEDIA_MAXLEN
     assert _rss_bytes(gateway_pid) - gateway_before < 64 * 1024 * 1024  # 8 MiB read-ahead per socket
     assert _rss_bytes(worker_pid) - worker_before < 128 * 1024 * 1024  # 16 queued frames, bounded caches
