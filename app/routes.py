@@ -10,7 +10,7 @@ from app.deps import AuthorizedSession, KeysDep, RedisDep, Settings, Store
 from app.errors import ApiError
 from app.sessions import UploadRefused
 from app.uploads import file_chunks
-from streamvqa.protocol import Evidence, SessionOptions, SessionRecord, SessionState
+from streamvqa.protocol import MAX_ANSWER_TOKENS, Evidence, SessionOptions, SessionRecord, SessionState
 
 router = APIRouter()
 
@@ -29,7 +29,7 @@ class UploadReceipt(BaseModel):
 
 class AskRequest(BaseModel):
     question: str = Field(min_length=1, max_length=4000)
-    max_new_tokens: int = Field(64, ge=1, le=1024)
+    max_new_tokens: int = Field(64, ge=1, le=MAX_ANSWER_TOKENS)
 
 
 class Answer(BaseModel):
@@ -60,8 +60,10 @@ async def create_session(store: Store, settings: Settings, options: SessionOptio
     retry = {"Retry-After": str(NO_WORKER_RETRY_S)}
     if not workers:
         raise ApiError(503, "no_worker", f"no worker serves model {model!r} now", retry)
-    if all(w.sessions >= w.max_sessions for w in workers):
-        raise ApiError(503, "no_capacity", f"every worker serving {model!r} is full", retry)
+    if not any(w.fits(options.budget_tokens) for w in workers):
+        raise ApiError(
+            503, "no_capacity", f"no worker serving {model!r} has room for a {options.budget_tokens}-token cache now", retry
+        )
     record, token = await store.create(options, model)
     return CreatedSession(id=record.id, token=token, session=record)
 

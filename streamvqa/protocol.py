@@ -27,6 +27,14 @@ QUESTIONS_BACKLOG = 16  # unanswered questions per session before asks are refus
 ANSWER_MAXLEN = 4096  # answer stream entries (tokens plus the final record)
 ANSWER_TTL_S = 3600
 PENDING_MAXLEN = 10_000  # sessions waiting for a worker, per model
+MAX_ANSWER_TOKENS = 1024  # the most tokens one answer may have
+PROMPT_RESERVE_TOKENS = 2048  # the longest prompt (a question, or a group of frames) a cache takes at once
+
+
+def peak_cache_tokens(budget_tokens: int) -> int:
+    """The most tokens a session's cache ever holds: its budget, one prompt and one answer
+    (it evicts down to the budget after each)."""
+    return budget_tokens + PROMPT_RESERVE_TOKENS + MAX_ANSWER_TOKENS
 EVENTS_MAXLEN = 1000  # a session's recent events (ingest progress, errors, state changes)
 STREAMER_TTL_S = 30  # a streaming connection's claim on its session, renewed while it lives
 
@@ -290,6 +298,14 @@ class WorkerInfo(BaseModel):
     max_sessions: int
     expires_at: float  # unix time after which the worker counts as gone
     session_ids: list[str] = []  # the sessions it holds (at most max_sessions)
+    kv_bytes_per_token: int = 0  # its model's cache bytes per token (0: unknown)
+    kv_free_bytes: int = 0  # cache memory not reserved by its sessions (each reserves its peak)
+
+    def fits(self, budget_tokens: int) -> bool:
+        """Whether a session with this budget fits now (by count and by cache memory)."""
+        if self.sessions >= self.max_sessions:
+            return False
+        return self.kv_bytes_per_token == 0 or peak_cache_tokens(budget_tokens) * self.kv_bytes_per_token <= self.kv_free_bytes
 
     @property
     def alive(self) -> bool:

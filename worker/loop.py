@@ -14,12 +14,13 @@ import os
 import socket
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
+import torch
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
@@ -119,6 +120,15 @@ return 0
 """
 
 
+def available_kv_memory(device: torch.device) -> int:
+    """Memory the sessions' caches may use: 90% of the GPU's free memory (the model is loaded by
+    now), or half the RAM available on a CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
 @dataclass
 class Hosted:
     """A session this worker holds."""
@@ -174,6 +184,8 @@ class Worker:
         )
         self._lease_ms = int(settings.lease_ttl_s * 1000)
         self._lease_margin_s = settings.lease_ttl_s * 0.8  # act on a lease only this long after renewing it
+        self.kv_memory_bytes = settings.kv_memory_bytes or available_kv_memory(model.device)
+        self._no_room_until = 0.0  # after a session that did not fit, the pending queue waits
         self._live_limits = LiveLimits(
             settings.live_feed_bytes, settings.live_queue_frames, settings.live_max_lag_s, read_ahead=READ_COUNT
         )
@@ -194,7 +206,10 @@ class Worker:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
         heartbeat = asyncio.create_task(self._heartbeat())
-        log.info("worker %s serves %s (at most %d sessions)", self.id, self.model.name, self.settings.max_sessions)
+        log.info(
+            "worker %s serves %s (at most %d sessions, %d MiB for their caches)",
+            self.id, self.model.name, self.settings.max_sessions, self.kv_memory_bytes // 2**20,
+        )
         backoff_s = 0.1
         try:
             while not self._stopping.is_set():
@@ -274,10 +289,18 @@ class Worker:
 
     # -- sessions ------------------------------------------------------------------------------
 
+    def _kv_free_bytes(self) -> int:
+        held = [h.record.budget_tokens for h in self.sessions.values()]
+        reserved = sum(protocol.peak_cache_tokens(budget) for budget in held) * self.model.kv_bytes_per_token
+        return max(0, self.kv_memory_bytes - reserved)
+
     async def _take_new_sessions(self, block_ms: int | None) -> None:
-        """Take up to the room left (MAX_SESSIONS) from the pending queue of this worker's model."""
+        """Take up to the room left (MAX_SESSIONS, cache memory) from the pending queue of this
+        worker's model."""
         room = self.settings.max_sessions - len(self.sessions)
-        if room <= 0:
+        if room <= 0 or time.monotonic() < self._no_room_until:
+            if block_ms is not None:
+                await asyncio.sleep(block_ms / 1000)
             return
         pending = self.keys.pending(self.model.name)
         _, orphans, *_ = await self.redis.xautoclaim(pending, protocol.GROUP, self.id, self._lease_ms, "0-0", count=room)
@@ -306,6 +329,13 @@ class Worker:
             stored = await self.redis.hgetall(self.keys.session(session_id))
             stored.pop(b"token_sha256", None)
             record = SessionRecord.from_hash(stored)
+            if protocol.peak_cache_tokens(record.budget_tokens) * self.model.kv_bytes_per_token > self._kv_free_bytes():
+                await self._release(keys=[lease], args=[self.id])  # no room for its cache here: back in the queue
+                pending = self.keys.pending(self.model.name)
+                keys = [self.keys.session(session_id), lease, pending]
+                await self._requeue(keys=keys, args=[self.id, protocol.PENDING_MAXLEN, session_id])
+                self._no_room_until = time.monotonic() + 1.0
+                return
             hosted = await self._open(session_id, record)
         except RedisError:
             raise
@@ -681,6 +711,8 @@ class Worker:
             max_sessions=self.settings.max_sessions,
             expires_at=time.time() + self.settings.lease_ttl_s,
             session_ids=[*self.sessions, *self._claiming],
+            kv_bytes_per_token=self.model.kv_bytes_per_token,
+            kv_free_bytes=self._kv_free_bytes(),
         )
         await self.redis.hset(self.keys.workers(), self.id, info.model_dump_json())
 

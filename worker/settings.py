@@ -10,7 +10,11 @@ class WorkerSettings(CommonSettings):
     worker_id: str = Field("", description="This worker's name in Redis; hostname-pid when empty.")
     torch_device: str = Field("auto", description="`auto` (CUDA when available), `cpu`, `cuda`, `cuda:1`, ...")
     torch_threads: int = Field(0, ge=0, description="CPU threads for torch; 0 keeps torch's default.")
-    max_sessions: int = Field(8, ge=1, description="Sessions this worker holds at once.")
+    max_sessions: int = Field(8, ge=1, description="Sessions this worker holds at once, at most.")
+    kv_memory_bytes: int = Field(
+        0, ge=0, description="Memory for the sessions' caches (each reserves its peak); 0: 90% of the GPU's "
+        "free memory once the model is loaded, or half the available RAM on a CPU.",
+    )
     lease_ttl_s: float = Field(15.0, ge=1.0, description="A session whose worker is silent this long is free.")
     spool_dir: Path = Field(
         Path(tempfile.gettempdir()) / "streamvqa-spool",

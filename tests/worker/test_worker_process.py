@@ -61,3 +61,27 @@ def test_the_worker_keeps_serving_after_redis_loses_its_data(small_stack):
     assert (session["state"], session["frames_ingested"]) == ("ingested", 4)
     assert user.ask("still there?", max_new_tokens=3).status_code == 200
     user.http.close()
+
+
+def test_sessions_fit_the_worker_s_cache_memory(redis_url, tmp_path):
+    # tiny-random-llava: 512 bytes per cached token; a 256-token budget peaks at 256 + 2048 + 1024
+    # tokens (budget, a prompt, an answer) = 1,703,936 bytes: two fit in 4 MB, a third does not
+    with running_stack(redis_url, tmp_path, KV_MEMORY_BYTES=str(4_000_000), MAX_SESSIONS="8") as stack:
+        users = [Client(stack.url) for _ in range(3)]
+        for user in users[:2]:
+            assert user.create(budget_tokens=256).status_code == 201
+            user.wait_for_state("ready")
+        deadline = time.monotonic() + 10
+        while (reply := users[2].create(budget_tokens=256)).status_code != 503:  # the registry catches up
+            assert time.monotonic() < deadline, reply.text
+            users[2].delete()
+            time.sleep(0.2)
+        assert reply.json()["code"] == "no_capacity" and "256-token" in reply.json()["message"]
+        big = Client(stack.url).create(budget_tokens=8192)  # 11,264 tokens: never fits
+        assert (big.status_code, big.json()["code"]) == (503, "no_capacity")
+        users[0].delete()  # its worker frees the room within a heartbeat
+        deadline = time.monotonic() + 10
+        while (reply := users[2].create(budget_tokens=256)).status_code != 201:
+            assert time.monotonic() < deadline, reply.text
+            time.sleep(0.2)
+        assert users[2].wait_for_state("ready")["budget_tokens"] == 256
