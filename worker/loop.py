@@ -469,6 +469,9 @@ class Worker:
         stream = self.keys.answer(question.answer_id)
         pieces = None
         try:
+            if await self.redis.xlen(stream):  # the same question twice (a retried submit): answered once
+                log.warning("session %s: answer %s already has events; not answering again", session_id, question.answer_id)
+                return
             if hosted.error:
                 await self._publish(stream, ErrorEvent(code="session_error", message=hosted.error))
                 return

@@ -85,3 +85,27 @@ def test_sessions_fit_the_worker_s_cache_memory(redis_url, tmp_path):
             assert time.monotonic() < deadline, reply.text
             time.sleep(0.2)
         assert users[2].wait_for_state("ready")["budget_tokens"] == 256
+
+
+def test_a_question_submitted_twice_is_answered_once(stack, redis_url):
+    """A submit retried after its reply was lost puts the same question in the stream twice."""
+    import uuid
+
+    from streamvqa.protocol import AnswerEnvelope, Question
+
+    user = Client(stack.url)
+    user.create()
+    user.wait_for_state("ready")
+    store = redis.Redis.from_url(redis_url)
+    answer_id = uuid.uuid4().hex
+    message = Question(answer_id=answer_id, question="twice?", max_new_tokens=4).model_dump_json()
+    questions = f"{stack.prefix}session:{user.id}:questions"
+    for _ in range(2):
+        store.xadd(questions, {"m": message})
+    deadline = time.monotonic() + 30
+    while store.xlen(questions):  # both entries handled
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    events = [AnswerEnvelope.model_validate_json(f[b"m"]).event.type for _, f in store.xrange(f"{stack.prefix}answer:{answer_id}")]
+    assert events.count("done") == 1 and events[-1] == "done"
+    user.delete()
