@@ -232,10 +232,13 @@ def test_a_stalled_worker_brings_backpressure_then_a_close_if_ignored(client, st
     worker = stack.processes["worker"]
     os.kill(worker.pid, signal.SIGSTOP)
     try:
-        for i in range(200):
+        for i in range(100):  # more than the 64-entry backlog
             socket.send(timed_jpeg(i * 0.25))
         event = socket.wait_for(lambda e: e["type"] == "backpressure", timeout_s=30)
         assert event is not None and event["paused"] is True and event["backlog"] >= 64
+        for i in range(100, 140):  # sent after the pause: the 33rd closes the socket
+            if not socket.send(timed_jpeg(i * 0.25)):
+                break
         assert socket.wait_closed() == 4429
     finally:
         os.kill(worker.pid, signal.SIGCONT)
