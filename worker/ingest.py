@@ -71,7 +71,7 @@ class UploadIngest:
     def has_work(self) -> bool:
         return self._frames is not None and not self.finished
 
-    def receive(self, kind: str, fields: dict[bytes, bytes]) -> list[str]:
+    def receive(self, kind: str, fields: dict[bytes, bytes]) -> None:
         if self._file is None:
             raise DecodeError("media arrived after the end of the upload")
         if kind == "data":
@@ -90,7 +90,6 @@ class UploadIngest:
             self._frames = sample_file(self.spool_path, self.fps, self.max_side, self.info)
         else:
             raise DecodeError(f"unexpected media entry {kind!r} in an upload")
-        return []
 
     @classmethod
     def resume(cls, state: dict, fps: float, max_side: int, max_bytes: int, after_s: float | None) -> "UploadIngest":
@@ -155,6 +154,11 @@ class _LiveIngest:
     def dropped(self) -> int:
         return self.queue.dropped
 
+    @property
+    def has_work(self) -> bool:
+        """Frames to append, or errors or warnings to report."""
+        return len(self.queue) > 0 or bool(self._errors) or bool(self._warnings)
+
     def connect(self, connection: str) -> None:
         self.connection = connection
         self.ended = False
@@ -191,10 +195,6 @@ class FramesIngest(_LiveIngest):
     @property
     def accepts_media(self) -> bool:
         return self.queue.capacity - len(self.queue) >= self.limits.read_ahead
-
-    @property
-    def has_work(self) -> bool:
-        return len(self.queue) > 0 or bool(self._errors) or bool(self._warnings)
 
     @property
     def finished(self) -> bool:
@@ -274,10 +274,6 @@ class StreamIngest(_LiveIngest):
     @property
     def accepts_media(self) -> bool:
         return self._current is None or self._current.feed.room_bytes > 0
-
-    @property
-    def has_work(self) -> bool:
-        return len(self.queue) > 0 or bool(self._errors) or bool(self._warnings)
 
     @property
     def finished(self) -> bool:
