@@ -70,10 +70,6 @@ RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
-RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 _END = object()  # the client's `end` message, in the inbox
 _LEFT = object()  # the client closed the socket: what it sent before is forwarded, then the socket ends
 
@@ -140,7 +136,7 @@ class StreamConnection:
         self._claim = redis.register_script(CLAIM_LUA)
         self._add_entry = redis.register_script(ADD_LUA)
         self._renew = redis.register_script(RENEW_LUA)
-        self._release = redis.register_script(RELEASE_LUA)
+        self._release = redis.register_script(protocol.RELEASE_LUA)
 
     async def run(self, token: str | None) -> None:
         record = await self._authenticate(token)

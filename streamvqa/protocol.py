@@ -38,6 +38,12 @@ def peak_cache_tokens(budget_tokens: int) -> int:
 EVENTS_MAXLEN = 1000  # a session's recent events (ingest progress, errors, state changes)
 STREAMER_TTL_S = 30  # a streaming connection's claim on its session, renewed while it lives
 
+# Deletes a key (a worker's lease, a socket's claim) only while it holds ARGV[1], its holder.
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # `frames` messages: an 8-byte header, the capture time in seconds as a little-endian IEEE 754
 # double, then one JPEG, PNG or WebP image.
 FRAME_HEADER_BYTES = 8

@@ -111,13 +111,6 @@ redis.call('HSET', KEYS[1], 'worker', '')
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'session_id', ARGV[3])
 return 1
 """
-# Deletes a lease only while this worker holds it.
-RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
 
 
 def available_kv_memory(device: torch.device) -> int:
@@ -174,7 +167,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._update = redis.register_script(UPDATE_LUA)
         self._renew = redis.register_script(RENEW_LUA)
-        self._release = redis.register_script(RELEASE_LUA)
+        self._release = redis.register_script(protocol.RELEASE_LUA)
         self._requeue = redis.register_script(REQUEUE_LUA)
         self._take_lease = redis.register_script(CLAIM_LUA)
         self._upload_ack = redis.register_script(UPLOAD_ACK_LUA)
@@ -504,10 +497,8 @@ class Worker:
             await self._consume(self.keys.questions(session_id), entry_id)
 
     async def _publish(self, stream: str, event: TokenEvent | DoneEvent | ErrorEvent) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(stream, {"m": AnswerEnvelope(event=event).model_dump_json()}, maxlen=protocol.ANSWER_MAXLEN)
-            pipe.expire(stream, protocol.ANSWER_TTL_S)
-            await pipe.execute()
+        document = AnswerEnvelope(event=event).model_dump_json()
+        await self._append(stream, document, protocol.ANSWER_MAXLEN, protocol.ANSWER_TTL_S, approximate=False)
 
     # -- media ---------------------------------------------------------------------------------
 
@@ -684,10 +675,16 @@ class Worker:
         return bool(await self._update(keys=list(self.keys.session_data(session_id)), args=args))
 
     async def _event(self, session_id: str, event: IngestEvent | StateEvent | WarningEvent | MediaErrorEvent) -> None:
-        stream = self.keys.events(session_id)
+        document = EventEnvelope(event=event).model_dump_json()
+        await self._append(
+            self.keys.events(session_id), document, protocol.EVENTS_MAXLEN, self.settings.session_ttl_s, approximate=True
+        )
+
+    async def _append(self, stream: str, document: str, maxlen: int, ttl_s: int, approximate: bool) -> None:
+        """Add a JSON document to a bounded stream and restart its expiry."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(stream, {"m": EventEnvelope(event=event).model_dump_json()}, maxlen=protocol.EVENTS_MAXLEN, approximate=True)
-            pipe.expire(stream, self.settings.session_ttl_s)
+            pipe.xadd(stream, {"m": document}, maxlen=maxlen, approximate=approximate)
+            pipe.expire(stream, ttl_s)
             await pipe.execute()
 
     async def _consume(self, stream: str, *entry_ids: bytes) -> None:

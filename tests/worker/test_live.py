@@ -85,6 +85,11 @@ def _drain(ingest, timeout_s: float = 20) -> list[float]:
     raise AssertionError(f"the stream never finished; got {times}")
 
 
+def _moof_offsets(data: bytes) -> list[int]:
+    """Where each `moof` box (a fragment) of a fragmented MP4 starts."""
+    return [i - 4 for i in range(len(data)) if data[i : i + 4] == b"moof"]
+
+
 def _connect(ingest, media_format: str, connection: str) -> None:
     ingest.receive("connect", {b"connection": connection.encode(), b"format": media_format.encode()})
 
@@ -107,7 +112,7 @@ def test_a_new_stream_on_the_same_session_continues_its_video_times(codec):
 
 def test_a_stream_rejoined_mid_way_resumes_at_its_next_fragment():
     media_format, data = stream_bytes("libx264", 6.0)  # one fragment (moof) per second
-    fragments = [i - 4 for i in range(len(data)) if data[i : i + 4] == b"moof"]
+    fragments = _moof_offsets(data)
     cut = fragments[3] - 100  # inside the fragment of second 2
     ingest = StreamIngest(media_format, fps=1.0, max_side=768, limits=LIMITS)
     try:
@@ -157,7 +162,7 @@ def test_frames_keep_the_first_at_each_sampling_point_and_report_bad_images():
 
 def test_a_new_stream_after_a_drop_inside_a_fragment_is_decoded():
     media_format, data = stream_bytes("libx264", 3.0)
-    fragments = [i - 4 for i in range(len(data)) if data[i : i + 4] == b"moof"]
+    fragments = _moof_offsets(data)
     ingest = StreamIngest(media_format, fps=1.0, max_side=768, limits=LIMITS)
     try:
         _connect(ingest, media_format, "dropped")
@@ -175,7 +180,7 @@ def test_a_new_stream_after_a_drop_inside_a_fragment_is_decoded():
 
 def test_a_connection_that_never_reached_a_fragment_does_not_spoil_the_next():
     media_format, data = stream_bytes("libx264", 3.0)
-    fragments = [i - 4 for i in range(len(data)) if data[i : i + 4] == b"moof"]
+    fragments = _moof_offsets(data)
     ingest = StreamIngest(media_format, fps=1.0, max_side=768, limits=LIMITS)
     try:
         _connect(ingest, media_format, "first")
