@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load
+.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway
 
 run: $(STAMP)
 	$(BIN)/python -m streamvqa.run
@@ -30,6 +30,9 @@ bench-ingest: $(STAMP)
 
 bench-load: $(STAMP)
 	$(BIN)/python -m bench.load $(BENCH_ARGS)
+
+bench-gateway: $(STAMP)
+	$(BIN)/python -m bench.gateway $(BENCH_ARGS)
 
 # torch first, so that its build is the one TORCH_SPEC names (a CPU wheel here; see README).
 $(STAMP): pyproject.toml

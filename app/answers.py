@@ -1,21 +1,34 @@
-"""Questions onto a session's stream; answer events back from the answer's own stream."""
+"""Questions onto a session's stream; answer events back from the answer's own stream.
+
+Each answer is a bounded Redis stream of token events ending with one `done` or `error` event
+(written by the worker). A session keeps the ids of its latest ASKED_MAXLEN questions with the
+time they were asked, so that an answer can be looked up, resumed and told apart from an
+unknown id.
+"""
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Literal
 
+from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
 from streamvqa import protocol
-from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Keys, Question, TokenEvent
+from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, TokenEvent
 
 READ_BLOCK_MS = 1000
+KEEPALIVE_S = 15  # `events` yields None after this long without an event
 
-# Queues a question unless ARGV[1] already wait. KEYS[1] = the question stream; ARGV[2] = the
-# message. Returns 1 when queued.
+# Queues a question unless ARGV[1] already wait, and records its id. KEYS = the question
+# stream, the session's asked ids; ARGV = backlog, the message, the answer id, the time, the
+# asked ids' bound, TTL (s). Returns 1 when queued.
 SUBMIT_LUA = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
 redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
+redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[5]) - 1)
+redis.call('EXPIRE', KEYS[2], ARGV[6])
 return 1
 """
 
@@ -25,39 +38,106 @@ class QuestionsBacklogFull(Exception):
 
 
 class AnswerTimeout(Exception):
-    def __init__(self, answer_id: str) -> None:
-        super().__init__(answer_id)
-        self.answer_id = answer_id
+    pass
 
 
-async def submit(redis: Redis, keys: Keys, session_id: str, question: str, max_new_tokens: int) -> str:
+class Answer(BaseModel):
+    answer_id: str
+    answer: str
+    tokens: int
+    evidence: list[Evidence] = Field(description="The frames the answer attended to most, strongest first.")
+    video_time_s: float = Field(description="Video time of the last frame the answer could see.")
+    cache_tokens: int = Field(description="KV cache tokens when the answer finished.")
+    ttft_ms: float | None = Field(description="From the question reaching the gateway to the first answer token.")
+    total_ms: float | None = Field(description="From the question reaching the gateway to the last answer token.")
+
+    @classmethod
+    def of(cls, answer_id: str, done: DoneEvent) -> "Answer":
+        return cls(answer_id=answer_id, **done.model_dump(include=set(cls.model_fields) - {"answer_id"}))
+
+
+class AnswerStatus(BaseModel):
+    """An answer as far as it has come."""
+
+    answer_id: str
+    status: Literal["pending", "streaming", "done", "error"] = Field(
+        description="pending: not begun; streaming: tokens are arriving; done; error (see `code`)."
+    )
+    answer: str = Field(description="The text so far (all of it once done).")
+    tokens: int = Field(description="Tokens so far.")
+    last_event_id: str | None = Field(None, description="Resume its event stream after this id.")
+    result: Answer | None = Field(None, description="The whole answer, once done.")
+    code: str | None = Field(None, description="Why it failed, when status is error.")
+    message: str | None = None
+
+
+async def submit(
+    redis: Redis, keys: Keys, session_id: str, question: str, max_new_tokens: int, session_ttl_s: int
+) -> str:
     """Queue a question for the session's worker; returns the answer id."""
     answer_id = uuid.uuid4().hex
-    message = Question(answer_id=answer_id, question=question, max_new_tokens=max_new_tokens)
+    asked_at = time.time()
+    message = Question(answer_id=answer_id, question=question, max_new_tokens=max_new_tokens, asked_at=asked_at)
     queued = await redis.eval(
-        SUBMIT_LUA, 1, keys.questions(session_id), protocol.QUESTIONS_BACKLOG, message.model_dump_json()
+        SUBMIT_LUA, 2, keys.questions(session_id), keys.asked(session_id),
+        protocol.QUESTIONS_BACKLOG, message.model_dump_json(), answer_id, asked_at, protocol.ASKED_MAXLEN, session_ttl_s,
     )
     if not queued:
         raise QuestionsBacklogFull()
     return answer_id
 
 
+async def asked_at(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> float | None:
+    """When the question was asked, or None when the session never asked it (or has forgotten it)."""
+    return await redis.zscore(keys.asked(session_id), answer_id)
+
+
 async def events(
-    redis: Redis, keys: Keys, answer_id: str, timeout_s: float
-) -> AsyncIterator[TokenEvent | DoneEvent | ErrorEvent]:
-    """The answer's events in order, ending with its done or error event; AnswerTimeout when late."""
-    stream = keys.answer(answer_id)
-    deadline = time.monotonic() + timeout_s
-    last_id = "0-0"
+    redis: Redis, keys: Keys, session_id: str, answer_id: str, timeout_s: float, since: str = "0-0"
+) -> AsyncIterator[tuple[str, TokenEvent | DoneEvent | ErrorEvent] | None]:
+    """(entry id, event) in order after `since`, ending with the done or error event; None after
+    each KEEPALIVE_S without one; AnswerTimeout after `timeout_s`."""
+    stream = keys.answer(session_id, answer_id)
+    now = time.monotonic()
+    deadline, quiet_since = now + timeout_s, now
     while True:
         remaining_ms = int((deadline - time.monotonic()) * 1000)
         if remaining_ms <= 0:
             raise AnswerTimeout(answer_id)
-        reply = await redis.xread({stream: last_id}, block=min(READ_BLOCK_MS, remaining_ms), count=256)
+        reply = await redis.xread({stream: since}, block=min(READ_BLOCK_MS, remaining_ms), count=256)
+        if not reply and time.monotonic() - quiet_since >= KEEPALIVE_S:
+            quiet_since = time.monotonic()
+            yield None
         for _, entries in reply:
+            quiet_since = time.monotonic()
             for entry_id, fields in entries:
-                last_id = entry_id
+                since = entry_id.decode()
                 event = AnswerEnvelope.model_validate_json(fields[b"m"]).event
-                yield event
+                yield since, event
                 if event.type != "token":
                     return
+
+
+async def status(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> AnswerStatus:
+    entries = await redis.xrange(keys.answer(session_id, answer_id))
+    text, tokens, last_id = [], 0, None
+    for entry_id, fields in entries:
+        last_id = entry_id.decode()
+        event = AnswerEnvelope.model_validate_json(fields[b"m"]).event
+        if event.type == "token":
+            text.append(event.text)
+            tokens += 1
+        elif event.type == "done":
+            return AnswerStatus(
+                answer_id=answer_id, status="done", answer=event.answer, tokens=event.tokens,
+                last_event_id=last_id, result=Answer.of(answer_id, event),
+            )
+        else:
+            return AnswerStatus(
+                answer_id=answer_id, status="error", answer="".join(text), tokens=tokens,
+                last_event_id=last_id, code=event.code, message=event.message,
+            )
+    return AnswerStatus(
+        answer_id=answer_id, status="streaming" if entries else "pending", answer="".join(text), tokens=tokens,
+        last_event_id=last_id,
+    )

@@ -1,19 +1,25 @@
 """Typed dependencies of the routes: settings, Redis, the session store, the caller's session."""
 
+import hmac
 import re
 from typing import Annotated
 
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from redis.asyncio import Redis
 
 from app.errors import ApiError
+from app.limits import RateLimiter, key_id
+from app.metrics import GatewayMetrics
 from app.sessions import SessionStore
 from app.settings import GatewaySettings
 from streamvqa.protocol import Keys, SessionRecord
 
 SESSION_ID = re.compile(r"[0-9a-f]{32}")
 _bearer = HTTPBearer(auto_error=False, description="The session's token, from `POST /sessions`.")
+_api_key = APIKeyHeader(
+    name="X-API-Key", auto_error=False, description="An API key, when the gateway has `API_KEYS`: creates and lists sessions."
+)
 
 
 def get_settings(request: Request) -> GatewaySettings:
@@ -32,10 +38,54 @@ def get_store(request: Request) -> SessionStore:
     return request.app.state.store
 
 
+def get_metrics(request: Request) -> GatewayMetrics:
+    return request.app.state.metrics
+
+
 Settings = Annotated[GatewaySettings, Depends(get_settings)]
 RedisDep = Annotated[Redis, Depends(get_redis)]
 KeysDep = Annotated[Keys, Depends(get_keys)]
 Store = Annotated[SessionStore, Depends(get_store)]
+Metrics = Annotated[GatewayMetrics, Depends(get_metrics)]
+
+
+def valid_api_key(settings: GatewaySettings, api_key: str | None) -> bool:
+    """Whether `api_key` is one of the configured keys (each compared in constant time)."""
+    if api_key is None:
+        return False
+    given = api_key.encode()
+    return any([hmac.compare_digest(given, key.encode()) for key in settings.api_key_list])
+
+
+def caller_of(settings: GatewaySettings, api_key: str | None, address: str) -> str:
+    """Who is calling, for limits and ownership: the API key's id, else the client's address."""
+    if settings.api_key_list and valid_api_key(settings, api_key):
+        return f"key:{key_id(api_key)}"
+    return f"addr:{address}"
+
+
+async def api_caller(request: Request, settings: Settings, api_key: Annotated[str | None, Depends(_api_key)]) -> str:
+    """The caller who creates or lists sessions: with API keys configured, one of them is needed."""
+    if settings.api_key_list:
+        if api_key is None:
+            raise ApiError(401, "api_key_required", "send an API key as the X-API-Key header")
+        if not valid_api_key(settings, api_key):
+            raise ApiError(403, "api_key_invalid", "the API key is not valid")
+    return caller_of(settings, api_key, request.client.host if request.client else "unknown")
+
+
+async def rate_limit(request: Request, settings: Settings) -> None:
+    """429 when the caller (API key, else address) is over `RATE_LIMIT_PER_S`."""
+    limiter: RateLimiter = request.app.state.rate_limiter
+    address = request.client.host if request.client else "unknown"
+    try:
+        await limiter.check(caller_of(settings, request.headers.get("x-api-key"), address))
+    except ApiError:
+        request.app.state.metrics.rate_limited.inc()
+        raise
+
+
+Caller = Annotated[str, Depends(api_caller)]
 
 
 async def authorized_session(

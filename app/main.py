@@ -3,20 +3,32 @@
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
-from app import errors
-from app import streams
-from app.routes import router
+from app import asks, errors, ops, routes, streams
+from app.deps import rate_limit
+from app.limits import BodyLimit, RateLimiter
+from app.metrics import GatewayMetrics, RequestCounter
 from app.sessions import SessionStore
 from app.settings import GatewaySettings
 from streamvqa.protocol import Keys
 from streamvqa.redis_client import connect
 
+DESCRIPTION = """
+Ask questions about a live or uploaded video, in real time, in bounded memory.
+
+Create a session (`POST /sessions`), send it video (`POST /sessions/{id}/upload`, or live over
+`WS /sessions/{id}/stream`), and ask (`POST /sessions/{id}/ask`). Every call on a session carries
+its token: `Authorization: Bearer <token>`. Errors are JSON: `{"code": "...", "message": "..."}`.
+The WebSocket protocol is in docs/streaming.md and docs/protocol.md.
+"""
+
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
+    metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -26,6 +38,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.redis = redis
         app.state.keys = keys
         app.state.store = SessionStore(redis, keys, settings.session_ttl_s)
+        app.state.metrics = metrics
+        app.state.rate_limiter = RateLimiter(redis, keys.rate, settings.rate_limit_per_s, settings.rate_limit_burst)
         app.state.stream_sockets = 0  # open `WS /sessions/{id}/stream` sockets, at most max_stream_sockets
         try:
             yield
@@ -33,15 +47,24 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await redis.aclose()
             await redis.connection_pool.aclose()
 
-    app = FastAPI(
-        title="streamvqa",
-        summary="Ask questions about a live or uploaded video, in real time, in bounded memory.",
-        version="0.1.0",
-        lifespan=lifespan,
-    )
+    app = FastAPI(title="streamvqa", description=DESCRIPTION, version="0.1.0", lifespan=lifespan)
     errors.install(app)
-    app.include_router(router)
+    limited = [Depends(rate_limit)]
+    app.include_router(ops.router)
+    app.include_router(routes.router, dependencies=limited)
+    app.include_router(asks.router, dependencies=limited)
     app.include_router(streams.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.cors_origin_list:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origin_list),
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-API-Key", "Last-Event-ID", "Accept"],
+            expose_headers=["Location", "Retry-After"],
+            max_age=600,
+        )
+    app.add_middleware(RequestCounter, metrics=metrics)
     if settings.frontend_dir.is_dir():
         app.mount("/", StaticFiles(directory=settings.frontend_dir, html=True), name="dashboard")
     else:

@@ -1,20 +1,22 @@
-"""The REST API. Each route parses, calls a service, and answers."""
+"""The sessions API: create, list, look up, delete, upload, memory, events. Each route parses,
+calls a service, and answers."""
 
-import time
+import asyncio
 
 from fastapi import APIRouter, Request, status
 from pydantic import BaseModel, Field
 
-from app import answers
-from app.deps import AuthorizedSession, KeysDep, RedisDep, Settings, Store
+from app import sse
+from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, RedisDep, Settings, Store
 from app.errors import ApiError
-from app.sessions import UploadRefused
+from app.sessions import TooManySessions, UploadRefused
 from app.uploads import file_chunks
-from streamvqa.protocol import MAX_ANSWER_TOKENS, Evidence, SessionOptions, SessionRecord, SessionState
+from streamvqa.protocol import EventEnvelope, MemoryReport, SessionOptions, SessionRecord
 
-router = APIRouter()
+router = APIRouter(tags=["sessions"])
 
 NO_WORKER_RETRY_S = 5
+EVENTS_BLOCK_MS = 1000
 
 
 class CreatedSession(BaseModel):
@@ -23,37 +25,19 @@ class CreatedSession(BaseModel):
     session: SessionRecord
 
 
+class SessionList(BaseModel):
+    sessions: list[SessionRecord] = Field(description="The caller's live sessions, newest first.")
+
+
 class UploadReceipt(BaseModel):
     bytes: int
 
 
-class AskRequest(BaseModel):
-    question: str = Field(min_length=1, max_length=4000)
-    max_new_tokens: int = Field(64, ge=1, le=MAX_ANSWER_TOKENS)
-
-
-class Answer(BaseModel):
-    answer_id: str
-    answer: str
-    tokens: int
-    evidence: list[Evidence] = Field(description="The frames the answer attended to most, strongest first.")
-    video_time_s: float = Field(description="Video time of the last frame the answer could see.")
-    cache_tokens: int = Field(description="KV cache tokens when the answer finished.")
-    ttft_ms: float = Field(description="From the question reaching the gateway to the first answer token.")
-    total_ms: float
-
-
-@router.get("/healthz")
-async def healthz(redis: RedisDep) -> dict[str, str]:
-    try:
-        await redis.ping()
-    except Exception as err:
-        raise ApiError(503, "redis_unreachable", f"Redis is unreachable: {err}") from err
-    return {"status": "ok"}
-
-
 @router.post("/sessions", status_code=status.HTTP_201_CREATED)
-async def create_session(store: Store, settings: Settings, options: SessionOptions | None = None) -> CreatedSession:
+async def create_session(
+    store: Store, settings: Settings, caller: Caller, metrics: Metrics, options: SessionOptions | None = None
+) -> CreatedSession:
+    """Create a session. All options are optional; the reply holds the session's token."""
     options = options or SessionOptions()
     model = options.model or settings.model
     workers = await store.live_workers(model)
@@ -64,8 +48,21 @@ async def create_session(store: Store, settings: Settings, options: SessionOptio
         raise ApiError(
             503, "no_capacity", f"no worker serving {model!r} has room for a {options.budget_tokens}-token cache now", retry
         )
-    record, token = await store.create(options, model)
+    try:
+        record, token = await store.create(options, model, caller, settings.max_sessions_per_key)
+    except TooManySessions as err:
+        raise ApiError(
+            429, "too_many_sessions", f"this caller holds {settings.max_sessions_per_key} sessions; delete one first"
+        ) from err
+    metrics.sessions_created.inc()
     return CreatedSession(id=record.id, token=token, session=record)
+
+
+@router.get("/sessions")
+async def list_sessions(store: Store, caller: Caller) -> SessionList:
+    """The caller's live sessions: those created with the same API key (without API keys, from
+    the same client address). Tokens are not included."""
+    return SessionList(sessions=await store.owned(caller))
 
 
 @router.get("/sessions/{session_id}")
@@ -75,13 +72,17 @@ async def get_session(session: AuthorizedSession) -> SessionRecord:
 
 @router.delete("/sessions/{session_id}", status_code=status.HTTP_204_NO_CONTENT)
 async def delete_session(session: AuthorizedSession, store: Store) -> None:
-    """Forget the session; its worker frees its memory within a few seconds."""
+    """Forget the session; its worker frees its memory at its next turn (well under a second)."""
     await store.delete(session.id)
 
 
 @router.post("/sessions/{session_id}/upload", status_code=status.HTTP_202_ACCEPTED)
-async def upload(session: AuthorizedSession, request: Request, store: Store, settings: Settings) -> UploadReceipt:
-    """A video file as the raw body or as the first file of a multipart form; decoding goes on after the reply."""
+async def upload(
+    session: AuthorizedSession, request: Request, store: Store, settings: Settings, metrics: Metrics
+) -> UploadReceipt:
+    """A video file as the raw body or as the first file of a multipart form; decoding goes on
+    after the reply. Its progress: `upload_bytes` and `media_duration_s` in the session, and
+    `ingest` events on `GET /sessions/{id}/events`."""
     if int(request.headers.get("content-length") or 0) > settings.max_upload_bytes:
         raise ApiError(413, "upload_too_large", f"the upload exceeds the limit of {settings.max_upload_bytes} bytes")
     chunks = file_chunks(request)
@@ -89,39 +90,60 @@ async def upload(session: AuthorizedSession, request: Request, store: Store, set
         total = await store.upload(session.id, chunks, settings.max_upload_bytes, settings.upload_stall_s)
     except UploadRefused as err:
         raise ApiError(err.status, err.code, str(err)) from err
+    metrics.upload_bytes.inc(total)
     return UploadReceipt(bytes=total)
 
 
-@router.post("/sessions/{session_id}/ask")
-async def ask(session: AuthorizedSession, body: AskRequest, redis: RedisDep, keys: KeysDep, settings: Settings) -> Answer:
-    """Ask about what the session has seen so far; waits for the whole answer."""
-    if session.state == SessionState.ERROR:
-        raise ApiError(409, "session_error", f"the session failed: {session.error}")
-    started = time.monotonic()
-    try:
-        answer_id = await answers.submit(redis, keys, session.id, body.question, body.max_new_tokens)
-    except answers.QuestionsBacklogFull as err:
-        raise ApiError(429, "too_many_questions", "too many unanswered questions on this session") from err
-    ttft_ms = None
-    try:
-        async for event in answers.events(redis, keys, answer_id, settings.ask_timeout_s):
-            if ttft_ms is None:
-                ttft_ms = (time.monotonic() - started) * 1000
-            if event.type == "error":
-                if event.code == "session_reset":  # its worker died while answering: ask again
-                    raise ApiError(503, event.code, event.message, {"Retry-After": "1"})
-                raise ApiError(409 if event.code == "session_error" else 500, event.code, event.message)
-            if event.type == "done":
-                return Answer(
-                    answer_id=answer_id,
-                    answer=event.answer,
-                    tokens=event.tokens,
-                    evidence=event.evidence,
-                    video_time_s=event.video_time_s,
-                    cache_tokens=event.cache_tokens,
-                    ttft_ms=round(ttft_ms, 1),
-                    total_ms=round((time.monotonic() - started) * 1000, 1),
-                )
-    except answers.AnswerTimeout as err:
-        raise ApiError(504, "answer_timeout", f"no answer within {settings.ask_timeout_s} s (answer {answer_id})") from err
-    raise ApiError(500, "answer_incomplete", "the answer stream ended without a final record")
+@router.get("/sessions/{session_id}/memory")
+async def memory(session: AuthorizedSession, redis: RedisDep, keys: KeysDep) -> MemoryReport:
+    """What the session's bounded cache holds now: tokens per kind, and per span of video time
+    how many frame tokens were appended and how many are still held (the dashboard's memory
+    view). Updated by the worker at most once a second while it ingests, and after each answer."""
+    stored = await redis.get(keys.memory(session.id))
+    if stored is not None:
+        return MemoryReport.model_validate_json(stored)
+    return MemoryReport(
+        policy=session.policy,
+        budget_tokens=None if session.policy == "full" else session.budget_tokens,
+        cache_tokens=session.cache_tokens, frame_tokens=0, text_tokens=0, evictions=0, evicted_tokens=0,
+        frames=session.frames_ingested, video_time_s=session.video_time_s, spans=[], updated_at=session.created_at,
+    )
+
+
+@router.get(
+    "/sessions/{session_id}/events",
+    response_class=sse.StreamingResponse,
+    responses={200: {"content": {sse.EVENT_STREAM: {}}, "description": "Server-Sent Events"}},
+)
+async def session_events(session: AuthorizedSession, request: Request, redis: RedisDep, keys: KeysDep, since: str | None = None):
+    """The session's events as Server-Sent Events (`ingest`, `state`, `warning`, `error`): the
+    same events a stream socket relays, named by type, each with an id. New events only, unless
+    `since=0` (every retained event) or a `Last-Event-ID` to resume after. Ends with a `gone`
+    event when the session is deleted or expires."""
+    start = sse.last_event_id(request, "0-0" if since == "0" else "")
+    if not start:
+        last = await redis.xrevrange(keys.events(session.id), count=1)
+        start = last[0][0].decode() if last else "0-0"
+    return sse.response(_session_events(redis, keys, session.id, start))
+
+
+async def _session_events(redis, keys, session_id: str, since: str):
+    stream, quiet = keys.events(session_id), 0
+    while True:
+        reply = await redis.xread({stream: since}, block=EVENTS_BLOCK_MS, count=64)
+        if not reply:
+            if not await redis.exists(keys.session(session_id)):
+                yield sse.frame("gone", {"type": "gone", "message": "the session was deleted or expired"})
+                return
+            quiet += 1
+            if quiet * EVENTS_BLOCK_MS >= 15_000:
+                quiet = 0
+                yield sse.KEEPALIVE
+            continue
+        quiet = 0
+        for _, entries in reply:
+            for entry_id, fields in entries:
+                since = entry_id.decode()
+                event = EventEnvelope.model_validate_json(fields[b"m"]).event
+                yield sse.frame(event.type, event.model_dump(mode="json"), since)
+        await asyncio.sleep(0)

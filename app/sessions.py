@@ -34,6 +34,18 @@ if redis.call('HGET', KEYS[1], 'state') == 'ingesting' then
 end
 return 1
 """
+# Counts an owner's live sessions (forgetting those that expired or were deleted) and adds a new
+# one when under the limit. KEYS[1] = the owner's set; ARGV = limit, the session hash key
+# prefix, the new id, the set's TTL. Returns 1 when added.
+RESERVE_LUA = """
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[2] .. id) == 0 then redis.call('SREM', KEYS[1], id) end
+end
+if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('SADD', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
 ROOM_POLL_S = (0.02, 0.2)  # first and longest wait between checks of a full media backlog
 
 
@@ -49,6 +61,10 @@ class UploadRefused(Exception):
         self.status, self.code = status, code
 
 
+class TooManySessions(Exception):
+    pass
+
+
 class SessionStore:
     def __init__(self, redis: Redis, keys: Keys, session_ttl_s: int) -> None:
         self.redis = redis
@@ -56,14 +72,18 @@ class SessionStore:
         self.session_ttl_s = session_ttl_s
         self._start_upload = redis.register_script(START_UPLOAD_LUA)
         self._abort_upload = redis.register_script(ABORT_UPLOAD_LUA)
+        self._reserve = redis.register_script(RESERVE_LUA)
 
     async def live_workers(self, model: str) -> list[WorkerInfo]:
         entries = await self.redis.hvals(self.keys.workers())
         workers = (WorkerInfo.model_validate_json(raw) for raw in entries)
         return [w for w in workers if w.alive and w.model == model]
 
-    async def create(self, options: SessionOptions, model: str) -> tuple[SessionRecord, str]:
-        """Store a new session and queue it for a worker serving `model`; returns it and its token."""
+    async def create(
+        self, options: SessionOptions, model: str, owner: str, max_per_owner: int
+    ) -> tuple[SessionRecord, str]:
+        """Store a new session and queue it for a worker serving `model`; returns it and its token.
+        TooManySessions when `owner` already holds `max_per_owner` live sessions."""
         token = secrets.token_urlsafe(32)
         record = SessionRecord(
             id=uuid.uuid4().hex,
@@ -71,10 +91,16 @@ class SessionStore:
             policy=options.policy,
             budget_tokens=options.budget_tokens,
             fps=options.fps,
+            policy_options=options.policy_options.chosen(),
+            system_prompt=options.system_prompt,
         )
+        owned = self.keys.owner(owner)
+        if not await self._reserve(keys=[owned], args=[max_per_owner, self.keys.session(""), record.id, self.session_ttl_s]):
+            raise TooManySessions()
         session_key, media_key, questions_key, *_ = self.keys.session_data(record.id)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(session_key, mapping={**protocol.to_hash(**record.model_dump()), "token_sha256": _digest(token)})
+            fields = {**protocol.to_hash(**record.model_dump()), "token_sha256": _digest(token), "owner": owner}
+            pipe.hset(session_key, mapping=fields)
             for stream in (media_key, questions_key):
                 pipe.xgroup_create(stream, protocol.GROUP, id="0", mkstream=True)
             for key in self.keys.session_data(record.id):
@@ -87,6 +113,20 @@ class SessionStore:
             )
             await pipe.execute()
         return record, token
+
+    async def owned(self, owner: str) -> list[SessionRecord]:
+        """The owner's live sessions, newest first."""
+        ids = [member.decode() for member in await self.redis.smembers(self.keys.owner(owner))]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id in ids:
+                pipe.hgetall(self.keys.session(session_id))
+            stored = await pipe.execute()
+        records = []
+        for fields in stored:
+            if fields:
+                fields.pop(b"token_sha256", None)
+                records.append(SessionRecord.from_hash(fields))
+        return sorted(records, key=lambda r: r.created_at, reverse=True)
 
     async def authenticate(self, session_id: str, token: str | None) -> tuple[SessionRecord | None, bool]:
         """The session (None when unknown) and whether `token` is its token."""

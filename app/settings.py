@@ -7,6 +7,10 @@ from streamvqa.settings import CommonSettings
 FRONTEND_DIR = Path(__file__).resolve().parent.parent / "frontend"
 
 
+def _items(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
 class GatewaySettings(CommonSettings):
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(8000, ge=1, le=65535, description="Port the gateway listens on.")
@@ -15,8 +19,38 @@ class GatewaySettings(CommonSettings):
     ws_max_message_bytes: int = Field(
         4 * 1024 * 1024, ge=64 * 1024, description="Largest WebSocket message; larger ones close the socket with 1009."
     )
+    ws_messages_per_s: float = Field(
+        200.0, gt=0, description="Messages per second a socket may send (bursts of twice that); more close it with 4429."
+    )
     max_stream_sockets: int = Field(
         128, ge=1, description="Stream sockets one gateway serves at once (each holds a Redis connection)."
     )
+    max_sockets_per_session: int = Field(
+        4, ge=1, le=64, description="Sockets open on one session at once, over all gateways (one of them may stream media)."
+    )
     redis_max_connections: int = Field(256, ge=4, description="Redis connections per gateway process.")
     frontend_dir: Path = Field(FRONTEND_DIR, description="Static files served at `/`.")
+    api_keys: str = Field(
+        "", description="Comma-separated API keys; when set, creating and listing sessions needs one (`X-API-Key`)."
+    )
+    max_sessions_per_key: int = Field(
+        64, ge=1, description="Live sessions one API key (or, without keys, one client address) may hold."
+    )
+    rate_limit_per_s: float = Field(
+        50.0, ge=0, description="REST requests per second per API key (or client address); 0 turns the limit off."
+    )
+    rate_limit_burst: int = Field(200, ge=1, description="Requests a caller may make at once before the rate applies.")
+    max_body_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest request body, uploads excepted (those have MAX_UPLOAD_BYTES)."
+    )
+    cors_origins: str = Field(
+        "", description="Comma-separated origins allowed to call the API from a browser (`*` for any); none by default."
+    )
+
+    @property
+    def api_key_list(self) -> tuple[str, ...]:
+        return _items(self.api_keys)
+
+    @property
+    def cors_origin_list(self) -> tuple[str, ...]:
+        return _items(self.cors_origins)

@@ -4,9 +4,10 @@ The client authenticates (bearer header or `token` query parameter), sends a `st
 naming its format, then binary messages: container bytes cut anywhere (`webm`, `mp4`) or one
 timed image each (`frames`). The gateway moves them into the session's media stream, tells the
 client when the worker falls behind (`backpressure`), relays the session's events (ingest
-progress, warnings, errors, state changes), and closes with a code from `CloseCode` when
-something is wrong. One socket streams into a session at a time; a client that reconnects
-continues the same stream. docs/streaming.md is the protocol, with an example.
+progress, warnings, errors, state changes), answers questions asked on the socket (`ask`), and
+closes with a code from `CloseCode` when something is wrong. One socket streams into a session
+at a time; a client that reconnects continues the same stream. A `start` without a format opens
+a socket that only watches and asks. docs/streaming.md is the protocol, with an example.
 """
 
 import asyncio
@@ -19,11 +20,21 @@ from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from app.deps import SESSION_ID
+from app import answers
+from app.asks import submit
+from app.deps import SESSION_ID, caller_of
+from app.errors import ApiError
+from app.limits import MessageRate
+from app.metrics import GatewayMetrics
 from app.sessions import SessionStore
 from app.settings import GatewaySettings
 from streamvqa import protocol
 from streamvqa.protocol import (
+    AnswerDoneEvent,
+    AnswerErrorEvent,
+    AnswerStartedEvent,
+    AnswerTokenEvent,
+    AskMessage,
     BackpressureEvent,
     CloseCode,
     EventEnvelope,
@@ -38,6 +49,7 @@ from streamvqa.protocol import (
 log = logging.getLogger(__name__)
 router = APIRouter()
 
+MAX_ASKING = 4  # questions a socket may have unanswered at once
 START_TIMEOUT_S = 10  # a socket that sends no `start` within this is closed
 INBOX_BYTES = 8 * 1024 * 1024  # bytes read ahead of Redis per socket; the socket is not read while over
 PAUSED_MESSAGES = 32  # messages a client may still send after `backpressure`; one more closes it (4429)
@@ -70,6 +82,18 @@ RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
+# Counts a socket among its session's open sockets, unless ARGV[3] are open. KEYS[1] = the
+# session's sockets (a sorted set: connection id -> expiry, ms); ARGV = connection id, TTL (ms),
+# limit. Sockets whose gateway died expire. Returns 1 when counted (or renewed), 0 when full.
+OPEN_SOCKET_LUA = """
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
 _END = object()  # the client's `end` message, in the inbox
 _LEFT = object()  # the client closed the socket: what it sent before is forwarded, then the socket ends
 
@@ -87,13 +111,19 @@ async def stream(websocket: WebSocket, session_id: str, token: str | None = None
     """Stream live video into a session; events come back on the same socket."""
     await websocket.accept()
     state = websocket.app.state
-    connection = StreamConnection(websocket, state.redis, state.keys, state.store, state.settings, session_id)
+    connection = StreamConnection(websocket, state.redis, state.keys, state.store, state.settings, state.metrics, session_id)
     if state.stream_sockets >= state.settings.max_stream_sockets:
         await connection.close(CloseCode.TRY_AGAIN_LATER, "this gateway streams as many sockets as it may")
         return
     state.stream_sockets += 1
+    state.metrics.stream_sockets.inc()
     try:
+        address = websocket.client.host if websocket.client else "unknown"
+        await state.rate_limiter.check(caller_of(state.settings, websocket.headers.get("x-api-key"), address))
         await connection.run(token)
+    except ApiError as err:  # over the rate limit
+        state.metrics.rate_limited.inc()
+        await connection.close(CloseCode.TOO_MANY, err.message)
     except StreamClosed as closed:
         await connection.close(closed.code, closed.reason)
     except WebSocketDisconnect:
@@ -106,6 +136,7 @@ async def stream(websocket: WebSocket, session_id: str, token: str | None = None
         await connection.close(1011, "the gateway failed; the error is in its log")
     finally:
         state.stream_sockets -= 1
+        state.metrics.stream_sockets.dec()
 
 
 class StreamConnection:
@@ -116,6 +147,7 @@ class StreamConnection:
         keys: Keys,
         store: SessionStore,
         settings: GatewaySettings,
+        metrics: GatewayMetrics,
         session_id: str,
     ) -> None:
         self.websocket = websocket
@@ -123,9 +155,12 @@ class StreamConnection:
         self.keys = keys
         self.store = store
         self.settings = settings
+        self.metrics = metrics
         self.session_id = session_id
         self.id = uuid.uuid4().hex[:16]
-        self.format = ""
+        self.format: str | None = None  # None: the socket only watches and asks
+        self._rate = MessageRate(settings.ws_messages_per_s)
+        self._asking: set[asyncio.Task] = set()  # at most MAX_ASKING
         self._inbox: asyncio.Queue = asyncio.Queue()  # bounded by INBOX_BYTES, counted in _inbox_bytes
         self._inbox_bytes = 0
         self._inbox_drained = asyncio.Event()
@@ -137,27 +172,45 @@ class StreamConnection:
         self._add_entry = redis.register_script(ADD_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(protocol.RELEASE_LUA)
+        self._open_socket = redis.register_script(OPEN_SOCKET_LUA)
 
     async def run(self, token: str | None) -> None:
         record = await self._authenticate(token)
         self.format = (await self._start()).format
-        claimed = await self._claim_media(record)
-        try:
-            since = await self._last_event_id()
-            await self._add({"type": "connect", "format": self.format, "connection": self.id})
-            await self.send(
-                StartedEvent(
-                    format=self.format,
-                    connection=self.id,
-                    bytes_received=claimed,
-                    frames=record.frames_ingested,
-                    video_time_s=record.video_time_s,
-                )
+        sockets = self.keys.sockets(self.session_id)
+        if not await self._count_socket():
+            raise StreamClosed(
+                CloseCode.TOO_MANY, f"this session has {self.settings.max_sockets_per_session} sockets open already"
             )
-            await self._serve(since)
+        try:
+            claimed = await self._claim_media(record) if self.format else 0
+            try:
+                since = await self._last_event_id()
+                if self.format:
+                    await self._add({"type": "connect", "format": self.format, "connection": self.id})
+                await self.send(
+                    StartedEvent(
+                        format=self.format,
+                        connection=self.id,
+                        bytes_received=claimed,
+                        frames=record.frames_ingested,
+                        video_time_s=record.video_time_s,
+                    )
+                )
+                await self._serve(since)
+            finally:
+                for task in self._asking:
+                    task.cancel()
+                if self.format:
+                    await self._add({"type": "disconnect", "connection": self.id}, closing=True)
+                    await self._release(keys=[self.keys.streamer(self.session_id)], args=[self.id])
         finally:
-            await self._add({"type": "disconnect", "connection": self.id}, closing=True)
-            await self._release(keys=[self.keys.streamer(self.session_id)], args=[self.id])
+            await self.redis.zrem(sockets, self.id)
+
+    async def _count_socket(self) -> bool:
+        ttl_ms = protocol.STREAMER_TTL_S * 1000
+        limit = self.settings.max_sockets_per_session
+        return bool(await self._open_socket(keys=[self.keys.sockets(self.session_id)], args=[self.id, ttl_ms, limit]))
 
     async def send(self, event: BaseModel) -> None:
         async with self._send_lock:
@@ -196,7 +249,7 @@ class StreamConnection:
             return StartMessage.model_validate_json(message.get("text") or "")
         except ValidationError as err:
             raise StreamClosed(
-                CloseCode.BAD_REQUEST, 'first send {"type": "start", "format": "webm" | "mp4" | "frames"}'
+                CloseCode.BAD_REQUEST, 'first send {"type": "start", "format": "webm" | "mp4" | "frames" | null}'
             ) from err
 
     async def _claim_media(self, record: SessionRecord) -> int:
@@ -229,15 +282,11 @@ class StreamConnection:
     async def _serve(self, since: str) -> None:
         """Run the socket's tasks until the client has left and what it sent is forwarded, or
         until one of them finds a reason to close."""
-        forward = asyncio.create_task(self._forward())
-        tasks = {
-            asyncio.create_task(self._receive()),
-            forward,
-            asyncio.create_task(self._relay(since)),
-            asyncio.create_task(self._keep_claim()),
-        }
+        receive = asyncio.create_task(self._receive())
+        main = asyncio.create_task(self._forward()) if self.format else receive  # what ends the socket
+        tasks = {receive, main, asyncio.create_task(self._relay(since)), asyncio.create_task(self._keep_claim())}
         try:
-            while forward in tasks:
+            while main in tasks:
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()  # raises StreamClosed or the failure
@@ -247,30 +296,91 @@ class StreamConnection:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _receive(self) -> None:
-        """Socket to inbox. Text messages are control messages: `{"type": "end"}` ends the stream."""
+        """Socket to inbox. Text messages are control messages: `{"type": "end"}` ends the stream,
+        `{"type": "ask", ...}` asks a question."""
         while True:
             message = await self.websocket.receive()
             if message["type"] == "websocket.disconnect":
                 await self._inbox.put(_LEFT)
                 return
+            if not self._rate.take():
+                self.metrics.rate_limited.inc()
+                raise StreamClosed(CloseCode.TOO_MANY, f"more than {self.settings.ws_messages_per_s:g} messages per second")
             data = message.get("bytes")
             if data is not None:
+                if not self.format:
+                    raise StreamClosed(CloseCode.BAD_REQUEST, "this socket's start named no format: it sends no media")
                 if self._ended:
                     raise StreamClosed(CloseCode.BAD_REQUEST, "media after the end of the stream")
                 if self._paused:
                     self._sent_while_paused += 1
                     if self._sent_while_paused > PAUSED_MESSAGES:
-                        raise StreamClosed(CloseCode.BACKPRESSURE_IGNORED, "the client kept sending while paused")
+                        raise StreamClosed(CloseCode.TOO_MANY, "the client kept sending while paused")
                 while self._inbox_bytes > INBOX_BYTES:  # stop reading the socket: TCP slows the client
                     self._inbox_drained.clear()
                     await self._inbox_drained.wait()
                 self._inbox_bytes += len(data)
+                self.metrics.stream_bytes.inc(len(data))
                 await self._inbox.put(data)
-            elif _is_end(message.get("text")):
-                self._ended = True
-                await self._inbox.put(_END)
             else:
-                await self.send(MediaErrorEvent(code="bad_message", message='text messages: {"type": "end"}'))
+                await self._control(message.get("text") or "")
+
+    async def _control(self, text: str) -> None:
+        try:
+            message = json.loads(text)
+        except ValueError:
+            message = None
+        kind = message.get("type") if isinstance(message, dict) else None
+        if kind == "end" and message == {"type": "end"} and self.format:
+            self._ended = True
+            await self._inbox.put(_END)
+        elif kind == "ask":
+            try:
+                question = AskMessage.model_validate(message)
+            except ValidationError as err:
+                detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+                await self.send(AnswerErrorEvent(ref=_ref(message), code="invalid_request", message=detail))
+                return
+            if len(self._asking) >= MAX_ASKING:
+                busy = f"this socket has {MAX_ASKING} questions unanswered; wait for one"
+                await self.send(AnswerErrorEvent(ref=question.ref, code="too_many_questions", message=busy))
+                return
+            task = asyncio.create_task(self._answer(question))
+            self._asking.add(task)
+            task.add_done_callback(self._asking.discard)
+        else:
+            usage = '{"type": "ask", "question": "..."}' + (' or {"type": "end"}' if self.format else "")
+            await self.send(MediaErrorEvent(code="bad_message", message=f"text messages: {usage}"))
+
+    async def _answer(self, question: AskMessage) -> None:
+        """Ask, then send the answer's events as they come."""
+        ref, answer_id = question.ref, None
+        try:
+            answer_id = await submit(
+                self.redis, self.keys, self.session_id, question.question, question.max_new_tokens,
+                self.settings, self.metrics, "socket",
+            )
+            await self.send(AnswerStartedEvent(answer_id=answer_id, ref=ref))
+            async for item in answers.events(self.redis, self.keys, self.session_id, answer_id, self.settings.ask_timeout_s):
+                if item is None:
+                    continue
+                event = item[1]
+                if event.type == "token":
+                    await self.send(AnswerTokenEvent(answer_id=answer_id, ref=ref, text=event.text))
+                elif event.type == "done":
+                    self.metrics.answered(event)
+                    fields = event.model_dump(include=set(AnswerDoneEvent.model_fields))
+                    await self.send(AnswerDoneEvent(answer_id=answer_id, ref=ref, **fields))
+                else:
+                    self.metrics.answers.labels("error").inc()
+                    await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code=event.code, message=event.message))
+        except ApiError as err:
+            await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code=err.code, message=err.message))
+        except answers.AnswerTimeout:
+            message = f"no answer within {self.settings.ask_timeout_s} s"
+            await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code="answer_timeout", message=message))
+        except (WebSocketDisconnect, RuntimeError, RedisError) as err:
+            log.info("socket %s: answer %s not delivered (%s)", self.id, answer_id, err)
 
     async def _forward(self) -> None:
         """Inbox to the media stream, waiting while the worker's backlog is full; returns once
@@ -345,11 +455,15 @@ class StreamConnection:
                         raise StreamClosed(CloseCode.UNDECODABLE, event.message)
 
     async def _keep_claim(self) -> None:
+        """Renew the socket's place among the session's sockets and, streaming, its media claim."""
         streamer = self.keys.streamer(self.session_id)
         while True:
             await asyncio.sleep(protocol.STREAMER_TTL_S / 3)
-            if not await self._renew(keys=[streamer], args=[self.id, protocol.STREAMER_TTL_S * 1000]):
+            if self.format and not await self._renew(keys=[streamer], args=[self.id, protocol.STREAMER_TTL_S * 1000]):
                 raise StreamClosed(CloseCode.CONFLICT, "the session's stream was taken over or the session is gone")
+            if not await self.redis.exists(self.keys.session(self.session_id)):
+                raise StreamClosed(CloseCode.NOT_FOUND, "the session is gone")
+            await self._count_socket()
             await self.store.touch(self.session_id)
 
 
@@ -360,8 +474,6 @@ def _closes(error: MediaErrorEvent, connection: str) -> bool:
     return error.code in ("decode_failed", "empty_stream") and error.connection == connection
 
 
-def _is_end(text: str | None) -> bool:
-    try:
-        return json.loads(text or "") == {"type": "end"}
-    except ValueError:
-        return False
+def _ref(message: dict) -> str | None:
+    ref = message.get("ref")
+    return ref[:200] if isinstance(ref, str) else None

@@ -9,13 +9,14 @@ payload is raw bytes in the field `data` beside a `type` field.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 import time
 from enum import IntEnum, StrEnum
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 GROUP = "workers"  # the consumer group on every stream that workers read
 
@@ -24,6 +25,9 @@ MEDIA_CHUNK_BYTES = 256 * 1024
 MEDIA_BACKLOG_ENTRIES = 64  # writers wait while a media stream holds this many entries
 MEDIA_MAXLEN = 4 * MEDIA_BACKLOG_ENTRIES  # hard cap; never reached while writers wait
 QUESTIONS_BACKLOG = 16  # unanswered questions per session before asks are refused
+ASKED_MAXLEN = 1024  # questions per session whose answers can be looked up by id (the latest)
+MAX_QUESTION_CHARS = 4000
+MAX_SYSTEM_PROMPT_CHARS = 4000
 ANSWER_MAXLEN = 4096  # answer stream entries (tokens plus the final record)
 ANSWER_TTL_S = 3600
 PENDING_MAXLEN = 10_000  # sessions waiting for a worker, per model
@@ -78,7 +82,7 @@ class CloseCode(IntEnum):
     UNAUTHORIZED = 4401  # no token, or not this session's token
     NOT_FOUND = 4404  # no such session (or it expired)
     CONFLICT = 4409  # the session already has other media, or another socket streams into it
-    BACKPRESSURE_IGNORED = 4429  # the client went on sending after a `backpressure` event
+    TOO_MANY = 4429  # messages after a `backpressure` event, over the message rate, or sockets on the session
 
 
 class Keys:
@@ -108,18 +112,38 @@ class Keys:
     def snapshot(self, session_id: str) -> str:
         return f"{self.prefix}session:{session_id}:snapshot"
 
+    def memory(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}:memory"
+
+    def asked(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}:asked"
+
+    def sockets(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}:sockets"
+
     def session_data(self, session_id: str) -> tuple[str, ...]:
-        """The keys that live and expire with a session: hash, media, questions, events, snapshot."""
+        """The keys that live and expire with a session: hash, media, questions, events, snapshot,
+        memory report, asked questions, open sockets."""
         return (
             self.session(session_id),
             self.media(session_id),
             self.questions(session_id),
             self.events(session_id),
             self.snapshot(session_id),
+            self.memory(session_id),
+            self.asked(session_id),
+            self.sockets(session_id),
         )
 
-    def answer(self, answer_id: str) -> str:
-        return f"{self.prefix}answer:{answer_id}"
+    def answer(self, session_id: str, answer_id: str) -> str:
+        return f"{self.prefix}session:{session_id}:answer:{answer_id}"
+
+    def owner(self, owner: str) -> str:
+        """The sessions created with one API key (or from one address, without keys)."""
+        return f"{self.prefix}owner:{owner}"
+
+    def rate(self, caller: str) -> str:
+        return f"{self.prefix}rate:{caller}"
 
     def pending(self, model: str) -> str:
         return f"{self.prefix}pending:{model}"
@@ -140,10 +164,57 @@ Policy = Literal["full", "sliding", "h2o", "snapkv", "infmllm"]
 POLICIES: tuple[str, ...] = get_args(Policy)  # the engine's registry holds the same names (tested)
 
 
+class PolicyOptions(BaseModel):
+    """A policy's knobs; each unset one keeps the engine's default (docs/engine.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sinks: int | None = Field(None, ge=0, le=1024, description="S: first tokens always kept (default 4).")
+    recent: int | None = Field(None, ge=0, le=65_536, description="R: latest tokens always kept (default 128).")
+    per_layer: bool | None = Field(None, description="One selection per layer instead of one per KV head.")
+    evict_on_question: bool | None = Field(None, description="Also evict right after a question, before answering.")
+    window: int | None = Field(None, ge=1, le=1024, description="infmllm, snapkv: the prompt's last queries that score the cache (default 32).")
+    beta: float | None = Field(None, ge=0, le=1000, description="infmllm: weight of the recency bias (default 0.5).")
+    bias_shape: Literal["linear", "square"] | None = Field(None, description="infmllm: how the bias grows with recency.")
+    local_sum: int | None = Field(None, ge=1, le=63, description="infmllm: keys summed around each one, odd (default 5).")
+    kernel: int | None = Field(None, ge=1, le=63, description="snapkv: pooling width, odd (default 7).")
+
+    @field_validator("local_sum", "kernel")
+    @classmethod
+    def _odd(cls, value: int | None) -> int | None:
+        if value is not None and value % 2 == 0:
+            raise ValueError("must be odd")
+        return value
+
+    def chosen(self) -> dict[str, object]:
+        """The knobs set, by name."""
+        return self.model_dump(exclude_none=True)
+
+
+# The knobs each policy takes (the engine's policy dataclasses; a test checks they agree).
+_COMMON_KNOBS = ("sinks", "recent", "per_layer", "evict_on_question")
+POLICY_KNOBS: dict[str, tuple[str, ...]] = {
+    "full": (),
+    "sliding": _COMMON_KNOBS,
+    "h2o": _COMMON_KNOBS,
+    "snapkv": (*_COMMON_KNOBS, "window", "kernel"),
+    "infmllm": (*_COMMON_KNOBS, "window", "beta", "bias_shape", "local_sum"),
+}
+DEFAULT_SINKS, DEFAULT_RECENT = 4, 128
+
+
 class SessionOptions(BaseModel):
     """What a client may choose when it creates a session."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"fps": 1.0, "policy": "infmllm", "budget_tokens": 4096, "policy_options": {"beta": 0.5, "recent": 256}},
+                {"policy": "sliding", "budget_tokens": 2048, "system_prompt": "Describe what you see in one sentence."},
+            ]
+        },
+    )
 
     fps: float = Field(1.0, ge=0.1, le=4.0, description="Frames sampled per second of video.")
     model: str | None = Field(
@@ -157,6 +228,30 @@ class SessionOptions(BaseModel):
     budget_tokens: int = Field(
         8192, ge=256, le=1_000_000, description="Tokens each cache layer keeps after an eviction."
     )
+    policy_options: PolicyOptions = Field(
+        default_factory=PolicyOptions, description="The policy's knobs; only those the policy has are accepted."
+    )
+    system_prompt: str | None = Field(
+        None, min_length=1, max_length=MAX_SYSTEM_PROMPT_CHARS, description="Replaces the model's default system prompt."
+    )
+
+    @field_validator("policy_options")
+    @classmethod
+    def _knobs_of_the_policy(cls, options: PolicyOptions, info: ValidationInfo) -> PolicyOptions:
+        policy, budget = info.data.get("policy"), info.data.get("budget_tokens")
+        if policy is None:
+            return options
+        foreign = sorted(set(options.chosen()) - set(POLICY_KNOBS[policy]))
+        if foreign:
+            takes = ", ".join(POLICY_KNOBS[policy]) or "none"
+            raise ValueError(f"policy {policy!r} has no option {', '.join(foreign)} (it takes: {takes})")
+        if budget is not None and policy != "full":
+            kept = (options.sinks if options.sinks is not None else DEFAULT_SINKS) + (
+                options.recent if options.recent is not None else DEFAULT_RECENT
+            )
+            if budget <= kept:
+                raise ValueError(f"budget_tokens ({budget}) must exceed sinks + recent ({kept})")
+        return options
 
 
 class SessionRecord(BaseModel):
@@ -167,6 +262,8 @@ class SessionRecord(BaseModel):
     policy: Policy
     budget_tokens: int
     fps: float
+    policy_options: dict[str, bool | int | float | str] = Field(default_factory=dict)
+    system_prompt: str | None = None
     state: SessionState = SessionState.PENDING
     error: str | None = None
     worker: str | None = None
@@ -182,20 +279,31 @@ class SessionRecord(BaseModel):
     cache_tokens: int = 0
     created_at: float = Field(default_factory=time.time)
 
+    @field_validator("policy_options", mode="before")
+    @classmethod
+    def _from_json(cls, value: object) -> object:
+        return json.loads(value) if isinstance(value, str) else value
+
     @classmethod
     def from_hash(cls, fields: dict[bytes, bytes]) -> SessionRecord:
         return cls.model_validate({k.decode(): v.decode() for k, v in fields.items()})
 
 
 def to_hash(**fields: object) -> dict[str, str]:
-    """Redis hash fields for a partial record update; None values are left out."""
-    return {k: (v.value if isinstance(v, StrEnum) else str(v)) for k, v in fields.items() if v is not None}
+    """Redis hash fields for a partial record update; None values are left out, dicts are JSON."""
+    def text(value: object) -> str:
+        if isinstance(value, StrEnum):
+            return value.value
+        return json.dumps(value) if isinstance(value, dict) else str(value)
+
+    return {k: text(v) for k, v in fields.items() if v is not None}
 
 
 class Question(BaseModel):
     answer_id: str
     question: str
     max_new_tokens: int
+    asked_at: float | None = None  # unix time the gateway received it; answer times count from it
 
 
 class TokenEvent(BaseModel):
@@ -216,6 +324,8 @@ class DoneEvent(BaseModel):
     video_time_s: float
     cache_tokens: int
     worker_ms: float  # from the worker reading the question to the last token
+    ttft_ms: float | None = None  # from `asked_at` to the first token (None: no asked_at)
+    total_ms: float | None = None  # from `asked_at` to the last token
 
 
 class ErrorEvent(BaseModel):
@@ -263,7 +373,7 @@ class StartedEvent(BaseModel):
     """The gateway's reply to a stream's `start`."""
 
     type: Literal["started"] = "started"
-    format: str
+    format: str | None = Field(description="The media format, or null for a socket that only watches and asks.")
     connection: str
     bytes_received: int = Field(description="Stream bytes received before this connection (send on from here).")
     frames: int
@@ -289,12 +399,83 @@ class EventEnvelope(BaseModel):
 
 
 class StartMessage(BaseModel):
-    """A stream socket's first message."""
+    """A stream socket's first message. Without a format the socket only watches and asks: it
+    sends no media, so any number of them (up to the per-session socket limit) may be open."""
 
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["start"]
-    format: Literal["webm", "mp4", "frames"]
+    format: Literal["webm", "mp4", "frames"] | None = None
+
+
+class AskMessage(BaseModel):
+    """A question asked on a stream socket; its answer comes back as `answer_*` events."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["ask"]
+    question: str = Field(min_length=1, max_length=MAX_QUESTION_CHARS)
+    max_new_tokens: int = Field(64, ge=1, le=MAX_ANSWER_TOKENS)
+    ref: str | None = Field(None, max_length=200, description="The client's own name for the question, echoed back.")
+
+
+class AnswerStartedEvent(BaseModel):
+    type: Literal["answer_started"] = "answer_started"
+    answer_id: str
+    ref: str | None = None
+
+
+class AnswerTokenEvent(BaseModel):
+    type: Literal["answer_token"] = "answer_token"
+    answer_id: str
+    ref: str | None = None
+    text: str
+
+
+class AnswerDoneEvent(BaseModel):
+    type: Literal["answer_done"] = "answer_done"
+    answer_id: str
+    ref: str | None = None
+    answer: str
+    tokens: int
+    evidence: list[Evidence]
+    video_time_s: float
+    cache_tokens: int
+    ttft_ms: float | None
+    total_ms: float | None
+
+
+class AnswerErrorEvent(BaseModel):
+    type: Literal["answer_error"] = "answer_error"
+    answer_id: str | None = None  # None: the question was refused before it was queued
+    ref: str | None = None
+    code: str
+    message: str
+
+
+class MemorySpan(BaseModel):
+    start_s: int = Field(description="The span is [start_s, end_s) of video time.")
+    end_s: int
+    frame_seen: int = Field(description="Frame tokens appended from it.")
+    frame_held: float = Field(description="Of those, held now (mean over layers and KV heads).")
+    text_seen: int = Field(description="Text tokens (questions, answers) appended while it was the latest video time.")
+    text_held: float
+
+
+class MemoryReport(BaseModel):
+    """What a session's bounded cache holds now, written by its worker after it changes."""
+
+    policy: str
+    budget_tokens: int | None = Field(description="Tokens each layer keeps after an eviction; null: never evicts.")
+    cache_tokens: int
+    frame_tokens: float = Field(description="Frame tokens held (mean over layers and KV heads).")
+    text_tokens: float
+    evictions: int
+    evicted_tokens: int = Field(description="Tokens evicted so far, per layer.")
+    frames: int = Field(description="Frames appended so far.")
+    video_time_s: float
+    spans: list[MemorySpan] = Field(description="The stream so far in at most 600 equal spans of whole seconds.")
+    updated_at: float = Field(description="Unix time the worker wrote this report.")
 
 
 class WorkerInfo(BaseModel):
@@ -306,6 +487,11 @@ class WorkerInfo(BaseModel):
     session_ids: list[str] = []  # the sessions it holds (at most max_sessions)
     kv_bytes_per_token: int = 0  # its model's cache bytes per token (0: unknown)
     kv_free_bytes: int = 0  # cache memory not reserved by its sessions (each reserves its peak)
+    # counters since the worker started, and its live sessions' ingest lag, for GET /metrics
+    frames_ingested: int = 0
+    evictions: int = 0
+    answers: int = 0
+    ingest_lag_s: float = 0.0
 
     def fits(self, budget_tokens: int) -> bool:
         """Whether a session with this budget fits now (by count and by cache memory)."""

@@ -46,6 +46,10 @@ class Stack:
             "PORT": str(self.port),
             "SPOOL_DIR": str(directory / "spool"),
             "TORCH_THREADS": "1",
+            # tests call from one address faster than a user would; the limits have tests of their own
+            "RATE_LIMIT_PER_S": "1000",
+            "RATE_LIMIT_BURST": "1000",
+            "MAX_SESSIONS_PER_KEY": "256",
             **env,
         }
         self.processes: dict[str, Popen] = {}
@@ -142,10 +146,26 @@ class Client:
         raise AssertionError(f"session never reached {states}; last: {session}")
 
 
+def sse_events(response: httpx.Response) -> Iterator[dict]:
+    """The events of a Server-Sent Events response: {"id", "event", "data"} (data parsed as JSON)."""
+    event: dict = {}
+    for line in response.iter_lines():
+        if not line:
+            if "data" in event:
+                yield event
+            event = {}
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            event[name] = json.loads(value) if name == "data" else value
+
+
 class StreamSocket:
     """A client of `WS /sessions/{id}/stream`: sends media, collects the events that come back."""
 
-    def __init__(self, user: Client, media_format: str, token: str | None = None, query_token: bool = False) -> None:
+    def __init__(
+        self, user: Client, media_format: str | None, token: str | None = None, query_token: bool = False
+    ) -> None:
         url = user.http.base_url.copy_with(scheme="ws", path=f"/sessions/{user.id}/stream")
         token = token if token is not None else user.token
         headers = {} if query_token else {"Authorization": f"Bearer {token}"}

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -35,6 +35,8 @@ from streamvqa.protocol import (
     IngestEvent,
     Keys,
     MediaErrorEvent,
+    MemoryReport,
+    MemorySpan,
     Question,
     SessionRecord,
     SessionState,
@@ -57,6 +59,7 @@ LIVE_BLOCK_MS = 50  # the same while a live stream is open (its frames come from
 MAX_BACKOFF_S = 5.0  # longest wait between retries while Redis fails
 DEAD_WORKER_FORGET_S = 3600  # workers silent this long leave the registry
 SNAPSHOT_AFTER_ENTRIES = protocol.MEDIA_BACKLOG_ENTRIES // 2  # unacknowledged live media that forces a snapshot
+MEMORY_INTERVAL_S = 1.0  # the shortest time between two memory reports of a session while it ingests
 
 # Updates a live session: KEYS = its hash, media and question streams; ARGV[1] = TTL (s),
 # ARGV[2] = a state to set ('' for none), ARGV[3] = the state it must replace ('' for any),
@@ -101,6 +104,12 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 return 1
 """
+# Sets KEYS[2] to ARGV[1] with a TTL of ARGV[2] seconds while the session (hash KEYS[1]) lives.
+SET_IF_LIVE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
 # Puts a dead worker's session back in the pending queue, once: KEYS = its hash, its lease, the
 # pending stream; ARGV = the dead worker's id, the pending MAXLEN, the session id. Returns 1
 # when queued (the lease has lapsed and the hash still names the dead worker).
@@ -136,6 +145,8 @@ class Hosted:
     lease_until: float = 0.0  # monotonic time until which the lease surely holds (renewed by the heartbeat)
     unacked: list[bytes] = field(default_factory=list)  # live media entries no snapshot covers yet
     changed: bool = False  # the cache changed since the last snapshot
+    lag_s: float = 0.0  # how far behind real time its last live frame was appended
+    memory_at: float = 0.0  # monotonic time of its last memory report
     snapshot_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -171,7 +182,9 @@ class Worker:
         self._requeue = redis.register_script(REQUEUE_LUA)
         self._take_lease = redis.register_script(CLAIM_LUA)
         self._upload_ack = redis.register_script(UPLOAD_ACK_LUA)
+        self._set_if_live = redis.register_script(SET_IF_LIVE_LUA)
         self._claiming: set[str] = set()  # sessions being opened: advertised, not yet held
+        self.frames_ingested = self.evictions = self.answers = 0  # since start, advertised for GET /metrics
         self.snapshots = SnapshotStore(
             redis, self.keys, settings.snapshot_dir, settings.snapshot_redis_max_bytes, settings.session_ttl_s
         )
@@ -353,7 +366,12 @@ class Worker:
         """The session's engine and ingest: restored from its snapshot when it has one."""
         snapshot = await self.snapshots.load(session_id)
         if snapshot is None:
-            config = SessionConfig(policy=record.policy, budget_tokens=record.budget_tokens)
+            config = SessionConfig(
+                policy=record.policy,
+                budget_tokens=record.budget_tokens,
+                policy_options=record.policy_options,
+                **({"system_prompt": record.system_prompt} if record.system_prompt else {}),
+            )
             hosted = Hosted(record, await self._in_engine(Session, self.model, config))
         else:
             log.info("session %s: restoring its snapshot of %d bytes", session_id, len(snapshot.engine))
@@ -405,13 +423,13 @@ class Worker:
         except (KeyError, ValueError):
             await self._consume(self.keys.questions(session_id), entry_id)
             return
-        events = await self.redis.xrange(self.keys.answer(question.answer_id))
+        events = await self.redis.xrange(self.keys.answer(session_id, question.answer_id))
         kinds = {AnswerEnvelope.model_validate_json(f[b"m"]).event.type for _, f in events}
         if kinds & {"done", "error"}:
             await self._consume(self.keys.questions(session_id), entry_id)  # answered before the worker died
         elif kinds:
             message = "the worker answering this question stopped part-way; ask again"
-            await self._publish(self.keys.answer(question.answer_id), ErrorEvent(code="session_reset", message=message))
+            await self._publish(self.keys.answer(session_id, question.answer_id), ErrorEvent(code="session_reset", message=message))
             await self._consume(self.keys.questions(session_id), entry_id)
         else:
             await self._answer(session_id, entry_id, fields)
@@ -459,7 +477,7 @@ class Worker:
             log.warning("session %s: dropped a malformed question", session_id)
             await self._consume(self.keys.questions(session_id), entry_id)
             return
-        stream = self.keys.answer(question.answer_id)
+        stream = self.keys.answer(session_id, question.answer_id)
         pieces = None
         try:
             if await self.redis.xlen(stream):  # the same question twice (a retried submit): answered once
@@ -470,10 +488,14 @@ class Worker:
                 return
             pieces = hosted.engine.ask(question.question, question.max_new_tokens)
             answer = []
+            asked_at = question.asked_at or (time.time() - (time.monotonic() - started))
+            first_token_at = None
             while (piece := await self._in_engine(next, pieces, None)) is not None:
                 if piece:
+                    first_token_at = first_token_at or time.time()
                     answer.append(piece)
                     await self._publish(stream, TokenEvent(text=piece))
+            finished_at = time.time()
             stats = hosted.engine.stats()
             done = DoneEvent(
                 answer="".join(answer),
@@ -482,10 +504,14 @@ class Worker:
                 video_time_s=stats.video_time_s,
                 cache_tokens=stats.cache_tokens,
                 worker_ms=round((time.monotonic() - started) * 1000, 1),
+                ttft_ms=round(max(0.0, (first_token_at or finished_at) - asked_at) * 1000, 1),
+                total_ms=round(max(0.0, finished_at - asked_at) * 1000, 1),
             )
             await self._publish(stream, done)
+            self.answers += 1
             hosted.changed = True
             await self._set(session_id, **self._progress(hosted.engine))
+            await self._report_memory(session_id, hosted, force=True)
         except RedisError:
             raise
         except Exception as err:
@@ -568,8 +594,12 @@ class Worker:
             batch = await self._in_thread(self._decode_thread, ingest.next_frames, self.settings.frames_per_step)
             if batch.frames:
                 images, times = [f.image for f in batch.frames], [f.time_s for f in batch.frames]
+                evictions = hosted.engine.stats().evictions
                 await self._in_engine(hosted.engine.append_frames, images, times)
                 hosted.changed = True
+                self.frames_ingested += len(batch.frames)
+                self.evictions += hosted.engine.stats().evictions - evictions
+                hosted.lag_s = batch.lag_s if ingest.live else 0.0
         except DecodeError as err:
             await self._fail(session_id, hosted, str(err))
             return
@@ -597,6 +627,7 @@ class Worker:
                 ),
             )
             await self._set(session_id, frames_dropped=dropped, ingest_lag_s=round(batch.lag_s, 3), **self._progress(hosted.engine))
+            await self._report_memory(session_id, hosted)
         if ingest.finished:
             await self._finish_ingest(session_id, hosted)
 
@@ -651,6 +682,29 @@ class Worker:
         return True
 
     # -- bookkeeping ---------------------------------------------------------------------------
+
+    async def _report_memory(self, session_id: str, hosted: Hosted, force: bool = False) -> None:
+        """Write what the session's cache holds (GET /sessions/{id}/memory), at most every
+        MEMORY_INTERVAL_S unless `force`."""
+        if not force and time.monotonic() - hosted.memory_at < MEMORY_INTERVAL_S:
+            return
+        hosted.memory_at = time.monotonic()
+        memory, stats = await self._in_engine(lambda: (hosted.engine.memory(), hosted.engine.stats()))
+        report = MemoryReport(
+            policy=memory.policy,
+            budget_tokens=memory.budget_tokens,
+            cache_tokens=memory.cache_tokens,
+            frame_tokens=round(memory.frame_tokens, 2),
+            text_tokens=round(memory.text_tokens, 2),
+            evictions=stats.evictions,
+            evicted_tokens=stats.evicted_tokens,
+            frames=stats.frames,
+            video_time_s=round(stats.video_time_s, 3),
+            spans=[MemorySpan(**asdict(span)) for span in memory.spans],
+            updated_at=time.time(),
+        )
+        keys = [self.keys.session(session_id), self.keys.memory(session_id)]
+        await self._set_if_live(keys=keys, args=[report.model_dump_json(), self.settings.session_ttl_s])
 
     @staticmethod
     def _progress(engine: Session) -> dict[str, object]:
@@ -713,6 +767,10 @@ class Worker:
             session_ids=[*self.sessions, *self._claiming],
             kv_bytes_per_token=self.model.kv_bytes_per_token,
             kv_free_bytes=self._kv_free_bytes(),
+            frames_ingested=self.frames_ingested,
+            evictions=self.evictions,
+            answers=self.answers,
+            ingest_lag_s=round(max((h.lag_s for h in self.sessions.values()), default=0.0), 3),
         )
         await self.redis.hset(self.keys.workers(), self.id, info.model_dump_json())
 

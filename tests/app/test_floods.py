@@ -81,7 +81,7 @@ def test_a_flood_of_media_and_unread_answers_stay_bounded(stack, redis_url):
     assert _rss_bytes(worker_pid) - worker_before < 128 * 1024 * 1024  # 16 queued frames, bounded caches
     assert store.info("memory")["used_memory"] - redis_before < 32 * 1024 * 1024  # 256 media entries at most
 
-    for key in store.scan_iter(match=f"{stack.prefix}answer:*"):
+    for key in store.scan_iter(match=f"{stack.prefix}session:*:answer:*"):
         assert store.xlen(key) <= protocol.ANSWER_MAXLEN and 0 < store.ttl(key) <= protocol.ANSWER_TTL_S
     assert store.xlen(f"{stack.prefix}session:{silent.id}:questions") <= protocol.QUESTIONS_BACKLOG
     assert stack.processes["worker"].poll() is None

@@ -46,7 +46,7 @@ def _answer_finals(redis_url: str, prefix: str) -> dict[str, list[str]]:
     """For every answer stream under `prefix`: the types of its final events (done, error:code)."""
     store = redis.Redis.from_url(redis_url)
     finals = {}
-    for key in store.scan_iter(match=f"{prefix}answer:*"):
+    for key in store.scan_iter(match=f"{prefix}session:*:answer:*"):
         events = [AnswerEnvelope.model_validate_json(f[b"m"]).event for _, f in store.xrange(key)]
         finals[key.decode()] = [e.type if e.type == "done" else f"error:{e.code}" for e in events if e.type != "token"]
     return finals

@@ -106,6 +106,6 @@ def test_a_question_submitted_twice_is_answered_once(stack, redis_url):
     while store.xlen(questions):  # both entries handled
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    events = [AnswerEnvelope.model_validate_json(f[b"m"]).event.type for _, f in store.xrange(f"{stack.prefix}answer:{answer_id}")]
+    events = [AnswerEnvelope.model_validate_json(f[b"m"]).event.type for _, f in store.xrange(f"{stack.prefix}session:{user.id}:answer:{answer_id}")]
     assert events.count("done") == 1 and events[-1] == "done"
     user.delete()

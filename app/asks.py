@@ -1,0 +1,148 @@
+"""Questions and answers: `POST /sessions/{id}/ask` (a JSON answer, Server-Sent Events, or 202
+and an answer id) and `GET /sessions/{id}/answers/{answer_id}` (look up or resume)."""
+
+import re
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from app import answers, sse
+from app.answers import Answer, AnswerStatus
+from app.deps import AuthorizedSession, KeysDep, Metrics, RedisDep, Settings
+from app.errors import ApiError
+from app.metrics import GatewayMetrics
+from streamvqa import protocol
+from streamvqa.protocol import MAX_ANSWER_TOKENS, MAX_QUESTION_CHARS, DoneEvent, ErrorEvent, SessionState
+
+router = APIRouter(tags=["questions"])
+ANSWER_ID = re.compile(r"[0-9a-f]{32}")
+SSE_RESPONSE = {"content": {sse.EVENT_STREAM: {}}, "description": "With `stream` or `Accept: text/event-stream`: "
+                "`token` events (`{\"text\"}`), then one `done` (the answer) or `error` (`{\"code\", \"message\"}`)."}
+
+
+class AskRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"question": "What is the person holding?", "max_new_tokens": 64},
+                {"question": "What changed in the last minute?", "stream": True},
+                {"question": "Summarise the video so far.", "wait_s": 2},
+            ]
+        },
+    )
+
+    question: str = Field(min_length=1, max_length=MAX_QUESTION_CHARS)
+    max_new_tokens: int = Field(64, ge=1, le=MAX_ANSWER_TOKENS)
+    stream: bool = Field(False, description="Stream the answer as Server-Sent Events.")
+    wait_s: float | None = Field(
+        None, ge=0, le=300,
+        description="Wait at most this long; an answer not done by then is 202 with its id, to fetch at "
+        "`GET /sessions/{id}/answers/{answer_id}`. Without it, `ask` waits up to the gateway's ASK_TIMEOUT_S.",
+    )
+
+
+class AnswerPending(BaseModel):
+    answer_id: str
+    status: str = Field(description="pending or streaming.")
+    location: str = Field(description="Where to fetch or resume the answer.")
+
+
+def _refusal(error: ErrorEvent) -> ApiError:
+    if error.code == "session_reset":  # its worker died while answering: ask again
+        return ApiError(503, error.code, error.message, {"Retry-After": "1"})
+    return ApiError(409 if error.code == "session_error" else 500, error.code, error.message)
+
+
+def _answer_url(session_id: str, answer_id: str) -> str:
+    return f"/sessions/{session_id}/answers/{answer_id}"
+
+
+@router.post(
+    "/sessions/{session_id}/ask",
+    responses={
+        200: SSE_RESPONSE,
+        202: {"model": AnswerPending, "description": "`wait_s` passed before the answer was done."},
+    },
+)
+async def ask(
+    session: AuthorizedSession, body: AskRequest, request: Request, redis: RedisDep, keys: KeysDep,
+    settings: Settings, metrics: Metrics,
+) -> Answer:
+    """Ask about what the session has seen so far."""
+    if session.state == SessionState.ERROR:
+        raise ApiError(409, "session_error", f"the session failed: {session.error}")
+    streaming = body.stream or sse.wants_events(request)
+    answer_id = await submit(redis, keys, session.id, body.question, body.max_new_tokens, settings, metrics, "sse" if streaming else "rest")
+    if streaming:
+        return sse.response(_answer_events(redis, keys, session.id, answer_id, "0-0", settings, metrics))
+    wait_s = settings.ask_timeout_s if body.wait_s is None else min(body.wait_s, settings.ask_timeout_s)
+    try:
+        async for _, event in answers.events(redis, keys, session.id, answer_id, wait_s):
+            if event.type == "error":
+                metrics.answers.labels("error").inc()
+                raise _refusal(event)
+            if event.type == "done":
+                metrics.answered(event)
+                return Answer.of(answer_id, event)
+    except answers.AnswerTimeout as err:
+        if body.wait_s is None:
+            raise ApiError(504, "answer_timeout", f"no answer within {settings.ask_timeout_s} s (answer {answer_id})") from err
+        found = await answers.status(redis, keys, session.id, answer_id)
+        location = _answer_url(session.id, answer_id)
+        pending = AnswerPending(answer_id=answer_id, status=found.status, location=location)
+        return JSONResponse(pending.model_dump(), status_code=202, headers={"Location": location})
+    raise ApiError(500, "answer_incomplete", "the answer stream ended without a final record")
+
+
+@router.get("/sessions/{session_id}/answers/{answer_id}", responses={200: SSE_RESPONSE})
+async def get_answer(
+    session: AuthorizedSession, answer_id: str, request: Request, redis: RedisDep, keys: KeysDep,
+    settings: Settings, metrics: Metrics,
+) -> AnswerStatus:
+    """An answer as far as it has come. With `Accept: text/event-stream`, its events as
+    Server-Sent Events from the start, or after the `Last-Event-ID` a client last saw."""
+    if not ANSWER_ID.fullmatch(answer_id) or (asked := await answers.asked_at(redis, keys, session.id, answer_id)) is None:
+        raise ApiError(404, "answer_not_found", f"this session asked no question {answer_id}")
+    if sse.wants_events(request):
+        since = sse.last_event_id(request, "0-0")
+        return sse.response(_answer_events(redis, keys, session.id, answer_id, since, settings, metrics))
+    found = await answers.status(redis, keys, session.id, answer_id)
+    if found.status == "pending" and time.time() - asked > protocol.ANSWER_TTL_S:
+        raise ApiError(410, "answer_expired", f"answers are kept {protocol.ANSWER_TTL_S} s")
+    return found
+
+
+async def submit(
+    redis, keys, session_id: str, question: str, max_new_tokens: int, settings, metrics: GatewayMetrics, via: str
+) -> str:
+    """Queue a question (asked via `rest`, `sse` or `socket`); its answer id. 429 when the
+    session's question backlog is full."""
+    try:
+        answer_id = await answers.submit(redis, keys, session_id, question, max_new_tokens, settings.session_ttl_s)
+    except answers.QuestionsBacklogFull as err:
+        raise ApiError(429, "too_many_questions", "too many unanswered questions on this session") from err
+    metrics.questions.labels(via).inc()
+    return answer_id
+
+
+async def _answer_events(redis, keys, session_id: str, answer_id: str, since: str, settings, metrics: GatewayMetrics):
+    try:
+        async for item in answers.events(redis, keys, session_id, answer_id, settings.ask_timeout_s, since):
+            if item is None:
+                yield sse.KEEPALIVE
+                continue
+            event_id, event = item
+            if isinstance(event, DoneEvent):
+                metrics.answered(event)
+                yield sse.frame("done", Answer.of(answer_id, event).model_dump(mode="json"), event_id)
+            elif isinstance(event, ErrorEvent):
+                metrics.answers.labels("error").inc()
+                yield sse.frame("error", {"code": event.code, "message": event.message}, event_id)
+            else:
+                yield sse.frame("token", {"text": event.text}, event_id)
+    except answers.AnswerTimeout:
+        message = f"no answer within {settings.ask_timeout_s} s; resume at {_answer_url(session_id, answer_id)}"
+        yield sse.frame("error", {"code": "answer_timeout", "message": message})

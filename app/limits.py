@@ -1,0 +1,99 @@
+"""Limits on what one caller may ask of the gateway: request rate, body size, socket message rate."""
+
+import hashlib
+import time
+
+from redis.asyncio import Redis
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import ApiError
+
+# A token bucket per caller, shared by every gateway. KEYS[1] = the bucket; ARGV = tokens per
+# second, bucket size. Returns 0 when the request may go on, else the milliseconds until it may.
+TAKE_LUA = """
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = redis.call('TIME')
+now = tonumber(now[1]) + tonumber(now[2]) / 1000000
+local bucket = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens = tonumber(bucket[1]) or burst
+local at = tonumber(bucket[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+local wait_ms = 0
+if tokens >= 1 then tokens = tokens - 1 else wait_ms = math.ceil((1 - tokens) / rate * 1000) end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
+return wait_ms
+"""
+
+
+def key_id(api_key: str) -> str:
+    """A name for an API key that reveals nothing of it (in Redis keys and logs)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+class RateLimiter:
+    def __init__(self, redis: Redis, bucket_key, per_s: float, burst: int) -> None:
+        self._take = redis.register_script(TAKE_LUA)
+        self._bucket_key = bucket_key  # caller -> Redis key
+        self.per_s, self.burst = per_s, burst
+
+    async def check(self, caller: str) -> None:
+        """ApiError 429 (with Retry-After) when `caller` is over its rate."""
+        if self.per_s <= 0:
+            return
+        wait_ms = await self._take(keys=[self._bucket_key(caller)], args=[self.per_s, self.burst])
+        if wait_ms:
+            retry = str(max(1, -(-int(wait_ms) // 1000)))
+            raise ApiError(429, "rate_limited", f"too many requests; try again in {retry} s", {"Retry-After": retry})
+
+
+class MessageRate:
+    """A socket's own token bucket: `per_s` messages a second, bursts of twice that."""
+
+    def __init__(self, per_s: float) -> None:
+        self.per_s, self.burst = per_s, 2 * per_s
+        self._tokens, self._at = self.burst, time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.per_s)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+
+class BodyLimit:
+    """ASGI middleware: request bodies over `max_bytes` are refused with 413, whether they
+    announce their length or not; uploads (paths ending in /upload) have their own limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"].endswith("/upload"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _refuse(send, self.max_bytes)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise ApiError(413, "body_too_large", f"the request body exceeds {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def _refuse(send: Send, max_bytes: int) -> None:
+    body = b'{"code":"body_too_large","message":"the request body exceeds %d bytes"}' % max_bytes
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
