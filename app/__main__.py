@@ -1,9 +1,35 @@
 """`python -m app`: run the gateway with uvicorn, configured by the environment."""
 
+import copy
+import logging
+import re
+
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from app.main import create_app
 from app.settings import GatewaySettings
+
+
+class RedactTokens(logging.Filter):
+    """Session tokens sent as `?token=` (browsers' WebSockets cannot send headers) never reach a log."""
+
+    PATTERN = re.compile(r"((?:^|[?&])token=)[^&\s\"']+")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = self.PATTERN.sub(r"\1[redacted]", record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(self.PATTERN.sub(r"\1[redacted]", a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def log_config() -> dict:
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["redact_tokens"] = {"()": RedactTokens}
+    for handler in config["handlers"].values():
+        handler.setdefault("filters", []).append("redact_tokens")
+    return config
 
 
 def main() -> None:
@@ -13,6 +39,7 @@ def main() -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        log_config=log_config(),
         proxy_headers=True,
         ws_max_size=settings.ws_max_message_bytes,
     )

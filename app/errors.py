@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,10 @@ async def _redis_unreachable(_: Request, err: Exception) -> JSONResponse:
     return _json(503, "redis_unreachable", f"Redis is unreachable: {err}", {"Retry-After": "5"})
 
 
+async def _client_left(_: Request, err: ClientDisconnect) -> JSONResponse:
+    return _json(400, "client_disconnected", "the client left before sending its whole request")
+
+
 async def _unexpected(request: Request, err: Exception) -> JSONResponse:
     log.exception("%s %s failed", request.method, request.url.path, exc_info=err)
     return _json(500, "internal_error", "the gateway failed; the error is in its log")
@@ -54,4 +59,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RedisConnectionError, _redis_unreachable)
     app.add_exception_handler(RedisTimeoutError, _redis_unreachable)
+    app.add_exception_handler(ClientDisconnect, _client_left)
     app.add_exception_handler(Exception, _unexpected)

@@ -79,17 +79,25 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await _refuse(send, self.max_bytes)
             return
-        received = 0
+        received, refused = 0, False
 
         async def limited() -> Message:
-            nonlocal received
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise ApiError(413, "body_too_large", f"the request body exceeds {self.max_bytes} bytes")
+            if received > self.max_bytes:  # answer now; the app sees the client leave
+                refused = True
+                await _refuse(send, self.max_bytes)
+                return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, limited, send)
+        async def sending(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, limited, sending)
 
 
 async def _refuse(send: Send, max_bytes: int) -> None:

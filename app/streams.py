@@ -11,6 +11,7 @@ a socket that only watches and asks. docs/streaming.md is the protocol, with an 
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -369,7 +370,7 @@ class StreamConnection:
                     await self.send(AnswerTokenEvent(answer_id=answer_id, ref=ref, text=event.text))
                 elif event.type == "done":
                     self.metrics.answered(event)
-                    fields = event.model_dump(include=set(AnswerDoneEvent.model_fields))
+                    fields = event.model_dump(include=set(AnswerDoneEvent.model_fields) - {"type", "answer_id", "ref"})
                     await self.send(AnswerDoneEvent(answer_id=answer_id, ref=ref, **fields))
                 else:
                     self.metrics.answers.labels("error").inc()
@@ -381,6 +382,11 @@ class StreamConnection:
             await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code="answer_timeout", message=message))
         except (WebSocketDisconnect, RuntimeError, RedisError) as err:
             log.info("socket %s: answer %s not delivered (%s)", self.id, answer_id, err)
+        except Exception:
+            log.exception("socket %s: answering %s failed", self.id, answer_id)
+            failed = AnswerErrorEvent(answer_id=answer_id, ref=ref, code="internal_error", message="the gateway failed")
+            with contextlib.suppress(Exception):  # the socket may be gone too
+                await self.send(failed)
 
     async def _forward(self) -> None:
         """Inbox to the media stream, waiting while the worker's backlog is full; returns once

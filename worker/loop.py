@@ -147,6 +147,7 @@ class Hosted:
     changed: bool = False  # the cache changed since the last snapshot
     lag_s: float = 0.0  # how far behind real time its last live frame was appended
     memory_at: float = 0.0  # monotonic time of its last memory report
+    memory_stale: bool = False  # the cache changed after it
     snapshot_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -271,6 +272,8 @@ class Worker:
                 await self._finish_ingest(session_id, hosted)  # its last try could not snapshot
         for session_id, hosted in list(self.sessions.items()):
             await self._maybe_snapshot(session_id, hosted)
+            if hosted.memory_stale and hosted.held:
+                await self._report_memory(session_id, hosted)
 
     async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list:
         """XREADGROUP; when a stream or its group is gone (a deleted session, a Redis that lost
@@ -333,6 +336,9 @@ class Worker:
         try:
             await self._advertise()  # named in the registry before opening: if this worker dies now, it is queued again
             stored = await self.redis.hgetall(self.keys.session(session_id))
+            if not stored:  # deleted since the lease was taken
+                await self._release(keys=[lease], args=[self.id])
+                return
             stored.pop(b"token_sha256", None)
             record = SessionRecord.from_hash(stored)
             if protocol.peak_cache_tokens(record.budget_tokens) * self.model.kv_bytes_per_token > self._kv_free_bytes():
@@ -646,6 +652,7 @@ class Worker:
             message = "the stream ended before any frame could be decoded"
             await self._event(session_id, MediaErrorEvent(code="empty_stream", message=message, connection=hosted.ingest.connection))
             return
+        await self._report_memory(session_id, hosted, force=True)
         await self._set(session_id, SessionState.INGESTED, SessionState.INGESTING, **self._progress(hosted.engine))
         await self._event(session_id, StateEvent(state=SessionState.INGESTED))
 
@@ -687,8 +694,9 @@ class Worker:
         """Write what the session's cache holds (GET /sessions/{id}/memory), at most every
         MEMORY_INTERVAL_S unless `force`."""
         if not force and time.monotonic() - hosted.memory_at < MEMORY_INTERVAL_S:
+            hosted.memory_stale = True  # reported at a later turn
             return
-        hosted.memory_at = time.monotonic()
+        hosted.memory_at, hosted.memory_stale = time.monotonic(), False
         memory, stats = await self._in_engine(lambda: (hosted.engine.memory(), hosted.engine.stats()))
         report = MemoryReport(
             policy=memory.policy,

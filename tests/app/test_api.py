@@ -2,10 +2,12 @@
 
 import subprocess
 import sys
+import time
 
 import httpx
+import pytest
 
-from tests.support import Client, sample_video
+from tests.support import Client, sample_video, sse_events
 
 
 def test_healthz_answers_when_redis_is_reachable(stack):
@@ -115,3 +117,104 @@ def test_the_dashboard_is_served_at_root(stack):
 def test_the_gateway_never_imports_torch():
     code = "import sys, app.main, app.__main__; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_policy_knobs_and_a_system_prompt_are_kept_and_checked(client):
+    reply = client.create(policy="infmllm", budget_tokens=512, policy_options={"beta": 2.0, "recent": 64}, system_prompt="Be brief.")
+    assert reply.status_code == 201
+    session = client.wait_for_state("ready")
+    assert (session["policy_options"], session["system_prompt"]) == ({"beta": 2.0, "recent": 64}, "Be brief.")
+
+    wrong_policy = client.http.post("/sessions", json={"policy": "sliding", "policy_options": {"beta": 1}})
+    assert wrong_policy.status_code == 422
+    assert [f["field"] for f in wrong_policy.json()["fields"]] == ["body.policy_options"]
+    assert "no option beta" in wrong_policy.json()["message"]
+    too_small = client.http.post("/sessions", json={"budget_tokens": 256, "policy_options": {"recent": 300}})
+    assert "must exceed sinks + recent (304)" in too_small.json()["message"]
+    bad_knobs = client.http.post("/sessions", json={"policy_options": {"local_sum": 4, "window": 0, "colour": 1}})
+    assert {f["field"] for f in bad_knobs.json()["fields"]} == {
+        "body.policy_options.local_sum", "body.policy_options.window", "body.policy_options.colour"
+    }
+
+
+def test_the_memory_view_counts_what_the_cache_holds_per_second(client):
+    client.create(fps=4, policy="sliding", budget_tokens=256)
+    empty = client.http.get(f"/sessions/{client.id}/memory", headers=client.auth).json()
+    assert (empty["policy"], empty["budget_tokens"], empty["frames"], empty["spans"]) == ("sliding", 256, 0, [])
+    assert client.upload(sample_video("bikes.mp4").read_bytes()).status_code == 202
+    session = client.wait_for_state("ingested", timeout_s=120)
+    memory = client.http.get(f"/sessions/{client.id}/memory", headers=client.auth).json()
+    assert memory["frames"] == session["frames_ingested"] == 40  # bikes.mp4: 10 s at 4 fps
+    assert memory["cache_tokens"] == session["cache_tokens"] <= 256 + 2048 + 1024
+    assert memory["evictions"] >= 1 and memory["evicted_tokens"] > 0
+    assert [(s["start_s"], s["end_s"]) for s in memory["spans"]] == [(t, t + 1) for t in range(10)]
+    seen = [s["frame_seen"] for s in memory["spans"]]
+    assert len(set(seen)) == 1 and seen[0] > 0  # every second has four frames of the same size
+    held = [s["frame_held"] for s in memory["spans"]]
+    assert held[-1] == seen[-1] and held[0] < seen[0]  # sliding keeps the newest frame, not the oldest
+    assert sum(held) == pytest.approx(memory["frame_tokens"], abs=0.1)
+
+
+def test_session_events_stream_as_server_sent_events(client):
+    client.create(fps=1)
+    client.wait_for_state("ready")
+    with client.http.stream("GET", f"/sessions/{client.id}/events", headers=client.auth) as events:
+        assert events.status_code == 200
+        assert client.upload(sample_video("carphone_pristine.mp4").read_bytes()).status_code == 202
+        seen = []
+        for event in sse_events(events):
+            seen.append(event)
+            if event["event"] == "state" and event["data"]["state"] == "ingested":
+                break
+    ingests = [e["data"] for e in seen if e["event"] == "ingest"]
+    assert ingests[-1]["frames"] == 4
+    assert [t for e in ingests for t in e["times"]] == pytest.approx([0.0, 1.0, 2.0, 3.0], abs=0.01)
+    # resuming after the first event replays the rest, in order
+    headers = {**client.auth, "Last-Event-ID": seen[0]["id"]}
+    with client.http.stream("GET", f"/sessions/{client.id}/events", headers=headers) as resumed:
+        replay = []
+        for event in sse_events(resumed):
+            replay.append(event)
+            if len(replay) == len(seen) - 1:
+                break
+    assert replay == seen[1:]
+
+
+def test_session_events_end_with_gone_when_the_session_is_deleted(stack, client):
+    client.create()
+    with client.http.stream("GET", f"/sessions/{client.id}/events", headers=client.auth) as events:
+        httpx.delete(f"{stack.url}/sessions/{client.id}", headers=client.auth)
+        assert [e["event"] for e in sse_events(events)] == ["gone"]
+
+
+def test_list_sessions_shows_the_callers_sessions_without_tokens(stack):
+    users = [Client(stack.url) for _ in range(2)]
+    for user in users:
+        assert user.create().status_code == 201
+    listed = httpx.get(f"{stack.url}/sessions").json()["sessions"]
+    ids = [s["id"] for s in listed]
+    assert {u.id for u in users} <= set(ids)
+    assert ids.index(users[1].id) < ids.index(users[0].id)  # newest first
+    assert all("token" not in s and "token_sha256" not in s for s in listed)
+    users[0].delete()
+    assert users[0].id not in [s["id"] for s in httpx.get(f"{stack.url}/sessions").json()["sessions"]]
+    users[1].delete()
+
+
+def test_readyz_needs_a_live_worker_and_metrics_count_the_work(stack, client):
+    assert httpx.get(f"{stack.url}/readyz").json() == {"status": "ready", "workers": 1}
+    client.create(fps=1)
+    assert client.upload(sample_video("carphone_pristine.mp4").read_bytes()).status_code == 202
+    client.wait_for_state("ingested")
+    assert client.ask("What?", max_new_tokens=2).status_code == 200
+    time.sleep(1.5)  # the worker advertises its counters every heartbeat
+    text = httpx.get(f"{stack.url}/metrics").text
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    assert samples['streamvqa_workers{model="tiny-random-llava"}'] == 1
+    assert samples['streamvqa_gateway_questions_total{via="rest"}'] >= 1
+    assert samples["streamvqa_gateway_ttft_seconds_count"] >= 1
+    assert samples['streamvqa_gateway_http_requests_total{method="POST",route="/sessions",status="201"}'] >= 1
+    frames = [v for k, v in samples.items() if k.startswith("streamvqa_worker_frames_ingested_total")]
+    assert len(frames) == 1 and frames[0] >= 4
+    answers = [v for k, v in samples.items() if k.startswith("streamvqa_worker_answers_total")]
+    assert answers[0] >= 1

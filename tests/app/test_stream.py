@@ -1,5 +1,6 @@
 """Live video over `WS /sessions/{id}/stream`, against a real gateway, worker and Redis."""
 
+import json
 import os
 import random
 import signal
@@ -259,3 +260,44 @@ def test_deleting_a_session_mid_stream_closes_its_socket_and_leaves_no_keys(clie
     leftovers = store.keys(f"{stack.prefix}session:{client.id}*")
     assert [key for key in leftovers if store.ttl(key) < 0] == []  # nothing that never expires
     assert {key.decode().rsplit(":", 1)[-1] for key in leftovers} <= {"lease"}  # freed at the next heartbeat
+
+
+def test_a_question_on_the_stream_socket_is_answered_there(client):
+    client.create(fps=1)
+    socket = StreamSocket(client, "frames")
+    for second in range(3):
+        socket.send(timed_jpeg(float(second), second))
+    assert socket.wait_for(lambda e: e["type"] == "ingest" and e["frames"] == 3) is not None
+    socket.send(json.dumps({"type": "ask", "question": "What do you see?", "max_new_tokens": 5, "ref": "q1"}))
+    done = socket.wait_for(lambda e: e["type"] in ("answer_done", "answer_error"))
+    assert done["type"] == "answer_done", done
+    answer_events = [e for e in socket.events if e["type"].startswith("answer_")]
+    assert answer_events[0]["type"] == "answer_started"
+    assert {e["ref"] for e in answer_events} == {"q1"} and len({e["answer_id"] for e in answer_events}) == 1
+    tokens = [e["text"] for e in answer_events if e["type"] == "answer_token"]
+    assert "".join(tokens) == done["answer"] and 1 <= done["tokens"] <= 5
+    assert done["video_time_s"] == 2.0  # the question saw the three frames sent before it
+
+    socket.send(json.dumps({"type": "ask", "question": "", "ref": "q2"}))
+    refused = socket.wait_for(lambda e: e["type"] == "answer_error")
+    assert (refused["ref"], refused["code"], refused["answer_id"]) == ("q2", "invalid_request", None)
+    socket.close()
+
+
+def test_a_socket_without_a_format_watches_another_sockets_stream_and_asks(client):
+    client.create(fps=1)
+    watcher = StreamSocket(client, None)
+    assert (watcher.started["format"], watcher.started["bytes_received"]) == (None, 0)
+    streamer = StreamSocket(client, "frames")  # a watcher does not hold the session's media
+    assert streamer.started["type"] == "started"
+    for second in range(2):
+        streamer.send(timed_jpeg(float(second), second))
+    assert watcher.wait_for(lambda e: e["type"] == "ingest" and e["frames"] == 2) is not None
+    watcher.send(json.dumps({"type": "ask", "question": "Anything?", "max_new_tokens": 2}))
+    assert watcher.wait_for(lambda e: e["type"] == "answer_done")["ref"] is None
+    assert not any(e["type"].startswith("answer_") for e in streamer.events)  # answers go to the asker only
+    watcher.send(json.dumps({"type": "end"}))  # a watcher has no stream to end
+    assert watcher.wait_for(lambda e: e["type"] == "error")["code"] == "bad_message"
+    watcher.send(timed_jpeg(2.0, 2))
+    assert watcher.wait_closed() == 4400
+    streamer.close()

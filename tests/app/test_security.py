@@ -1,0 +1,171 @@
+"""API keys, limits, CORS and session isolation, against a gateway configured to enforce them."""
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from websockets.sync.client import connect as ws_connect
+
+from tests.support import Client, Stack, StreamSocket, running_stack, sample_video
+
+KEY_A, KEY_B = "key-a-0123456789", "key-b-0123456789"
+
+
+@pytest.fixture(scope="module")
+def guarded(redis_url, tmp_path_factory) -> Iterator[Stack]:
+    with running_stack(
+        redis_url,
+        tmp_path_factory.mktemp("guarded"),
+        API_KEYS=f"{KEY_A}, {KEY_B}",
+        MAX_SESSIONS_PER_KEY="2",
+        MAX_BODY_BYTES="2048",
+        MAX_SOCKETS_PER_SESSION="2",
+        WS_MESSAGES_PER_S="5",
+        CORS_ORIGINS="https://dash.example",
+        MAX_SESSIONS="64",
+    ) as stack:
+        yield stack
+
+
+class KeyedClient(Client):
+    def __init__(self, base_url: str, api_key: str | None) -> None:
+        super().__init__(base_url)
+        if api_key is not None:
+            self.http.headers["X-API-Key"] = api_key
+
+
+@pytest.fixture
+def users(guarded) -> Iterator[tuple[KeyedClient, KeyedClient]]:
+    a, b = KeyedClient(guarded.url, KEY_A), KeyedClient(guarded.url, KEY_B)
+    assert a.create().status_code == 201 and b.create().status_code == 201
+    yield a, b
+    for user in (a, b):
+        user.delete()
+        user.http.close()
+
+
+def test_creating_or_listing_sessions_needs_a_configured_api_key(guarded):
+    for key, status, code in ((None, 401, "api_key_required"), ("key-c-guessed", 403, "api_key_invalid")):
+        user = KeyedClient(guarded.url, key)
+        reply = user.create()
+        assert (reply.status_code, reply.json()["code"]) == (status, code)
+        assert user.http.get("/sessions").status_code == status
+
+
+def test_each_key_lists_only_its_own_sessions(users):
+    a, b = users
+    listed_a = [s["id"] for s in a.http.get("/sessions").json()["sessions"]]
+    listed_b = [s["id"] for s in b.http.get("/sessions").json()["sessions"]]
+    assert listed_a == [a.id] and listed_b == [b.id]
+
+
+def test_a_key_holds_at_most_max_sessions_per_key(users):
+    a, _ = users
+    second = KeyedClient(a.http.base_url, KEY_A)
+    assert second.create().status_code == 201
+    third = KeyedClient(a.http.base_url, KEY_A)
+    reply = third.create()
+    assert (reply.status_code, reply.json()["code"]) == (429, "too_many_sessions")
+    second.delete()
+    assert third.create().status_code == 201  # a deleted session frees its place
+    third.delete()
+
+
+def test_no_endpoint_or_socket_lets_one_sessions_token_reach_another(users):
+    a, b = users
+    assert b.upload(sample_video("carphone_pristine.mp4").read_bytes()).status_code == 202
+    b.wait_for_state("ingested")
+    answer_id = b.ask("What?", max_new_tokens=2).json()["answer_id"]
+    session = f"/sessions/{b.id}"
+    calls = [
+        ("GET", session, {}),
+        ("DELETE", session, {}),
+        ("POST", f"{session}/upload", {"content": b"data"}),
+        ("POST", f"{session}/ask", {"json": {"question": "What?"}}),
+        ("POST", f"{session}/ask", {"json": {"question": "What?", "stream": True}}),
+        ("GET", f"{session}/memory", {}),
+        ("GET", f"{session}/events", {}),
+        ("GET", f"{session}/answers/{answer_id}", {}),
+        ("GET", f"{session}/answers/{answer_id}", {"headers": {"Accept": "text/event-stream"}}),
+    ]
+    for method, path, extra in calls:
+        headers = {**a.auth, **extra.pop("headers", {})}
+        reply = a.http.request(method, path, headers=headers, **extra)
+        assert (reply.status_code, reply.json()["code"]) == (403, "forbidden"), (method, path)
+    for media_format in ("frames", None):
+        socket = StreamSocket(b, media_format, token=a.token)
+        assert socket.started is None and socket.close_code == 4401
+    assert b.get().json()["state"] == "ingested"  # untouched
+
+
+def test_the_query_token_never_reaches_the_gateway_log(guarded, users):
+    a, _ = users
+    socket = StreamSocket(a, None, query_token=True)
+    assert socket.started["type"] == "started"
+    socket.close()
+    assert a.token not in guarded.log("gateway")
+    assert "token=[redacted]" in guarded.log("gateway")
+
+
+def test_request_bodies_over_max_body_bytes_are_413(users):
+    a, _ = users
+    announced = a.http.post("/sessions", json={"system_prompt": "x" * 3000})
+    assert (announced.status_code, announced.json()["code"]) == (413, "body_too_large")
+    chunked = a.http.post(
+        f"/sessions/{a.id}/ask", headers={**a.auth, "Content-Type": "application/json"},
+        content=iter([b'{"question": "', b"y" * 3000, b'"}']),
+    )
+    assert (chunked.status_code, chunked.json()["code"]) == (413, "body_too_large")
+
+
+def test_only_configured_origins_may_call_from_a_browser(guarded):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "x-api-key,content-type"}
+    allowed = httpx.options(f"{guarded.url}/sessions", headers={"Origin": "https://dash.example", **preflight})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://dash.example"
+    refused = httpx.options(f"{guarded.url}/sessions", headers={"Origin": "https://evil.example", **preflight})
+    assert "access-control-allow-origin" not in refused.headers
+
+
+def test_a_session_has_at_most_max_sockets_per_session(users):
+    a, _ = users
+    first, second = StreamSocket(a, "frames"), StreamSocket(a, None)
+    assert first.started["format"] == "frames" and second.started["format"] is None
+    third = StreamSocket(a, None)
+    assert third.started is None and third.close_code == 4429
+    second.close()
+    fourth = None
+    for _ in range(20):  # the gateway forgets the closed socket as it finishes closing
+        fourth = StreamSocket(a, None)
+        if fourth.started is not None:
+            break
+    assert fourth.started["type"] == "started"
+    for socket in (first, fourth):
+        socket.close()
+
+
+def test_a_socket_sending_over_its_message_rate_is_closed_with_4429(users):
+    a, _ = users
+    socket = StreamSocket(a, None)
+    for _ in range(40):  # 5 per second allowed, bursts of 10
+        if not socket.send(json.dumps({"type": "hello"})):
+            break
+    assert socket.wait_closed() == 4429
+    assert "messages per second" in socket.close_reason
+
+
+def test_requests_over_the_rate_limit_are_429_with_retry_after(redis_url, tmp_path):
+    with running_stack(redis_url, tmp_path, RATE_LIMIT_PER_S="0.5", RATE_LIMIT_BURST="3") as stack:
+        user = Client(stack.url)
+        replies = [user.http.get("/sessions") for _ in range(5)]
+        assert [r.status_code for r in replies] == [200, 200, 200, 429, 429]
+        assert replies[-1].json()["code"] == "rate_limited"
+        assert 1 <= int(replies[-1].headers["retry-after"]) <= 2
+        assert httpx.get(f"{stack.url}/healthz").status_code == 200  # operations are not limited
+        url = f"ws://127.0.0.1:{stack.port}/sessions/{'0' * 32}/stream"
+        with ws_connect(url, open_timeout=10) as socket:  # sockets count against the same rate
+            socket.send(json.dumps({"type": "start", "format": None}))
+            with pytest.raises(Exception):
+                socket.recv(timeout=10)
+            assert socket.close_code == 4429
