@@ -106,13 +106,25 @@ async def get_answer(
     Server-Sent Events from the start, or after the `Last-Event-ID` a client last saw."""
     if not ANSWER_ID.fullmatch(answer_id) or (asked := await answers.asked_at(redis, keys, session.id, answer_id)) is None:
         raise ApiError(404, "answer_not_found", f"this session asked no question {answer_id}")
+    found = await answers.status(redis, keys, session.id, answer_id)
     if sse.wants_events(request):
         since = sse.last_event_id(request, "0-0")
+        if found.status in ("done", "error") and _entry(since) >= _entry(found.last_event_id):
+            return sse.response(_nothing())  # the client has seen the whole answer
         return sse.response(_answer_events(redis, keys, session.id, answer_id, since, settings, metrics))
-    found = await answers.status(redis, keys, session.id, answer_id)
     if found.status == "pending" and time.time() - asked > protocol.ANSWER_TTL_S:
         raise ApiError(410, "answer_expired", f"answers are kept {protocol.ANSWER_TTL_S} s")
     return found
+
+
+def _entry(event_id: str) -> tuple[int, int]:
+    milliseconds, _, sequence = event_id.partition("-")
+    return int(milliseconds), int(sequence or 0)
+
+
+async def _nothing():
+    return
+    yield
 
 
 async def submit(

@@ -70,6 +70,8 @@ def test_an_answer_stream_resumes_after_the_last_event_id(ingested):
     location = f"/sessions/{ingested.id}/answers/{events[-1]['data']['answer_id']}"
     _, rest = _stream(ingested, "GET", location, headers={"Accept": "text/event-stream", "Last-Event-ID": events[0]["id"]})
     assert rest == events[1:]
+    _, after_the_end = _stream(ingested, "GET", location, headers={"Accept": "text/event-stream", "Last-Event-ID": events[-1]["id"]})
+    assert after_the_end == []  # ends at once: nothing more will come
     bad = ingested.http.get(location, headers={**ingested.auth, "Accept": "text/event-stream", "Last-Event-ID": "oops"})
     assert (bad.status_code, bad.json()["code"]) == (400, "bad_event_id")
 

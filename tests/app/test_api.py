@@ -6,6 +6,9 @@ import time
 
 import httpx
 import pytest
+import redis
+
+from streamvqa.protocol import WorkerInfo
 
 from tests.support import Client, sample_video, sse_events
 
@@ -65,10 +68,22 @@ def test_a_malformed_session_id_is_404(client):
     assert (reply.status_code, reply.json()["code"]) == (404, "session_not_found")
 
 
-def test_delete_forgets_the_session(client):
+def test_delete_forgets_the_session_and_its_worker_lets_it_go_at_once(stack, client):
     client.create()
+    client.wait_for_state("ready")
+    store = redis.Redis.from_url(stack.redis_url)
+
+    def held() -> bool:
+        return any(client.id in WorkerInfo.model_validate_json(w).session_ids for w in store.hvals(f"{stack.prefix}workers"))
+
+    assert held()
     assert client.http.delete(f"/sessions/{client.id}", headers=client.auth).status_code == 204
     assert client.get().status_code == 404
+    deadline = time.monotonic() + 3  # its next turn, not its next heartbeat (LEASE_TTL_S / 3 = 5 s)
+    while held() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not held()
+    store.close()
 
 
 def test_a_failed_upload_can_be_retried(client):
