@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
 import pytest
@@ -10,7 +11,7 @@ import redis
 
 from streamvqa.protocol import WorkerInfo
 
-from tests.support import Client, sample_video, sse_events
+from tests.support import Client, Stack, sample_video, sse_events
 
 
 def test_healthz_answers_when_redis_is_reachable(stack):
@@ -238,3 +239,17 @@ def test_readyz_needs_a_live_worker_and_metrics_count_the_work(stack, client):
     assert len(frames) == 1 and frames[0] >= 4
     answers = [v for k, v in samples.items() if k.startswith("streamvqa_worker_answers_total")]
     assert answers == [answers[0]] and answers[0] >= 1
+
+
+def test_a_gateway_without_workers_is_live_but_not_ready(redis_url, tmp_path):
+    gateway = Stack(redis_url, f"svqa-test-{uuid.uuid4().hex[:12]}:", tmp_path)
+    gateway.start("gateway", "app")
+    try:
+        gateway.wait_until_serving(workers=0)
+        assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+        ready = httpx.get(f"{gateway.url}/readyz")
+        assert (ready.status_code, ready.json()["code"], ready.headers["retry-after"]) == (503, "no_worker", "5")
+        created = httpx.post(f"{gateway.url}/sessions", json={})
+        assert (created.status_code, created.json()["code"]) == (503, "no_worker")
+    finally:
+        gateway.stop()
