@@ -492,6 +492,7 @@ class Worker:
             if hosted.error:
                 await self._publish(stream, ErrorEvent(code="session_error", message=hosted.error))
                 return
+            evictions = hosted.engine.stats().evictions
             pieces = hosted.engine.ask(question.question, question.max_new_tokens)
             answer = []
             asked_at = question.asked_at or (time.time() - (time.monotonic() - started))
@@ -515,6 +516,7 @@ class Worker:
             )
             await self._publish(stream, done)
             self.answers += 1
+            self.evictions += stats.evictions - evictions
             hosted.changed = True
             await self._set(session_id, **self._progress(hosted.engine))
             await self._report_memory(session_id, hosted, force=True)
