@@ -380,13 +380,17 @@ class StreamConnection:
         except answers.AnswerTimeout:
             message = f"no answer within {self.settings.ask_timeout_s} s"
             await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code="answer_timeout", message=message))
-        except (WebSocketDisconnect, RuntimeError, RedisError) as err:
+        except (WebSocketDisconnect, RuntimeError) as err:
             log.info("socket %s: answer %s not delivered (%s)", self.id, answer_id, err)
-        except Exception:
-            log.exception("socket %s: answering %s failed", self.id, answer_id)
-            failed = AnswerErrorEvent(answer_id=answer_id, ref=ref, code="internal_error", message="the gateway failed")
+        except Exception as err:
+            if isinstance(err, RedisError):
+                log.warning("socket %s: answer %s: Redis failed (%s)", self.id, answer_id, err)
+                code, message = "redis_unreachable", "Redis is unreachable; ask again in a few seconds"
+            else:
+                log.exception("socket %s: answering %s failed", self.id, answer_id)
+                code, message = "internal_error", "the gateway failed; the error is in its log"
             with contextlib.suppress(Exception):  # the socket may be gone too
-                await self.send(failed)
+                await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code=code, message=message))
 
     async def _forward(self) -> None:
         """Inbox to the media stream, waiting while the worker's backlog is full; returns once

@@ -26,7 +26,8 @@ import av
 import numpy as np
 
 from worker.buffers import ByteFeed
-from worker.decode import FrameSampler, _sample_with_decord, _sample_with_pyav, decode_stream, probe, scaled_size
+from streamvqa.sampling import FrameSampler
+from worker.decode import _sample_with_decord, _sample_with_pyav, decode_stream, probe, scaled_size
 
 RESOLUTIONS = {"480p": (854, 480), "720p": (1280, 720), "1080p": (1920, 1080)}
 RATE = 30

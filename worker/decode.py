@@ -13,9 +13,10 @@ import av
 import numpy as np
 from PIL import Image
 
+from streamvqa.sampling import FrameSampler
+
 log = logging.getLogger(__name__)
 
-TIME_TOLERANCE_S = 1e-3  # frame times within this of a sampling point count as on it
 MAX_SOURCE_PIXELS = 8192 * 8192  # larger frames or images are refused before they are decoded
 STREAM_BUFFER_BYTES = 4096  # PyAV's read size on live streams: small, so frames come out promptly
 DECORD_BATCH_FRAMES = 8  # frames decord fetches per call
@@ -36,26 +37,6 @@ class DecodeError(Exception):
 class Frame:
     image: np.ndarray  # (H, W, 3) RGB uint8
     time_s: float  # presentation time from the start of the video
-
-
-class FrameSampler:
-    """Keeps the first frame at or after each point of the grid 0, 1/fps, 2/fps, ...
-
-    Frames that arrive when the next grid point is still ahead are skipped; a gap in the video
-    skips the grid points inside it, so no frame is ever repeated and times only increase.
-    """
-
-    def __init__(self, fps: float) -> None:
-        if not fps > 0:
-            raise ValueError(f"fps must be positive, got {fps}")
-        self.fps = fps
-        self.next_s = 0.0  # the next grid point
-
-    def keep(self, time_s: float) -> bool:
-        if time_s + TIME_TOLERANCE_S < self.next_s:
-            return False
-        self.next_s = (math.floor((time_s + TIME_TOLERANCE_S) * self.fps) + 1) / self.fps
-        return True
 
 
 def scaled_size(width: int, height: int, max_side: int) -> tuple[int, int]:

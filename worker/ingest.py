@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from streamvqa.protocol import FRAME_HEADER_BYTES, parse_frame_header
+from streamvqa.sampling import FrameSampler
 from worker import containers
 from worker.buffers import ByteFeed, FeedAborted, FrameQueue
-from worker.decode import DecodeError, Frame, FrameSampler, VideoInfo, decode_image, decode_stream, probe, sample_file
+from worker.decode import DecodeError, Frame, VideoInfo, decode_image, decode_stream, probe, sample_file
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from tests.support import sample_video
-from worker.decode import DecodeError, FrameSampler, sample_file
+from streamvqa.sampling import FrameSampler
+from worker.decode import DecodeError, sample_file
 
 
 @pytest.mark.parametrize(

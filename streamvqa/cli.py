@@ -1,0 +1,229 @@
+"""The `streamvqa` command: ask about a video file, stream a file or a camera live with a
+question every few seconds of video, and look at sessions. docs/client.md has examples.
+
+Exit status: 0 when all went well, 1 when the gateway (or the way to it) failed, with its
+message on stderr, 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+from streamvqa.client import Answer, Client, Session, StreamvqaError
+from streamvqa.client.wire import DEFAULT_URL
+
+DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)?")
+DURATION_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command in ("ask", "stream"):
+        _check_media(parser, args)
+    try:
+        with Client(args.url, args.api_key) as client:
+            return args.run(client, args)
+    except (StreamvqaError, ImportError, OSError, ValueError) as err:  # the last three: the video cannot be read here
+        print(f"streamvqa: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+
+def ask(client: Client, args: argparse.Namespace) -> int:
+    """Upload a video, wait for it to be in the cache, ask each question with its answer
+    streamed to stdout."""
+    with _new_session(client, args) as session:
+        with _bar(unit="B", unit_scale=True, unit_divisor=1024, desc="upload") as bar:
+            session.upload(args.video, progress=lambda sent, total: _advance(bar, sent, total))
+        with _bar(unit="s", unit_scale=True, desc="ingest") as bar:
+            session.wait_until_ingested(
+                progress=lambda record: _advance(bar, record["video_time_s"], record["media_duration_s"])
+            )
+        for question in args.question:
+            print(f"Q: {question}")
+            print("A: ", end="", flush=True)
+            stream = session.ask_stream(question, args.max_new_tokens)
+            for piece in stream:
+                print(piece, end="", flush=True)
+            print()
+            assert stream.answer is not None
+            print(_evidence(stream.answer), flush=True)
+    return 0
+
+
+def stream(client: Client, args: argparse.Namespace) -> int:
+    """Stream a file (at its own pace, or `--speed` times faster) or a camera as frames, asking
+    the question every `--every` seconds of video on the socket; one line per answer."""
+    with _new_session(client, args) as session:
+        options = {
+            "question": args.question,
+            "every_s": args.every,
+            "max_new_tokens": args.max_new_tokens,
+            "on_answer": _print_answer_line,
+        }
+        if args.camera:
+            result = session.stream_camera(args.camera, fps=args.fps, **options)
+        else:
+            result = session.stream_file(args.video, fps=args.fps, speed=args.speed, **options)
+        print(
+            f"streamed {result.frames_sent} frames: {result.frames_ingested} in the cache up to "
+            f"{result.video_time_s:.1f} s, {result.frames_dropped} dropped",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def sessions(client: Client, _: argparse.Namespace) -> int:
+    for record in client.sessions():
+        print(
+            f"{record['id']}  {record['state']:<9}  {record['model']}  {record['policy']}  "
+            f"frames={record['frames_ingested']}  t={record['video_time_s']:.1f}s"
+        )
+    return 0
+
+
+def info(client: Client, args: argparse.Namespace) -> int:
+    print(json.dumps(client.session(args.id, args.token).info(), indent=2))
+    return 0
+
+
+def memory(client: Client, args: argparse.Namespace) -> int:
+    print(json.dumps(client.session(args.id, args.token).memory(), indent=2))
+    return 0
+
+
+def delete(client: Client, args: argparse.Namespace) -> int:
+    client.session(args.id, args.token).delete()
+    return 0
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _new_session(client: Client, args: argparse.Namespace) -> Iterator[Session]:
+    """A session with the command's options, deleted after unless `--keep` (then its id and
+    token go to stdout, for `info`, `memory` and `delete`)."""
+    options = {"fps": args.fps, "policy": args.policy, "budget_tokens": args.budget, "model": args.model}
+    session = client.create_session(**options)
+    print(f"session {session.id}", file=sys.stderr)
+    if not args.keep:
+        with session:
+            yield session
+        return
+    try:
+        yield session
+    finally:
+        print(f"session: {session.id}\ntoken: {session.token}")
+
+
+def _bar(**options: object) -> tqdm:
+    return tqdm(total=None, disable=None, leave=False, **options)  # disable=None: only on a terminal
+
+
+def _advance(bar: tqdm, done: float, total: float | None) -> None:
+    if total is not None and bar.total != total:
+        bar.total = total
+    bar.update(done - bar.n)
+
+
+def _print_answer_line(answer: Answer) -> None:
+    print(f"[t={answer.video_time_s:.1f}s] {' '.join(answer.answer.split())}", flush=True)
+
+
+def _evidence(answer: Answer) -> str:
+    frames = ", ".join(f"{e.time_s:.1f}s ({e.weight:.2f})" for e in answer.evidence)
+    return f"evidence: {frames or 'none'}"
+
+
+def _duration_s(text: str) -> float:
+    match = DURATION.fullmatch(text.strip())
+    if not match or float(match[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 10s, 1.5s, 2m)")
+    return float(match[1]) * DURATION_UNITS_S[match[2] or "s"]
+
+
+def _check_media(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.command == "stream":
+        if args.every and not args.question:
+            parser.error("--every needs a --question")
+        if args.camera and args.video:
+            parser.error("give a VIDEO or --camera, not both")
+        if args.camera:
+            return
+        if not args.video:
+            parser.error("give a VIDEO file or --camera DEVICE")
+    if not Path(args.video).is_file():
+        parser.error(f"no such file: {args.video}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamvqa", description="Ask questions about a video, uploaded or live.")
+    parser.add_argument(
+        "--url", default=os.environ.get("STREAMVQA_URL") or DEFAULT_URL, help="the gateway (env STREAMVQA_URL)"
+    )
+    parser.add_argument(
+        "--api-key", default=os.environ.get("STREAMVQA_API_KEY") or None, help="the gateway's API key (env STREAMVQA_API_KEY)"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    options = argparse.ArgumentParser(add_help=False)  # the options of a new session
+    options.add_argument("--fps", type=float, help="frames sampled per second of video (default: the gateway's, 1)")
+    options.add_argument("--policy", help="KV cache policy: infmllm, snapkv, h2o, sliding, full")
+    options.add_argument("--budget", type=int, help="tokens each cache layer keeps (budget_tokens)")
+    options.add_argument("--model", help="the model (default: the gateway's)")
+    options.add_argument("--max-new-tokens", type=int, default=64, help="the longest answer (default %(default)s)")
+    options.add_argument("--keep", action="store_true", help="keep the session and print its id and token")
+
+    command = _command(commands, "ask", ask, "upload a video, then ask about it", [options])
+    command.add_argument("video", metavar="VIDEO")
+    command.add_argument("--question", "-q", action="append", required=True, help="a question (repeat for more)")
+
+    summary = "stream a video file or a camera live, asking as it plays"
+    command = _command(commands, "stream", stream, summary, [options])
+    command.add_argument("video", metavar="VIDEO", nargs="?")
+    command.add_argument("--camera", metavar="DEVICE", help="a camera, not a file: /dev/video0 (Linux), 0 (macOS)")
+    command.add_argument("--question", "-q", help="asked every --every seconds of video, and at the end")
+    command.add_argument("--every", type=_duration_s, metavar="DURATION", help="e.g. 10s (without it: only at the end)")
+    command.add_argument("--speed", type=float, default=1.0, help="times faster than real time (default %(default)s)")
+
+    _command(commands, "sessions", sessions, "list the live sessions")
+    for name, run, summary in (
+        ("info", info, "show a session"),
+        ("memory", memory, "show a session's cache: policy, tokens held, evictions, spans of video"),
+        ("delete", delete, "delete a session"),
+    ):
+        command = _command(commands, name, run, summary)
+        command.add_argument("id", metavar="ID")
+        command.add_argument("--token", required=True, help="the session's token")
+    return parser
+
+
+def _command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    run: Callable[[Client, argparse.Namespace], int],
+    summary: str,
+    parents: list[argparse.ArgumentParser] | None = None,
+) -> argparse.ArgumentParser:
+    command = commands.add_parser(name, help=summary, description=summary, parents=parents or [])
+    command.set_defaults(run=run)
+    return command
+
+
+if __name__ == "__main__":
+    sys.exit(main())

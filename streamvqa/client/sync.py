@@ -1,0 +1,285 @@
+"""The blocking client: httpx for the REST API, websockets' sync client for stream sockets."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
+
+from streamvqa.client import frames as media
+from streamvqa.client import wire
+from streamvqa.client.live import AnswerHandler, EventHandler, LiveStream, Pacer
+from streamvqa.client.models import Answer, StreamResult, StreamvqaError
+from streamvqa.client.sse import SseDecoder, answer_event
+from streamvqa.protocol import frame_message
+
+
+class Client:
+    """A gateway at `base_url`. `api_key` goes with every request (the gateway wants it on
+    `POST /sessions` and `GET /sessions` when it has one configured); `timeout_s` bounds each
+    wait for the gateway: a reply, an event, an answer."""
+
+    def __init__(
+        self, base_url: str = wire.DEFAULT_URL, api_key: str | None = None, timeout_s: float = wire.DEFAULT_TIMEOUT_S
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.http = httpx.Client(
+            base_url=self.base_url, headers=wire.client_headers(api_key), timeout=wire.http_timeout(timeout_s)
+        )
+
+    def create_session(self, **options: Any) -> Session:
+        """A new session. Options (all optional): fps, model, policy, budget_tokens,
+        system_prompt, policy_options; see `POST /sessions` in the README."""
+        body = self.request("POST", "/sessions", 201, json=wire.session_options(options)).json()
+        return Session(self, body["id"], body["token"])
+
+    def session(self, session_id: str, token: str) -> Session:
+        """An existing session, from its id and token."""
+        return Session(self, session_id, token)
+
+    def sessions(self) -> list[dict]:
+        """Every live session's record (`GET /sessions`)."""
+        return self.request("GET", "/sessions").json()["sessions"]
+
+    def request(self, method: str, path: str, *expected: int, **kwargs: Any) -> httpx.Response:
+        with wire.transport_errors(self.base_url):
+            response = self.http.request(method, path, **kwargs)
+        return wire.checked(response, *expected)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class Session:
+    """One session: its id and token, and every call on it. As a context manager it deletes
+    the session on exit."""
+
+    def __init__(self, client: Client, session_id: str, token: str) -> None:
+        self.client, self.id, self.token = client, session_id, token
+        self._path = f"/sessions/{session_id}"
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r})"
+
+    def info(self) -> dict:
+        """The session record: state, error, frames_ingested, video_time_s, cache_tokens, ..."""
+        return self._call("GET", "").json()
+
+    def upload(self, source: wire.UploadSource, progress: wire.UploadProgress | None = None) -> int:
+        """Send a video file (a path or a binary file object) in chunks; the bytes the gateway took."""
+        with wire.upload_source(source) as (file, size):
+            headers = wire.upload_headers(self.token, size)
+            reply = self._call("POST", "/upload", 202, content=_chunks(file, size, progress), headers=headers)
+            return reply.json()["bytes"]
+
+    def wait_until_ingested(self, progress: wire.RecordProgress | None = None, timeout_s: float | None = None) -> dict:
+        """Poll until all media is in the cache; the final record. StreamvqaError when the media
+        failed (`session_error`) or after `timeout_s` (`timeout`)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            record = self.info()
+            if progress:
+                progress(record)
+            if wire.ingest_finished(record):
+                return record
+            if deadline is not None and time.monotonic() > deadline:
+                raise wire.not_ingested(record, timeout_s)
+            time.sleep(wire.POLL_INTERVAL_S)
+
+    def ask(self, question: str, max_new_tokens: int = 64) -> Answer:
+        """Ask about what the session has seen so far; waits for the whole answer."""
+        reply = self._call("POST", "/ask", json=wire.ask_body(question, max_new_tokens))
+        return Answer.from_json(reply.json(), question)
+
+    def ask_stream(self, question: str, max_new_tokens: int = 64) -> AnswerStream:
+        """Ask, and iterate over the answer's text as it is generated; then `.answer` is the Answer."""
+        return AnswerStream(self, question, max_new_tokens)
+
+    def memory(self) -> dict:
+        """The cache: policy, budget_tokens, cache_tokens, evictions, and spans of video time
+        with the tokens seen and held for each (`GET /sessions/{id}/memory`)."""
+        return self._call("GET", "/memory").json()
+
+    def delete(self) -> None:
+        """Forget the session (its worker frees its memory); deleting a gone session is no error."""
+        try:
+            self._call("DELETE", "", 204)
+        except StreamvqaError as err:
+            if err.status != 404:
+                raise
+
+    def stream_frames(
+        self,
+        frames: Iterable[tuple[float, bytes]],
+        *,
+        question: str | None = None,
+        every_s: float | None = None,
+        max_new_tokens: int = 64,
+        speed: float | None = None,
+        on_event: EventHandler | None = None,
+        on_answer: AnswerHandler | None = None,
+    ) -> StreamResult:
+        """Stream (capture time in s, JPEG) frames over the session's socket, pausing while the
+        gateway says so, then end the stream and wait until every frame is in the cache.
+
+        `speed`: None sends as fast as the gateway takes them; 1.0 paces them at their own times
+        (real time), 4.0 four times faster. With a `question`, asks it on the socket every
+        `every_s` seconds of video and once at the end (see `LiveStream`); `on_answer` gets each
+        answer as it comes, `on_event` every event. Returns counts and the answers.
+        """
+        live = LiveStream(question, every_s, max_new_tokens, on_event, on_answer)
+        pacer = Pacer(speed)
+        with self._connect() as socket:
+            channel = _Channel(socket, live, self.client.timeout_s)
+            channel.send_json(live.start_message())
+            live.started(channel.receive())
+            for time_s, jpeg in frames:
+                channel.pump(until=pacer.due(time_s))
+                while live.paused:
+                    channel.pump_one()
+                channel.send(frame_message(time_s, jpeg))
+                live.frame_sent()
+            channel.send_json(live.end())
+            while not live.finished:
+                channel.pump_one()
+        return live.summary()
+
+    def stream_file(
+        self, path: str | Path, fps: float | None = None, speed: float | None = 1.0, **options: Any
+    ) -> StreamResult:
+        """A video file as `frames`, sampled at `fps` (the session's when None), in real time
+        unless `speed` says otherwise; options as for `stream_frames`. Needs PyAV and Pillow."""
+        return self.stream_frames(media.file_frames(path, fps or self.info()["fps"]), speed=speed, **options)
+
+    def stream_camera(
+        self, device: str, fps: float | None = None, input_format: str | None = None, **options: Any
+    ) -> StreamResult:
+        """A camera as `frames` (see `frames.camera_frames`) until interrupted."""
+        return self.stream_frames(media.camera_frames(device, fps or self.info()["fps"], input_format), **options)
+
+    def _call(self, method: str, path: str, *expected: int, **kwargs: Any) -> httpx.Response:
+        kwargs["headers"] = {**wire.bearer(self.token), **kwargs.get("headers", {})}
+        return self.client.request(method, self._path + path, *expected, **kwargs)
+
+    def _connect(self) -> ClientConnection:
+        url = wire.stream_url(self.client.base_url, self.id)
+        with wire.transport_errors(self.client.base_url):
+            return connect(url, additional_headers=wire.bearer(self.token), open_timeout=wire.CONNECT_TIMEOUT_S)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, error: type[BaseException] | None, *_: object) -> None:
+        try:
+            self.delete()
+        except StreamvqaError:
+            if error is None:  # else the error that ended the block matters more
+                raise
+
+
+class AnswerStream:
+    """An answer as it is generated: iterate for its text, piece by piece; once the iteration
+    is over, `answer` holds the whole Answer. A gateway that does not stream answers gives the
+    whole text as one piece."""
+
+    def __init__(self, session: Session, question: str, max_new_tokens: int) -> None:
+        self.session, self.question, self.max_new_tokens = session, question, max_new_tokens
+        self.answer: Answer | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        session = self.session
+        body = wire.ask_body(self.question, self.max_new_tokens, stream=True)
+        headers = {**wire.bearer(session.token), **wire.SSE_HEADERS}
+        with (
+            wire.transport_errors(session.client.base_url),
+            session.client.http.stream("POST", f"{session._path}/ask", json=body, headers=headers) as response,
+        ):
+            if response.status_code != 200 or not wire.is_event_stream(response):
+                response.read()
+                self.answer = Answer.from_json(wire.checked(response).json(), self.question)
+                yield self.answer.answer
+                return
+            decoder = SseDecoder()
+            for line in response.iter_lines():
+                if (event := decoder.feed(line)) is None:
+                    continue
+                piece = answer_event(event, self.question)
+                if isinstance(piece, Answer):
+                    self.answer = piece
+                    return
+                if piece:
+                    yield piece
+        raise StreamvqaError(None, "answer_incomplete", "the answer stream ended before its final event")
+
+
+class _Channel:
+    """A stream socket driven by a LiveStream: every event received goes through it, and what
+    it says to send is sent."""
+
+    def __init__(self, socket: ClientConnection, live: LiveStream, timeout_s: float) -> None:
+        self.socket, self.live, self.timeout_s = socket, live, timeout_s
+
+    def send(self, message: str | bytes) -> None:
+        try:
+            self.socket.send(message)
+        except ConnectionClosed as closed:
+            raise self._closed(closed) from closed
+
+    def send_json(self, message: dict) -> None:
+        self.send(json.dumps(message))
+
+    def receive(self, timeout_s: float | None = None) -> dict:
+        """The next event; TimeoutError when none comes within `timeout_s` (the client's when None)."""
+        try:
+            return json.loads(self.socket.recv(timeout=self.timeout_s if timeout_s is None else timeout_s))
+        except ConnectionClosed as closed:
+            raise self._closed(closed) from closed
+
+    def pump_one(self) -> None:
+        """Wait for the next event and handle it."""
+        try:
+            event = self.receive()
+        except TimeoutError as err:
+            raise StreamvqaError(None, "timeout", f"no event from the gateway in {self.timeout_s} s") from err
+        self._handle(event)
+
+    def pump(self, until: float | None) -> None:
+        """Handle events until the monotonic time `until`; when None, only those already here."""
+        while True:
+            remaining_s = 0.0 if until is None else until - time.monotonic()
+            try:
+                event = self.receive(max(remaining_s, 0.0))
+            except TimeoutError:
+                if remaining_s <= 0:
+                    return
+                continue
+            self._handle(event)
+
+    def _handle(self, event: dict) -> None:
+        for message in self.live.handle(event):
+            self.send_json(message)
+
+    def _closed(self, closed: ConnectionClosed) -> StreamvqaError:
+        return self.live.closed(*wire.close_frame(closed))
+
+
+def _chunks(file: Any, size: int | None, progress: wire.UploadProgress | None) -> Iterator[bytes]:
+    sent = 0
+    while chunk := file.read(wire.UPLOAD_CHUNK_BYTES):
+        yield chunk
+        sent += len(chunk)
+        if progress:
+            progress(sent, size)

@@ -1,0 +1,112 @@
+"""What the sync and async clients send alike: URLs, headers, bodies, upload sources, and the
+translation of transport failures into StreamvqaError."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
+from streamvqa.client.models import StreamvqaError
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_TIMEOUT_S = 300.0  # the gateway's own ASK_TIMEOUT_S: an answer may take this long
+CONNECT_TIMEOUT_S = 10.0
+UPLOAD_CHUNK_BYTES = 1024 * 1024
+POLL_INTERVAL_S = 0.5  # between looks at a session while waiting for its ingest
+SSE_HEADERS = {"Accept": "text/event-stream"}
+
+UploadSource = str | os.PathLike | IO[bytes]
+UploadProgress = Callable[[int, int | None], None]  # (bytes sent, total bytes or None when unknown)
+RecordProgress = Callable[[dict], None]  # the session record, at each look
+
+
+def http_timeout(timeout_s: float) -> httpx.Timeout:
+    return httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
+
+
+def client_headers(api_key: str | None) -> dict[str, str]:
+    return {"X-API-Key": api_key} if api_key else {}
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def stream_url(base_url: str, session_id: str) -> str:
+    url = httpx.URL(base_url)
+    scheme = "wss" if url.scheme == "https" else "ws"
+    return str(url.copy_with(scheme=scheme, path=f"{url.path.rstrip('/')}/sessions/{session_id}/stream"))
+
+
+def session_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The body of `POST /sessions`: the options given, without the ones left at None."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def ask_body(question: str, max_new_tokens: int, stream: bool = False) -> dict[str, Any]:
+    return {"question": question, "max_new_tokens": max_new_tokens, **({"stream": True} if stream else {})}
+
+
+def checked(response: httpx.Response, *expected: int) -> httpx.Response:
+    """The response when its status is one of `expected` (200 when none); StreamvqaError otherwise."""
+    if response.status_code not in (expected or (200,)):
+        raise StreamvqaError.from_response(response)
+    return response
+
+
+def is_event_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def ingest_finished(record: dict) -> bool:
+    """Whether a session has all its media in the cache; StreamvqaError when its media failed."""
+    if record["state"] == "error":
+        raise StreamvqaError(None, "session_error", f"the session failed: {record.get('error')}")
+    return record["state"] == "ingested"
+
+
+def not_ingested(record: dict, timeout_s: float | None) -> StreamvqaError:
+    message = f"session {record['id']} not ingested after {timeout_s} s (state {record['state']})"
+    return StreamvqaError(None, "timeout", message)
+
+
+def close_frame(closed: ConnectionClosed) -> tuple[int | None, str]:
+    """The code and reason the gateway closed a socket with (None, "" when it sent none)."""
+    return (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (None, "")
+
+
+@contextmanager
+def upload_source(source: UploadSource) -> Iterator[tuple[IO[bytes], int | None]]:
+    """A binary file to read the upload from, and its size from the current position (None when
+    unknown); a path is opened here and closed after."""
+    if isinstance(source, str | os.PathLike):
+        with Path(source).open("rb") as file:
+            yield file, os.fstat(file.fileno()).st_size
+        return
+    size = None
+    if source.seekable():
+        position = source.tell()
+        size = source.seek(0, os.SEEK_END) - position
+        source.seek(position)
+    yield source, size
+
+
+def upload_headers(token: str, size: int | None) -> dict[str, str]:
+    """With a known size the gateway can refuse an upload over its limit before any byte is sent."""
+    length = {"Content-Length": str(size)} if size is not None else {}
+    return {**bearer(token), "Content-Type": "application/octet-stream", **length}
+
+
+@contextmanager
+def transport_errors(url: str) -> Iterator[None]:
+    """HTTP and WebSocket failures below the API (refused, timed out, dropped) as StreamvqaError."""
+    try:
+        yield
+    except (httpx.TransportError, OSError, InvalidHandshake, InvalidURI, TimeoutError) as err:
+        raise StreamvqaError.from_transport(err, url) from err

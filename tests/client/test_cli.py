@@ -1,0 +1,147 @@
+"""The `streamvqa` command as a user runs it: a real process against a real gateway and worker."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from streamvqa.client import Client, StreamvqaError
+from streamvqa.redis_server import free_port
+from tests.support import Stack, delete_prefix, sample_video
+
+BIKES = sample_video("bikes.mp4")  # 10 s; at fps 1 its frames are at 0, 1, ... 9 s
+CARPHONE = sample_video("carphone_pristine.mp4")  # 4 frames at fps 1
+ANSWER_LINE = re.compile(r"\[t=(\d+\.\d)s\] .*")
+API_KEY = "key-0123456789abcdef"
+
+
+def streamvqa(*args: str, url: str | None = None, api_key: str | None = None) -> subprocess.CompletedProcess:
+    """The command's run, with `url` and `api_key` given by the environment (none when None)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("STREAMVQA_")}
+    if url:
+        env["STREAMVQA_URL"] = url
+    if api_key:
+        env["STREAMVQA_API_KEY"] = api_key
+    command = [sys.executable, "-m", "streamvqa.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
+
+
+def session_is_gone(url: str, session_id: str) -> bool:
+    with Client(url) as client:
+        try:
+            client.session(session_id, "not-its-token").info()  # 403 while it exists
+        except StreamvqaError as err:
+            return err.status == 404
+    return False
+
+
+def test_ask_uploads_waits_and_answers_each_question_then_deletes_the_session(stack):
+    questions = ["-q", "What is happening?", "-q", "Who rides?"]
+    run = streamvqa("ask", str(BIKES), *questions, "--fps", "1", "--max-new-tokens", "8", url=stack.url)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [line for line in lines if line.startswith("Q: ")] == ["Q: What is happening?", "Q: Who rides?"]
+    assert len([line for line in lines if line.startswith("A: ")]) == 2
+    evidence = [line for line in lines if line.startswith("evidence: ")]
+    assert len(evidence) == 2
+    times = {float(t) for line in evidence for t in re.findall(r"(\d+\.\d)s \(", line)}
+    assert times and times <= {float(t) for t in range(10)}
+    session_id = re.search(r"^session ([0-9a-f]{32})$", run.stderr, re.M)[1]
+    assert session_is_gone(stack.url, session_id)
+
+
+def test_a_kept_session_can_be_listed_shown_measured_and_deleted(stack):
+    run = streamvqa("--url", stack.url, "ask", str(CARPHONE), "-q", "hi", "--max-new-tokens", "2", "--keep")
+    assert run.returncode == 0, run.stderr
+    session_id = re.search(r"^session: ([0-9a-f]{32})$", run.stdout, re.M)[1]
+    token = re.search(r"^token: (\S+)$", run.stdout, re.M)[1]
+    by_id = ["--url", stack.url]
+
+    info = streamvqa(*by_id, "info", session_id, "--token", token)
+    assert info.returncode == 0, info.stderr
+    assert (json.loads(info.stdout)["state"], json.loads(info.stdout)["frames_ingested"]) == ("ingested", 4)
+    memory = streamvqa(*by_id, "memory", session_id, "--token", token)
+    assert memory.returncode == 0, memory.stderr
+    assert json.loads(memory.stdout)["policy"] == "infmllm"
+    listed = streamvqa(*by_id, "sessions")
+    assert listed.returncode == 0, listed.stderr
+    assert re.search(rf"^{session_id}  ingested ", listed.stdout, re.M)
+
+    assert streamvqa(*by_id, "delete", session_id, "--token", token).returncode == 0
+    gone = streamvqa(*by_id, "info", session_id, "--token", token)
+    assert gone.returncode == 1
+    assert "no session" in gone.stderr and "(session_not_found)" in gone.stderr
+
+
+def test_stream_plays_a_file_live_and_answers_every_few_seconds_of_video(stack):
+    options = ["--every", "5s", "-q", "What changed?", "--speed", "4", "--fps", "1", "--max-new-tokens", "4"]
+    run = streamvqa("stream", str(BIKES), *options, url=stack.url)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines and all(ANSWER_LINE.fullmatch(line) for line in lines), lines
+    times = [float(ANSWER_LINE.fullmatch(line)[1]) for line in lines]
+    assert times[0] >= 5.0 and times[-1] == 9.0  # the last answer saw it all
+    assert all(earlier < later for earlier, later in zip(times, times[1:]))
+    assert "streamed 10 frames: 10 in the cache up to 9.0 s, 0 dropped" in run.stderr
+
+
+def test_gateway_errors_exit_1_with_the_message(stack, tmp_path):
+    nowhere = streamvqa("ask", str(BIKES), "-q", "hi", url=f"http://127.0.0.1:{free_port()}")
+    assert nowhere.returncode == 1
+    assert "cannot reach the gateway at http://127.0.0.1:" in nowhere.stderr
+
+    unknown = streamvqa("--url", stack.url, "info", "0" * 32, "--token", "x")
+    assert unknown.returncode == 1
+    assert unknown.stderr.startswith("streamvqa: error: no session 000")
+
+    not_a_video = tmp_path / "notes.mp4"
+    not_a_video.write_text("not a video at all\n" * 100)
+    failed = streamvqa("ask", str(not_a_video), "-q", "hi", url=stack.url)
+    assert failed.returncode == 1
+    assert "the session failed" in failed.stderr and "(session_error)" in failed.stderr
+
+
+def test_usage_errors_exit_2():
+    entry_point = Path(sys.executable).with_name("streamvqa")  # the installed command
+    assert subprocess.run([entry_point, "--help"], capture_output=True).returncode == 0
+    for args, message in [
+        ([], "required: COMMAND"),
+        (["ask", str(BIKES)], "required: --question"),
+        (["ask", "no-such-video.mp4", "-q", "hi"], "no such file: no-such-video.mp4"),
+        (["stream", "-q", "hi"], "give a VIDEO file or --camera DEVICE"),
+        (["stream", str(BIKES), "--every", "5s"], "--every needs a --question"),
+        (["stream", str(BIKES), "--every", "soon", "-q", "hi"], "not a duration: 'soon'"),
+        (["info", "abc"], "required: --token"),
+    ]:
+        run = streamvqa(*args)
+        assert (run.returncode, message in run.stderr) == (2, True), (args, run.stderr)
+
+
+@pytest.fixture(scope="module")
+def keyed_gateway(redis_url, tmp_path_factory) -> Iterator[str]:
+    """A gateway that wants an API key, and no worker: a session it lets through gets no_worker."""
+    stack = Stack(redis_url, f"svqa-test-{uuid.uuid4().hex[:12]}:", tmp_path_factory.mktemp("keyed"), API_KEYS=API_KEY)
+    stack.start("gateway", "app")
+    try:
+        stack.wait_until_serving(workers=0)
+        yield stack.url
+    finally:
+        stack.stop()
+        delete_prefix(redis_url, stack.prefix)
+
+
+def test_the_api_key_comes_from_the_option_or_the_environment(keyed_gateway):
+    missing = streamvqa("sessions", url=keyed_gateway)
+    assert (missing.returncode, "(api_key_required)" in missing.stderr) == (1, True), missing.stderr
+    wrong = streamvqa("--api-key", "guessed", "sessions", url=keyed_gateway)
+    assert (wrong.returncode, "(api_key_invalid)" in wrong.stderr) == (1, True), wrong.stderr
+    listed = streamvqa("sessions", url=keyed_gateway, api_key=API_KEY)
+    assert (listed.returncode, listed.stdout) == (0, "")
+    let_in = streamvqa("--api-key", API_KEY, "ask", str(CARPHONE), "-q", "hi", url=keyed_gateway)
+    assert (let_in.returncode, "(no_worker)" in let_in.stderr) == (1, True), let_in.stderr
