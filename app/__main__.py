@@ -11,6 +11,9 @@ from app.main import create_app
 from app.settings import GatewaySettings
 
 
+SHUTDOWN_S = 3  # on SIGTERM, open streams (Server-Sent Events, sockets) are closed after this
+
+
 class RedactTokens(logging.Filter):
     """Session tokens sent as `?token=` (browsers' WebSockets cannot send headers) never reach a log."""
 
@@ -41,6 +44,7 @@ def main() -> None:
         log_level=settings.log_level.lower(),
         log_config=log_config(),
         proxy_headers=True,
+        timeout_graceful_shutdown=SHUTDOWN_S,
         ws_max_size=settings.ws_max_message_bytes,
     )
 

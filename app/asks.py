@@ -19,7 +19,8 @@ from streamvqa.protocol import MAX_ANSWER_TOKENS, MAX_QUESTION_CHARS, DoneEvent,
 router = APIRouter(tags=["questions"])
 ANSWER_ID = re.compile(r"[0-9a-f]{32}")
 SSE_RESPONSE = {"content": {sse.EVENT_STREAM: {}}, "description": "With `stream` or `Accept: text/event-stream`: "
-                "`token` events (`{\"text\"}`), then one `done` (the answer) or `error` (`{\"code\", \"message\"}`)."}
+                "`started` (`{\"answer_id\", \"location\"}`, asking only), `token` events (`{\"text\"}`), then one "
+                "`done` (the answer) or `error` (`{\"code\", \"message\"}`)."}
 
 
 class AskRequest(BaseModel):
@@ -77,7 +78,10 @@ async def ask(
     streaming = body.stream or sse.wants_events(request)
     answer_id = await submit(redis, keys, session.id, body.question, body.max_new_tokens, settings, metrics, "sse" if streaming else "rest")
     if streaming:
-        return sse.response(_answer_events(redis, keys, session.id, answer_id, "0-0", settings, metrics))
+        location = _answer_url(session.id, answer_id)
+        started = sse.frame("started", {"answer_id": answer_id, "location": location})  # no id: resuming starts after it
+        events = _answer_events(redis, keys, session.id, answer_id, "0-0", settings, metrics, first=started)
+        return sse.response(events, headers={"Location": location})
     wait_s = settings.ask_timeout_s if body.wait_s is None else min(body.wait_s, settings.ask_timeout_s)
     try:
         async for _, event in answers.events(redis, keys, session.id, answer_id, wait_s):
@@ -140,7 +144,11 @@ async def submit(
     return answer_id
 
 
-async def _answer_events(redis, keys, session_id: str, answer_id: str, since: str, settings, metrics: GatewayMetrics):
+async def _answer_events(
+    redis, keys, session_id: str, answer_id: str, since: str, settings, metrics: GatewayMetrics, first: str | None = None
+):
+    if first:
+        yield first
     try:
         async for item in answers.events(redis, keys, session_id, answer_id, settings.ask_timeout_s, since):
             if item is None:

@@ -33,6 +33,18 @@ class UploadReceipt(BaseModel):
     bytes: int
 
 
+class ServedModel(BaseModel):
+    name: str
+    workers: int = Field(description="Live workers serving it.")
+    sessions: int = Field(description="Sessions they hold.")
+    max_sessions: int = Field(description="Sessions they may hold.")
+
+
+class ModelList(BaseModel):
+    default: str = Field(description="The model of a session created without one.")
+    models: list[ServedModel] = Field(description="The models live workers serve now, by name.")
+
+
 @router.post("/sessions", status_code=status.HTTP_201_CREATED)
 async def create_session(
     store: Store, settings: Settings, caller: Caller, metrics: Metrics, options: SessionOptions | None = None
@@ -56,6 +68,19 @@ async def create_session(
         ) from err
     metrics.sessions_created.inc()
     return CreatedSession(id=record.id, token=token, session=record)
+
+
+@router.get("/models")
+async def list_models(store: Store, settings: Settings) -> ModelList:
+    """The models sessions can be created with now (each served by at least one live worker)."""
+    workers = await store.live_workers(None)
+    served = {}
+    for worker in workers:
+        entry = served.setdefault(worker.model, ServedModel(name=worker.model, workers=0, sessions=0, max_sessions=0))
+        entry.workers += 1
+        entry.sessions += worker.sessions
+        entry.max_sessions += worker.max_sessions
+    return ModelList(default=settings.model, models=sorted(served.values(), key=lambda m: m.name))
 
 
 @router.get("/sessions")

@@ -74,10 +74,11 @@ class SessionStore:
         self._abort_upload = redis.register_script(ABORT_UPLOAD_LUA)
         self._reserve = redis.register_script(RESERVE_LUA)
 
-    async def live_workers(self, model: str) -> list[WorkerInfo]:
+    async def live_workers(self, model: str | None) -> list[WorkerInfo]:
+        """The live workers serving `model` (None: any model)."""
         entries = await self.redis.hvals(self.keys.workers())
         workers = (WorkerInfo.model_validate_json(raw) for raw in entries)
-        return [w for w in workers if w.alive and w.model == model]
+        return [w for w in workers if w.alive and model in (None, w.model)]
 
     async def create(
         self, options: SessionOptions, model: str, owner: str, max_per_owner: int

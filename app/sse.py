@@ -41,7 +41,7 @@ async def _framed(source: AsyncIterator) -> AsyncIterator[str]:
         yield ": keepalive\n\n" if item is KEEPALIVE else item
 
 
-def response(source: AsyncIterator, status_code: int = 200) -> StreamingResponse:
+def response(source: AsyncIterator, headers: dict[str, str] | None = None) -> StreamingResponse:
     """Stream the frames `source` yields; KEEPALIVE items become comments."""
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(_framed(source), status_code=status_code, media_type=EVENT_STREAM, headers=headers)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
+    return StreamingResponse(_framed(source), media_type=EVENT_STREAM, headers=headers)

@@ -38,11 +38,15 @@ def test_a_streamed_answer_is_token_events_then_done(ingested, how):
     reply, events = _stream(ingested, "POST", f"/sessions/{ingested.id}/ask", json=body, headers=headers)
     assert reply.status_code == 200
     assert reply.headers["content-type"].startswith("text/event-stream")
+    started, *events = events
+    location = f"/sessions/{ingested.id}/answers/{started['data']['answer_id']}"
+    assert (started["event"], started["data"]["location"], reply.headers["location"]) == ("started", location, location)
     names = [e["event"] for e in events]
     assert names[-1] == "done" and set(names[:-1]) == {"token"}
     done = events[-1]["data"]
     assert "".join(e["data"]["text"] for e in events[:-1]) == done["answer"]
-    assert done["answer_id"] and done["video_time_s"] == pytest.approx(3.0, abs=0.01)
+    assert done["answer_id"] == started["data"]["answer_id"]
+    assert done["video_time_s"] == pytest.approx(3.0, abs=0.01)
     assert all(e.get("id") for e in events)  # each event can be resumed after
 
 
@@ -65,7 +69,7 @@ def test_an_answer_not_done_in_wait_s_is_202_then_fetched_by_id(ingested):
 
 
 def test_an_answer_stream_resumes_after_the_last_event_id(ingested):
-    reply, events = _stream(ingested, "POST", f"/sessions/{ingested.id}/ask", json={"question": QUESTION, "max_new_tokens": 8, "stream": True})
+    reply, (_, *events) = _stream(ingested, "POST", f"/sessions/{ingested.id}/ask", json={"question": QUESTION, "max_new_tokens": 8, "stream": True})
     assert len(events) >= 3, "needs at least two tokens to resume in the middle"
     location = f"/sessions/{ingested.id}/answers/{events[-1]['data']['answer_id']}"
     _, rest = _stream(ingested, "GET", location, headers={"Accept": "text/event-stream", "Last-Event-ID": events[0]["id"]})

@@ -217,6 +217,13 @@ def test_list_sessions_shows_the_callers_sessions_without_tokens(stack):
     users[1].delete()
 
 
+def test_models_lists_what_live_workers_serve_and_the_default(stack):
+    assert httpx.get(f"{stack.url}/models").json() == {
+        "default": "tiny-random-llava",
+        "models": [{"name": "tiny-random-llava", "workers": 1, "sessions": pytest.approx(0, abs=64), "max_sessions": 64}],
+    }
+
+
 def test_readyz_needs_a_live_worker_and_metrics_count_the_work(stack, client):
     assert httpx.get(f"{stack.url}/readyz").json() == {"status": "ready", "workers": 1}
     client.create(fps=1)

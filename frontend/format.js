@@ -1,0 +1,41 @@
+// How numbers read on the page: one place, so that every panel says the same thing the same way.
+
+const integer = new Intl.NumberFormat("en");
+
+export function count(n) {
+  return integer.format(Math.round(n));
+}
+
+/** Seconds of video, e.g. "9.0 s"; minutes past one, e.g. "1:05.0". */
+export function videoTime(seconds) {
+  if (seconds < 60) return `${seconds.toFixed(1)} s`;
+  const minutes = Math.floor(seconds / 60);
+  return `${minutes}:${(seconds - 60 * minutes).toFixed(1).padStart(4, "0")}`;
+}
+
+/** A short tick label on a time axis: "0 s", "45 s", "2:30". */
+export function tick(seconds) {
+  if (seconds < 60) return `${Math.round(seconds)} s`;
+  const minutes = Math.floor(seconds / 60);
+  return `${minutes}:${String(Math.round(seconds - 60 * minutes)).padStart(2, "0")}`;
+}
+
+export function bytes(n) {
+  if (n < 1024) return `${n} B`;
+  if (n < 1024 * 1024) return `${(n / 1024).toFixed(0)} KB`;
+  if (n < 1024 ** 3) return `${(n / 1024 ** 2).toFixed(1)} MB`;
+  return `${(n / 1024 ** 3).toFixed(2)} GB`;
+}
+
+export function milliseconds(ms) {
+  return ms < 1000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(2)} s`;
+}
+
+export function percent(fraction) {
+  return `${Math.round(100 * fraction)}%`;
+}
+
+/** A sampling rate: "1 frame/s", "2 frames/s". */
+export function frameRate(fps) {
+  return `${fps} frame${fps === 1 ? "" : "s"}/s`;
+}
