@@ -46,6 +46,7 @@ def main() -> None:
         proxy_headers=True,
         timeout_graceful_shutdown=SHUTDOWN_S,
         ws_max_size=settings.ws_max_message_bytes,
+        ws_per_message_deflate=settings.ws_per_message_deflate,
     )
 
 

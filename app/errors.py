@@ -5,12 +5,40 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
+
+
+class ErrorBody(BaseModel):
+    code: str = Field(description="A stable identifier of the error (README, 'Errors').")
+    message: str = Field(description="What went wrong, for a person.")
+
+
+class FieldError(BaseModel):
+    field: str = Field(description="Where, like body.policy_options.beta or query.since.")
+    message: str
+
+
+class ValidationErrorBody(ErrorBody):
+    fields: list[FieldError]
+
+
+# The error replies every API route may give, for the OpenAPI schema.
+ERROR_RESPONSES: dict[int | str, dict] = {
+    400: {"model": ErrorBody, "description": "A malformed body or header."},
+    401: {"model": ErrorBody, "description": "No session token (or no API key where one is needed)."},
+    403: {"model": ErrorBody, "description": "Not this session's token (or an unknown API key)."},
+    404: {"model": ErrorBody, "description": "No such session (or answer)."},
+    413: {"model": ErrorBody, "description": "A body over the limit."},
+    422: {"model": ValidationErrorBody, "description": "Invalid fields, each named."},
+    429: {"model": ErrorBody, "description": "Over a rate or count limit; see Retry-After."},
+    503: {"model": ErrorBody, "description": "Redis or the workers are unavailable; see Retry-After."},
+}
 
 
 class ApiError(Exception):
@@ -36,8 +64,9 @@ async def _validation_error(_: Request, err: RequestValidationError) -> JSONResp
 
 
 async def _http_error(_: Request, err: HTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
-    return _json(err.status_code, code, str(err.detail), err.headers)
+    code = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+    message = "the body is not valid JSON (UTF-8)" if err.status_code == 400 else str(err.detail)
+    return _json(err.status_code, code, message, err.headers)
 
 
 async def _redis_unreachable(_: Request, err: Exception) -> JSONResponse:

@@ -51,8 +51,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     errors.install(app)
     limited = [Depends(rate_limit)]
     app.include_router(ops.router)
-    app.include_router(routes.router, dependencies=limited)
-    app.include_router(asks.router, dependencies=limited)
+    app.include_router(routes.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
+    app.include_router(asks.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
     app.include_router(streams.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.cors_origin_list:

@@ -101,7 +101,20 @@ async def delete_session(session: AuthorizedSession, store: Store) -> None:
     await store.delete(session.id)
 
 
-@router.post("/sessions/{session_id}/upload", status_code=status.HTTP_202_ACCEPTED)
+UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "multipart/form-data": {
+                "schema": {"type": "object", "properties": {"file": {"type": "string", "format": "binary"}}}
+            },
+        },
+    }
+}
+
+
+@router.post("/sessions/{session_id}/upload", status_code=status.HTTP_202_ACCEPTED, openapi_extra=UPLOAD_BODY)
 async def upload(
     session: AuthorizedSession, request: Request, store: Store, settings: Settings, metrics: Metrics
 ) -> UploadReceipt:

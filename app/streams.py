@@ -56,6 +56,7 @@ INBOX_BYTES = 8 * 1024 * 1024  # bytes read ahead of Redis per socket; the socke
 PAUSED_MESSAGES = 32  # messages a client may still send after `backpressure`; one more closes it (4429)
 CLAIM_WAIT_S = 2.0  # how long a connecting socket waits for the previous one's claim to be released
 EVENTS_BLOCK_MS = 1000
+CLEANUP_WAIT_S = 2.0  # how long a closing socket waits for its tasks to end
 
 # Claims a session's media for a stream socket. KEYS = hash, streamer key; ARGV = format,
 # connection id, claim TTL (ms). Returns the stream bytes received so far, -1 when the session
@@ -162,6 +163,9 @@ class StreamConnection:
         self.format: str | None = None  # None: the socket only watches and asks
         self._rate = MessageRate(settings.ws_messages_per_s)
         self._asking: set[asyncio.Task] = set()  # at most MAX_ASKING
+        # Set when the socket ends: its loops stop at their next step. Cancelling them is not
+        # enough, since redis-py can swallow a cancellation that lands inside a command.
+        self._stopping = False
         self._inbox: asyncio.Queue = asyncio.Queue()  # bounded by INBOX_BYTES, counted in _inbox_bytes
         self._inbox_bytes = 0
         self._inbox_drained = asyncio.Event()
@@ -292,14 +296,20 @@ class StreamConnection:
                 for task in done:
                     task.result()  # raises StreamClosed or the failure
         finally:
+            self._stopping = True
+            self._inbox.put_nowait(_LEFT)  # a forwarder that outlived its cancellation ends here
+            self._inbox_drained.set()
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if tasks:
+                _, late = await asyncio.wait(tasks, timeout=CLEANUP_WAIT_S)
+                for task in late:
+                    log.warning("socket %s: %s did not stop within %s s", self.id, task.get_coro().__name__, CLEANUP_WAIT_S)
 
     async def _receive(self) -> None:
         """Socket to inbox. Text messages are control messages: `{"type": "end"}` ends the stream,
         `{"type": "ask", ...}` asks a question."""
-        while True:
+        while not self._stopping:
             message = await self.websocket.receive()
             if message["type"] == "websocket.disconnect":
                 await self._inbox.put(_LEFT)
@@ -317,7 +327,7 @@ class StreamConnection:
                     self._sent_while_paused += 1
                     if self._sent_while_paused > PAUSED_MESSAGES:
                         raise StreamClosed(CloseCode.TOO_MANY, "the client kept sending while paused")
-                while self._inbox_bytes > INBOX_BYTES:  # stop reading the socket: TCP slows the client
+                while self._inbox_bytes > INBOX_BYTES and not self._stopping:  # not reading: TCP slows the client
                     self._inbox_drained.clear()
                     await self._inbox_drained.wait()
                 self._inbox_bytes += len(data)
@@ -397,7 +407,7 @@ class StreamConnection:
         the client has left and everything it sent is in the stream."""
         while True:
             item = await self._inbox.get()
-            if item is _LEFT:
+            if item is _LEFT or self._stopping:
                 return
             if item is _END:
                 await self._add({"type": "end"})
@@ -430,7 +440,7 @@ class StreamConnection:
         self._paused, self._sent_while_paused = True, 0
         await self.send(BackpressureEvent(paused=True, backlog=backlog))
         deadline = asyncio.get_running_loop().time() + self.settings.upload_stall_s
-        while backlog >= protocol.MEDIA_BACKLOG_ENTRIES // 2:
+        while backlog >= protocol.MEDIA_BACKLOG_ENTRIES // 2 and not self._stopping:
             if asyncio.get_running_loop().time() > deadline:
                 raise StreamClosed(CloseCode.TRY_AGAIN_LATER, "the session's worker stopped reading the stream")
             if not await self.redis.exists(self.keys.session(self.session_id)):
@@ -454,7 +464,7 @@ class StreamConnection:
     async def _relay(self, since: str) -> None:
         """The session's events to the socket; an error about this connection closes it."""
         stream = self.keys.events(self.session_id)
-        while True:
+        while not self._stopping:
             reply = await self.redis.xread({stream: since}, block=EVENTS_BLOCK_MS, count=64)
             for _, entries in reply:
                 for entry_id, fields in entries:
@@ -467,7 +477,7 @@ class StreamConnection:
     async def _keep_claim(self) -> None:
         """Renew the socket's place among the session's sockets and, streaming, its media claim."""
         streamer = self.keys.streamer(self.session_id)
-        while True:
+        while not self._stopping:
             await asyncio.sleep(protocol.STREAMER_TTL_S / 3)
             if self.format and not await self._renew(keys=[streamer], args=[self.id, protocol.STREAMER_TTL_S * 1000]):
                 raise StreamClosed(CloseCode.CONFLICT, "the session's stream was taken over or the session is gone")

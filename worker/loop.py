@@ -228,6 +228,7 @@ class Worker:
                     await asyncio.sleep(backoff_s)
                     backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
         finally:
+            self._stopping.set()
             heartbeat.cancel()
             await self._shutdown()
 
@@ -785,9 +786,13 @@ class Worker:
         await self.redis.hset(self.keys.workers(), self.id, info.model_dump_json())
 
     async def _heartbeat(self) -> None:
-        """Renew leases and the worker's advertisement; mark sessions whose lease was lost."""
-        while True:
+        """Renew leases and the worker's advertisement; mark sessions whose lease was lost. Ends
+        once the worker stops (a flag, not only cancellation: redis-py can swallow a cancellation
+        that lands inside a command)."""
+        while not self._stopping.is_set():
             await asyncio.sleep(self.settings.lease_ttl_s / 3)
+            if self._stopping.is_set():
+                return
             try:
                 await self._advertise()
                 for session_id, hosted in list(self.sessions.items()):

@@ -1,16 +1,18 @@
 """Property-based fuzzing of the gateway, against a real gateway, worker and Redis.
 
 REST: schemathesis generates requests, valid and invalid, for every operation the gateway
-publishes in /openapi.json (new routes are picked up as they appear). For about half of the
-requests on a session, the path names a live session and carries its token (and a real answer
-id), so that they reach past 401, 403 and 404. The property: no 5xx, except a 503 the README
+publishes in /openapi.json (new routes are picked up as they appear). Two thirds of the
+requests on a session name a live session (and a real answer id): as its owner, with its token,
+so that they reach past 401, 403 and 404, or as a stranger, with the generated credentials.
+The property: no 5xx, except a 503 the README
 documents for that request (`no_worker` for a model no worker serves, `no_capacity`); every
 error is JSON with a `code` and a `message`, also inside an event stream; every 2xx JSON body
 matches the published schema; nothing hangs.
 
-WebSocket: random first messages on `WS /sessions/{id}/stream`, then, after a valid `start`,
-random text and binary messages. The property: the gateway answers with the events and close
-codes docs/streaming.md documents (never 1011), within a timeout, and goes on serving other
+WebSocket: random first messages on `WS /sessions/{id}/stream`, then, after a valid `start`
+(each format, and none), random text and binary messages, `end`, and a question. The property:
+the gateway answers with the events and close codes docs/streaming.md documents (never 1011),
+answers the question, reports `ingested` or closes, within a timeout, and goes on serving other
 sessions.
 
 Examples are bounded and derandomized: the same cases every run.
@@ -23,8 +25,8 @@ import hypothesis.strategies as st
 import pytest
 import requests
 import schemathesis
-from schemathesis import GenerationMode
 from hypothesis import HealthCheck, Phase, example, given, settings
+from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import response_schema_conformance
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
@@ -35,7 +37,7 @@ from tests.support import Client, StreamSocket
 
 MODEL = "tiny-random-llava"  # the model the stack's worker serves
 REQUEST_TIMEOUT_S = 30  # a request (or an event stream's next line) slower than this is a hang
-SETTLE_TIMEOUT_S = 30  # a stream socket must close or report `ingested` this soon after `end`
+SETTLE_TIMEOUT_S = 15  # a stream socket must close or report `ingested` this soon after `end`
 FORMATS = ("webm", "mp4", "frames")
 CLOSE_CODES = {1000, 1009} | {int(code) for code in CloseCode}  # docs/streaming.md; never 1011
 EVENT_TYPES = {
@@ -54,6 +56,7 @@ REST_EXAMPLES = settings(
     phases=[Phase.explicit, Phase.generate],
 )
 WS_EXAMPLES = settings(REST_EXAMPLES, max_examples=30)
+
 
 class Sessions:
     """Live sessions for the fuzzed requests: one shared session with one answered question, and
@@ -177,7 +180,9 @@ def _request(case, identity: str, upload: tuple[bytes, str | None], url: str, se
         if "answer_id" in case.path_parameters:
             case.path_parameters["answer_id"] = sessions.answer_id
     kwargs = case.as_transport_kwargs(base_url=url)
-    if case.path.endswith("/upload"):
+    if case.path.endswith("/upload"):  # its own bodies: real video bytes among the random ones
+        for generated in ("files", "json", "data"):
+            kwargs.pop(generated, None)
         kwargs["data"], content_type = upload
         if content_type:
             kwargs["headers"] = {**kwargs["headers"], "Content-Type": content_type}
@@ -316,22 +321,10 @@ def test_any_messages_after_start_get_documented_events_and_close_codes(stack, m
             try:
                 event = socket.next_event(max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                import redis as _r
-                rc = _r.Redis.from_url(stack.redis_url)
-                pre = stack.prefix + f"session:{user.id}"
-                diag = {}
-                for name in ("media", "questions"):
-                    try:
-                        diag[name] = (rc.xlen(f"{pre}:{name}"), rc.xinfo_groups(f"{pre}:{name}"), rc.xpending(f"{pre}:{name}", "workers"))
-                    except Exception as err:
-                        diag[name] = repr(err)
-                diag["lease"] = rc.get(f"{pre}:lease"); diag["pttl"] = rc.pttl(f"{pre}:lease")
-                diag["workers"] = rc.hgetall(stack.prefix + "workers")
-                print("DIAG", time.time(), user.id, diag, flush=True)
-                import pickle; pickle.dump((media_format, messages, socket.events), open(f"/tmp/hang-{user.id}.pkl", "wb"))
+                events = [e for e in socket.events if e["type"] != "answer_token"]
                 raise AssertionError(
-                    f"no `ingested`, answer or close within {SETTLE_TIMEOUT_S} s of `end`; sent {messages!r:.2000}; "
-                    f"events {socket.events}; session {user.get().json()}"
+                    f"within {SETTLE_TIMEOUT_S} s of `end` the socket neither closed nor answered and reported "
+                    f"`ingested`; sent {messages!r:.1500}; got {events}; session {user.get().json()}"
                 ) from None
             if event is None:
                 break
