@@ -23,7 +23,7 @@ class GatewaySettings(CommonSettings):
         200.0, gt=0, description="Messages per second a socket may send (bursts of twice that); more close it with 4429."
     )
     ws_per_message_deflate: bool = Field(
-        False, description="Accept WebSocket compression; off by default: video does not compress, and it costs CPU."
+        True, description="Accept WebSocket compression (browsers ask for it); false saves CPU, as video does not compress."
     )
     max_stream_sockets: int = Field(
         128, ge=1, description="Stream sockets one gateway serves at once (each holds a Redis connection)."
