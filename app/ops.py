@@ -4,15 +4,10 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from app.deps import KeysDep, Metrics, RedisDep
+from app.deps import Metrics, RedisDep, Store
 from app.errors import ApiError
-from streamvqa.protocol import WorkerInfo
 
 router = APIRouter(tags=["operations"])
-
-
-async def _workers(redis: RedisDep, keys: KeysDep) -> list[WorkerInfo]:
-    return [WorkerInfo.model_validate_json(raw) for raw in await redis.hvals(keys.workers())]
 
 
 @router.get("/healthz")
@@ -26,10 +21,10 @@ async def healthz(redis: RedisDep) -> dict[str, str]:
 
 
 @router.get("/readyz")
-async def readyz(redis: RedisDep, keys: KeysDep) -> dict[str, str | int]:
+async def readyz(store: Store) -> dict[str, str | int]:
     """200 when the gateway reaches Redis and at least one worker is alive; 503 otherwise."""
     try:
-        alive = [w for w in await _workers(redis, keys) if w.alive]
+        alive = await store.live_workers(None)
     except Exception as err:
         raise ApiError(503, "redis_unreachable", f"Redis is unreachable: {err}", {"Retry-After": "5"}) from err
     if not alive:
@@ -38,7 +33,7 @@ async def readyz(redis: RedisDep, keys: KeysDep) -> dict[str, str | int]:
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
-async def metrics(redis: RedisDep, keys: KeysDep, gateway: Metrics) -> Response:
+async def metrics(store: Store, gateway: Metrics) -> Response:
     """Prometheus text format: this gateway's requests, questions, answer latencies and stream
     bytes, and every live worker's sessions, frames ingested, evictions, answers and ingest lag."""
-    return Response(gateway.render(await _workers(redis, keys)), media_type=CONTENT_TYPE_LATEST)
+    return Response(gateway.render(await store.live_workers(None)), media_type=CONTENT_TYPE_LATEST)
