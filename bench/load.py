@@ -137,7 +137,7 @@ def main() -> None:
     redis_url = os.environ.get("REDIS_URL") or embedded.start()
     prefix, port = f"svqa-load-{uuid.uuid4().hex[:8]}:", free_port()
     env = {
-        **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "PORT": str(port),
+        **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "PORT": str(port), "MODEL": "tiny-random-llava",
         "MAX_SESSIONS": str(args.sessions), "SPOOL_DIR": str(folder / "spool"), "LOG_LEVEL": "WARNING",
         "SNAPSHOT_DIR": str(folder / "snapshots"),
     }

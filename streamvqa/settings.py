@@ -3,7 +3,7 @@
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_MODEL = "tiny-random-llava"
+DEFAULT_MODEL = "streamvqa-demo"  # a real vision-language model from PyPI packages (docs/demo-model.md)
 
 
 class CommonSettings(BaseSettings):

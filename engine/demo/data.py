@@ -1,0 +1,324 @@
+"""The demo model's training data: encoded images, conversations about them, and their tokens.
+
+A `Pool` holds every image once, as the projector reads it (pooled encoder features), with what
+is known of it: a generated scene's facts, or a real frame's ImageNet probabilities by the
+encoder's own head. Samples are conversations drawn from the pool by seeded generators: a
+single scene or real frame with one to three questions, a few frames with time markers and a
+question about one moment, a "needle" (a scene among real frames) asked about without a time, and
+a run of real video frames. `Layout` turns a sample into exactly the token stream a `Session`
+runs (engine/session.py): per frame `[t.ts]`, its visual tokens and a newline, then the question,
+the chat's turn markers and the answer.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.demo import scenes
+from engine.demo.scenes import Scene
+from engine.model import Model
+
+TOKENS_PER_FRAME = 9
+VISUAL = -1  # a placeholder id: the frame's visual tokens go there
+IGNORE = -100  # a position whose prediction is not trained
+HELD_OUT_EVERY = 10  # real frames whose index % 10 == 7 are never trained on: they test naming
+HELD_OUT_PHASE = 7
+
+
+@dataclass(frozen=True)
+class RealFrame:
+    video: str  # file name of the sample video
+    index: int  # frame index in the video
+    time_s: float
+    pixels: np.ndarray  # (H, W, 3) uint8
+
+    @property
+    def held_out(self) -> bool:
+        return self.index % HELD_OUT_EVERY == HELD_OUT_PHASE
+
+
+@dataclass
+class Pool:
+    """Every image a sample may show, encoded once."""
+
+    features: torch.Tensor  # (M, 9, FEATURE_CHANNELS) float16: the projector's input per image
+    probs: torch.Tensor  # (M, 1000) float16: the ImageNet head's softmax per image
+    scenes: list[Scene | None]  # the facts of a generated scene; None for a real frame
+    video: list[str | None]  # real frames: the video's name
+    index: list[int]  # real frames: the frame's index in the video (-1 for scenes and crops)
+    time_s: list[float]  # real frames: the frame's time in the video
+
+    def __len__(self) -> int:
+        return len(self.scenes)
+
+    def state(self) -> dict:
+        return dict(vars(self))
+
+    def scene_items(self, kind: str | None = None) -> list[int]:
+        return [i for i, s in enumerate(self.scenes) if s is not None and (kind is None or s.kind == kind)]
+
+    def real_items(self) -> list[int]:
+        return [i for i, s in enumerate(self.scenes) if s is None]
+
+    def video_frames(self) -> dict[str, list[int]]:
+        """Whole (uncropped) real frames by video, in time order."""
+        runs: dict[str, list[int]] = {}
+        for i, (name, index) in enumerate(zip(self.video, self.index, strict=True)):
+            if name is not None and index >= 0:
+                runs.setdefault(name, []).append(i)
+        return {name: sorted(items, key=lambda i: self.index[i]) for name, items in runs.items()}
+
+
+def build_pool(
+    encode: Callable[[list[np.ndarray]], tuple[torch.Tensor, torch.Tensor]],
+    frames: Sequence[RealFrame],
+    scene_count: int,
+    crops_per_frame: int,
+    rng: np.random.Generator,
+    batch: int = 32,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> Pool:
+    """Render `scene_count` scenes, take every real frame whole and `crops_per_frame` random crops
+    of it, and encode them all. `encode(images)` returns (N, 9, FEATURE_CHANNELS) features and (N, 1000) logits."""
+    images: list[np.ndarray] = []
+    pool = Pool(torch.empty(0), torch.empty(0), [], [], [], [])
+    for _ in range(scene_count):
+        image, scene = scenes.draw(rng)
+        images.append(image)
+        pool.scenes.append(scene), pool.video.append(None), pool.index.append(-1), pool.time_s.append(0.0)
+    for frame in frames:
+        views = [(frame.pixels, frame.index)] + [(_crop(rng, frame.pixels), -1) for _ in range(crops_per_frame)]
+        for pixels, index in views:
+            images.append(pixels)
+            pool.scenes.append(None), pool.video.append(frame.video), pool.index.append(index)
+            pool.time_s.append(frame.time_s)
+    features, probs = [], []
+    for start in range(0, len(images), batch):
+        feats, logits = encode(images[start : start + batch])
+        features.append(feats.to(torch.float16))
+        probs.append(logits.softmax(-1).to(torch.float16))
+        progress(min(start + batch, len(images)), len(images))
+    pool.features, pool.probs = torch.cat(features), torch.cat(probs)
+    return pool
+
+
+def _crop(rng: np.random.Generator, pixels: np.ndarray) -> np.ndarray:
+    """A random crop of 45-100% of the shorter side, near square, flipped half the time."""
+    height, width = pixels.shape[:2]
+    side = rng.uniform(0.45, 1.0) * min(height, width)
+    aspect = rng.uniform(0.8, 1.25)
+    h, w = int(min(height, side * aspect)), int(min(width, side / aspect))
+    top, left = int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1))
+    crop = pixels[top : top + h, left : left + w]
+    return np.ascontiguousarray(crop[:, ::-1] if rng.random() < 0.5 else crop)
+
+
+# -- conversations -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    frames: list[tuple[int, float]]  # (pool item, video time) in order
+    turns: list[tuple[str, str]]  # (question, answer)
+    task: str  # what the last turn asks, for per-task accuracy
+
+
+def name_of(names: Sequence[str], cls: int) -> str:
+    name = names[cls]
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _pick(rng: np.random.Generator, options: Sequence):
+    return options[rng.integers(len(options))]
+
+
+# Answers are short sentences in the language model's own style ("The shape is red."), so that
+# the frozen model has only the content to learn, not a new way of answering.
+DESCRIBE = ("What do you see?", "What is in the picture?", "Describe what you see.", "What is shown?", "What is this?")
+
+
+def scene_questions(scene: Scene, rng: np.random.Generator) -> list[tuple[str, str, str]]:
+    """Every (task, question, answer) one may ask of a scene, each in a random wording."""
+    thing = {"shape": "the shape", "count": "the shapes", "digit": "the digit", "letter": "the letter"}[scene.kind]
+    verb = "are" if scene.kind == "count" else "is"
+    colour = _pick(rng, ("colour", "color"))
+    description = scene.describe()
+    qa = [
+        ("describe", _pick(rng, DESCRIBE), f"I see {description[0].lower()}{description[1:]}"),
+        ("colour", f"What {colour} {verb} {thing}?", f"{thing.capitalize()} {verb} {scene.colour}."),
+    ]
+    if scene.background:
+        qa.append(("background", f"What {colour} is the background?", f"The background is {scene.background}."))
+    if scene.kind == "shape":
+        qa.append(("shape", _pick(rng, ("What shape is it?", "What shape do you see?", "Which shape is shown?")),
+                   f"It is a {scene.shape}."))
+    elif scene.kind == "count":
+        plural = scenes._plural(scene.shape)
+        many = f"There is one {scene.shape}." if scene.count == 1 else f"There are {scenes.NUMBER_WORDS[scene.count]} {plural}."
+        qa.append(("count", _pick(rng, ("How many shapes are there?", f"How many {plural} are there?")), many))
+    else:
+        questions = {"digit": ("What digit is shown?", "Which number do you see?", "What number is this?"),
+                     "letter": ("What letter is shown?", "Which letter do you see?")}[scene.kind]
+        qa.append((scene.kind, _pick(rng, questions), f"The {scene.kind} is {scene.symbol}."))
+    return qa
+
+
+def _at(rng: np.random.Generator, time_s: float) -> str:
+    """A time as a person might write it."""
+    return _pick(rng, (f"at {time_s:.1f}s", f"at {time_s:g} seconds", f"at second {time_s:g}", f"at {time_s:g}s"))
+
+
+def _in_past(question: str, when: str | None) -> str:
+    """"What colour is the shape?" -> "What colour was the shape at 3.0s?" (or without a time)."""
+    if question.startswith("Describe"):
+        return "Describe what you saw" + (f" {when}." if when else ".")
+    past = question.replace(" is ", " was ").replace(" are ", " were ").replace("do you see", "did you see")
+    past = past.replace("What is ", "What was ")
+    return past[:-1] + (f" {when}?" if when else "?")
+
+
+def _past(answer: str) -> str:
+    return answer.replace("I see", "I saw").replace(" is ", " was ").replace(" are ", " were ")
+
+
+class Samples:
+    """Seeded generators of conversations over a pool, by kind."""
+
+    def __init__(self, pool: Pool, names: Sequence[str], items: Sequence[int] | None = None) -> None:
+        self.pool, self.names = pool, names
+        allowed = set(range(len(pool)) if items is None else items)
+        self.scene = [i for i in pool.scene_items() if i in allowed]
+        self.real = [i for i in pool.real_items() if i in allowed]
+        self.runs = {v: [i for i in run if i in allowed] for v, run in pool.video_frames().items()}
+        self.runs = {v: run for v, run in self.runs.items() if len(run) >= 8}
+        self.generators: dict[str, Callable[[np.random.Generator], Sample]] = {
+            "scene": self.single_scene,
+            "real": self.single_real,
+            "moment": self.moment,
+            "needle": self.needle,
+            "video": self.video,
+        }
+
+    def label(self, item: int) -> str:
+        """What the encoder's head sees in a real frame, as an answer."""
+        return f"I see {name_of(self.names, int(self.pool.probs[item].float().argmax()))}."
+
+    def single_scene(self, rng: np.random.Generator) -> Sample:
+        item = _pick(rng, self.scene)
+        qa = scene_questions(self.pool.scenes[item], rng)
+        order = rng.permutation(len(qa))[: int(rng.integers(1, 4))]
+        turns = [(qa[k][1], qa[k][2]) for k in order]
+        return Sample([(item, self._start(rng))], turns, qa[order[-1]][0])
+
+    def single_real(self, rng: np.random.Generator) -> Sample:
+        item = _pick(rng, self.real)
+        return Sample([(item, self._start(rng))], [(_pick(rng, DESCRIBE), self.label(item))], "real")
+
+    def moment(self, rng: np.random.Generator) -> Sample:
+        """2-5 frames, scenes and real frames; a question about the one at a given time (or now)."""
+        count = int(rng.integers(2, 6))
+        items = [_pick(rng, self.scene if rng.random() < 0.7 else self.real) for _ in range(count)]
+        times = self._times(rng, count)
+        now = rng.random() < 0.2
+        k = count - 1 if now else int(rng.integers(count))
+        scene = self.pool.scenes[items[k]]
+        if scene is None:
+            task, question, answer = "real", _pick(rng, DESCRIBE[:1]), self.label(items[k])
+        else:
+            task, question, answer = _pick(rng, scene_questions(scene, rng))
+        if now:
+            question = question[:-1] + " now" + question[-1]
+        else:
+            question, answer = _in_past(question, _at(rng, times[k])), _past(answer)
+        return Sample(list(zip(items, times, strict=True)), [(question, answer)], "moment-" + task)
+
+    def needle(self, rng: np.random.Generator) -> Sample:
+        """A run of real frames with one scene among them; one to three questions in turn about
+        it, without a time ("What colour was the star?"), or when it was seen."""
+        offset = 0.0 if rng.random() < 0.4 else float(rng.integers(1, 150))  # streams run for minutes
+        run = [(r, round(t + offset, 1)) for r, t in self._run(rng, int(rng.integers(3, 13)))]
+        k = int(rng.integers(len(run)))
+        item = _pick(rng, self.scene)
+        scene = self.pool.scenes[item]
+        frames = [(item if i == k else r, t) for i, (r, t) in enumerate(run)]
+        thing = {"shape": "shape", "count": "shapes", "digit": "digit", "letter": "letter"}[scene.kind]
+        named = thing
+        if scene.shape and rng.random() < 0.5:  # "What colour was the star?"
+            named = scene.shape if scene.kind == "shape" else scenes._plural(scene.shape)
+        when = _pick(rng, (f"When did you see the {named}?", f"At what time did the {named} appear?"))
+        turns = [("needle-when", when, f"I saw it at {run[k][1]:.1f}s.")]
+        for task, question, answer in scene_questions(scene, rng):
+            if task not in ("describe", "background"):
+                question = question.replace(f"the {thing}", f"the {named}")
+                turns.append(("needle-what", _in_past(question, None), _past(answer)))
+        order = rng.permutation(len(turns))[: int(rng.integers(1, 4))]
+        return Sample(frames, [turns[i][1:] for i in order], turns[order[-1]][0])
+
+    def video(self, rng: np.random.Generator) -> Sample:
+        """2-6 frames of one real video: what it shows overall (the head's mean), or at a time."""
+        run = self._run(rng, int(rng.integers(2, 11)))
+        if rng.random() < 0.5:
+            mean = self.pool.probs[[item for item, _ in run]].float().mean(dim=0)
+            answer = f"I see {name_of(self.names, int(mean.argmax()))}."
+            return Sample(run, [(_pick(rng, DESCRIBE[:2] + ("What does the video show?",)), answer)], "video")
+        k = int(rng.integers(len(run)))
+        question = f"What did you see {_at(rng, run[k][1])}?"
+        return Sample(run, [(question, _past(self.label(run[k][0])))], "video-moment")
+
+    def _start(self, rng: np.random.Generator) -> float:
+        return 0.0 if rng.random() < 0.6 else float(rng.integers(1, 60))
+
+    def _times(self, rng: np.random.Generator, count: int) -> list[float]:
+        step = _pick(rng, (1.0, 1.0, 1.0, 0.5, 2.0))
+        start = 0.0 if rng.random() < 0.6 else float(rng.integers(1, 60))
+        return [start + i * step for i in range(count)]
+
+    def _run(self, rng: np.random.Generator, count: int) -> list[tuple[int, float]]:
+        """`count` whole frames of one video about one second apart, at their video times."""
+        run = self.runs[_pick(rng, sorted(self.runs))]
+        fps = len(run) / (self.pool.time_s[run[-1]] - self.pool.time_s[run[0]] + 1e-9)
+        stride = max(1, round(fps * _pick(rng, (1.0, 1.0, 0.5))))
+        count = min(count, (len(run) - 1) // stride + 1)
+        first = int(rng.integers(0, len(run) - (count - 1) * stride))
+        items = [run[first + i * stride] for i in range(count)]
+        return [(i, round(self.pool.time_s[i], 1)) for i in items]
+
+
+# -- tokens --------------------------------------------------------------------------------------
+
+
+class Layout:
+    """Token ids of a sample as a session runs them, after the opening with the system prompt."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        chat = model.chat
+        self.to_assistant = model.tokenize(chat.user_to_assistant)
+        self.to_user = model.tokenize(chat.assistant_to_user)
+        if self.to_user[0] not in model.stop_ids:
+            raise ValueError("the chat's closing marker does not start with a stop token")
+        self.newline = model.tokenize("\n")
+
+    def opening(self, system_prompt: str) -> list[int]:
+        return self.model.tokenize(self.model.chat.open(system_prompt))
+
+    def ids(self, sample: Sample) -> tuple[list[int], list[int], list[int]]:
+        """(ids with TOKENS_PER_FRAME VISUAL placeholders per frame, the pool item of each frame,
+        the target of each position: the next token where it is trained, else IGNORE). The ids end
+        at the last trained position."""
+        ids: list[int] = []
+        items: list[int] = []
+        targets: list[int] = []
+        for item, time_s in sample.frames:
+            marker = self.model.tokenize(f"[{float(time_s):.1f}s]")
+            ids += marker + [VISUAL] * TOKENS_PER_FRAME + self.newline
+            items.append(item)
+        for question, answer in sample.turns:
+            ids += self.model.tokenize(question, user=True) + self.to_assistant
+            answer_ids = self.model.tokenize(answer) + self.to_user
+            first = len(ids)
+            ids += answer_ids
+            targets += [IGNORE] * (first - 1 - len(targets)) + answer_ids[: len(answer_ids) - len(self.to_user) + 1]
+        return ids[: len(targets)], items, targets

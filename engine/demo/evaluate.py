@@ -1,0 +1,79 @@
+"""Scoring the demo model through the engine, as a user would ask it: one session per question.
+
+Held-out scenes come from their own seed (training uses others); an answer is right when the
+first colour, shape, digit or letter it names is the expected one. A real frame is named right
+when the answer contains the name of the encoder's own top ImageNet class for that frame.
+"""
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine.demo import scenes
+from engine.demo.data import DESCRIBE
+from engine.demo.model import EfficientNetTower, pooled_features
+from engine.model import Model
+from engine.session import Session, SessionConfig
+
+QUESTIONS = {
+    "colour": "What colour is the {thing}?",
+    "shape": "What shape is it?",
+    "digit": "What digit is shown?",
+}
+KIND_OF = {"colour": None, "shape": "shape", "digit": "digit"}
+CHOICES = {
+    "colour": list(scenes.COLOURS),
+    "shape": list(scenes.SHAPES),
+    "digit": list(scenes.DIGITS),
+}
+
+
+def ask(model: Model, frames: Sequence[np.ndarray], times_s: Sequence[float], question: str, max_new_tokens: int = 16) -> str:
+    session = Session(model, SessionConfig(policy="full"))
+    session.append_frames(list(frames), list(times_s))
+    return "".join(session.ask(question, max_new_tokens=max_new_tokens))
+
+
+def first_named(answer: str, choices: Sequence[str]) -> str | None:
+    """The choice the answer names first (whole words; "grey" is gray; plurals count)."""
+    text = answer.lower().replace("grey", "gray")
+    found = []
+    for choice in choices:
+        match = re.search(rf"(?<![\w]){re.escape(choice.lower())}(e?s)?(?![\w])", text)
+        if match:
+            found.append((match.start(), choice))
+    return min(found)[1] if found else None
+
+
+def scene_accuracy(model: Model, task: str, count: int, seed: int) -> tuple[float, list[tuple[str, str, str]]]:
+    """Accuracy on `count` held-out single scenes for `task` (colour, shape or digit), and the
+    (question, expected, answer) of each."""
+    rng = np.random.default_rng(seed)
+    results = []
+    for _ in range(count):
+        image, scene = scenes.draw(rng, KIND_OF[task] or scenes.KINDS[rng.integers(len(scenes.KINDS))])
+        thing = {"shape": "shape", "count": "shapes", "digit": "digit", "letter": "letter"}[scene.kind]
+        question = QUESTIONS[task].format(thing=thing)
+        if scene.kind == "count":
+            question = question.replace(" is ", " are ")
+        expected = {"colour": scene.colour, "shape": scene.shape, "digit": scene.symbol}[task]
+        answer = ask(model, [image], [0.0], question)
+        results.append((question, expected, answer))
+    right = sum(first_named(answer, CHOICES[task]) == expected for _, expected, answer in results)
+    return right / count, results
+
+
+@torch.inference_mode()
+def naming_accuracy(model: Model, frames: Sequence[np.ndarray], names: Sequence[str]) -> tuple[float, list[tuple[str, str]]]:
+    """How often "What do you see?" about one real frame names the encoder's top ImageNet class."""
+    tower: EfficientNetTower = model.hf.model.vision_tower
+    _, logits = pooled_features(tower, list(frames))
+    results = []
+    for frame, cls in zip(frames, logits.argmax(dim=-1).tolist(), strict=True):
+        answer = ask(model, [frame], [0.0], DESCRIBE[0])
+        results.append((names[cls], answer))
+    right = sum(name.lower() in answer.lower() for name, answer in results)
+    return right / len(frames), results
+
