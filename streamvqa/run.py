@@ -77,6 +77,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = LauncherSettings()
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)  # also when started from a script that ignores it (`cmd &`)
     embedded = None
     processes: list[Popen] = []
     try:
