@@ -81,6 +81,25 @@ def test_colour_channels_tell_the_figure_from_the_background(demo):
     assert cell[8, red].item() < 1e-3 and excess[8, red].item() < 1e-3 and colours[int(cell[8].argmax())] == "white"
 
 
+@needs_demo
+def test_the_figure_and_border_channels_name_held_out_scenes_colours(demo):
+    """Before any training: the argmax of the figure histogram is the figure's colour for at
+    least 95% of 200 held-out scenes, and the border's is the background's for every plain one."""
+    from engine.demo.model import ENCODER_CHANNELS, pooled_features
+
+    rng = np.random.default_rng(SEED)
+    drawn = [scenes.draw(rng) for _ in range(200)]
+    features, _ = pooled_features(demo.hf.model.vision_tower, [image for image, _ in drawn])
+    colours = list(scenes.COLOURS)
+    _, _, figure, border = features[:, 0, ENCODER_CHANNELS:].unflatten(-1, (4, len(colours))).unbind(1)  # (200, 11)
+    figures = [colours[i] for i in figure.argmax(dim=-1).tolist()]
+    borders = [colours[i] for i in border.argmax(dim=-1).tolist()]
+    right = sum(said == scene.colour for said, (_, scene) in zip(figures, drawn, strict=True))
+    assert right >= 190, right
+    plain = [(said, scene.background) for said, (_, scene) in zip(borders, drawn, strict=True) if scene.background]
+    assert all(said == background for said, background in plain)
+
+
 def test_a_needle_asks_what_came_right_after_the_plain_frame_just_before_the_scene():
     """Needle conversations: frames one second apart, one scene among real frames, and when a plain
     frame stands right before it, a question about what came after that colour names the scene."""
