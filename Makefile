@@ -37,16 +37,12 @@ bench-gateway: $(STAMP)
 bench-needle: $(STAMP)
 	$(BIN)/python -m bench.needle $(BENCH_ARGS)
 
-# Trains streamvqa-demo's projector on CPU (about 90 minutes on 2 cores) and overwrites the committed
+# Trains streamvqa-demo's projector on CPU (about 75 minutes on 2 cores) and overwrites the committed
 # weights, engine/demo/projector.safetensors; see docs/demo-model.md.
 train-demo: $(STAMP)
-	$(BIN)/python -m engine.demo.train --steps 600 --warm-steps 1500 --lr 2e-3 --eval-every 200 \
-		--engine-eval 30 --out run/demo/stage1.safetensors
-	$(BIN)/python -m engine.demo.train --init run/demo/stage1.safetensors --warm-steps 0 --steps 600 \
-		--lr 1e-3 --eval-every 300 --engine-eval 30 --mix scene=0.5,real=0.25,moment=0.1,needle=0.1,video=0.05 \
-		--out run/demo/stage2.safetensors
-	$(BIN)/python -m engine.demo.train --init run/demo/stage2.safetensors --warm-steps 0 --steps 600 \
-		--lr 1e-3 --eval-every 300 --engine-eval 30 --mix scene=0.4,real=0.2,needle=0.3,moment=0.05,video=0.05
+	$(BIN)/python -m engine.demo.train --out run/demo/main.safetensors
+	$(BIN)/python -m engine.demo.train --init run/demo/main.safetensors --warm-steps 0 --steps 150 --lr 5e-4 \
+		--eval-every 150 --mix real=0.45,scene=0.3,needle=0.15,video=0.1
 
 # torch first, so that its build is the one TORCH_SPEC names (a CPU wheel here; see README).
 $(STAMP): pyproject.toml

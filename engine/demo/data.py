@@ -23,6 +23,7 @@ from engine.model import Model
 TOKENS_PER_FRAME = 9
 VISUAL = -1  # a placeholder id: the frame's visual tokens go there
 IGNORE = -100  # a position whose prediction is not trained
+NEEDLE_FRAMES = 24  # the longest needle conversation, in frames (384 visual tokens)
 HELD_OUT_EVERY = 10  # real frames whose index % 10 == 7 are never trained on: they test naming
 HELD_OUT_PHASE = 7
 
@@ -77,15 +78,21 @@ def build_pool(
     scene_count: int,
     crops_per_frame: int,
     rng: np.random.Generator,
+    plain_per_colour: int = 0,
     batch: int = 32,
     progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> Pool:
-    """Render `scene_count` scenes, take every real frame whole and `crops_per_frame` random crops
-    of it, and encode them all. `encode(images)` returns (N, 9, FEATURE_CHANNELS) features and (N, 1000) logits."""
+    """Render `scene_count` scenes and `plain_per_colour` plain frames of each colour, take every
+    real frame whole and `crops_per_frame` random crops of it, and encode them all.
+    `encode(images)` returns (N, 9, FEATURE_CHANNELS) features and (N, 1000) logits."""
     images: list[np.ndarray] = []
     pool = Pool(torch.empty(0), torch.empty(0), [], [], [], [])
     for _ in range(scene_count):
         image, scene = scenes.draw(rng)
+        images.append(image)
+        pool.scenes.append(scene), pool.video.append(None), pool.index.append(-1), pool.time_s.append(0.0)
+    for colour in [c for c in scenes.COLOURS for _ in range(plain_per_colour)]:
+        image, scene = scenes.plain(rng, colour)
         images.append(image)
         pool.scenes.append(scene), pool.video.append(None), pool.index.append(-1), pool.time_s.append(0.0)
     for frame in frames:
@@ -136,6 +143,8 @@ def _pick(rng: np.random.Generator, options: Sequence):
 
 # Answers are short sentences in the language model's own style ("The shape is red."), so that
 # the frozen model has only the content to learn, not a new way of answering.
+AFTER = ("What came right after the {colour} background?", "What did you see right after the {colour} screen?",
+         "What came after the {colour} background?")
 DESCRIBE = ("What do you see?", "What is in the picture?", "Describe what you see.", "What is shown?", "What is this?")
 
 
@@ -189,7 +198,11 @@ class Samples:
     def __init__(self, pool: Pool, names: Sequence[str], items: Sequence[int] | None = None) -> None:
         self.pool, self.names = pool, names
         allowed = set(range(len(pool)) if items is None else items)
-        self.scene = [i for i in pool.scene_items() if i in allowed]
+        self.scene = [i for i in pool.scene_items() if i in allowed and pool.scenes[i].kind != "plain"]
+        self.plain: dict[str, list[int]] = {}  # colour -> plain frames of it
+        for i in pool.scene_items("plain"):
+            if i in allowed:
+                self.plain.setdefault(pool.scenes[i].colour, []).append(i)
         self.real = [i for i in pool.real_items() if i in allowed]
         self.runs = {v: [i for i in run if i in allowed] for v, run in pool.video_frames().items()}
         self.runs = {v: run for v, run in self.runs.items() if len(run) >= 8}
@@ -234,27 +247,35 @@ class Samples:
             question, answer = _in_past(question, _at(rng, times[k])), _past(answer)
         return Sample(list(zip(items, times, strict=True)), [(question, answer)], "moment-" + task)
 
-    def needle(self, rng: np.random.Generator) -> Sample:
-        """A run of real frames with one scene among them; one to three questions in turn about
-        it, without a time ("What colour was the star?"), or when it was seen."""
-        offset = 0.0 if rng.random() < 0.4 else float(rng.integers(1, 150))  # streams run for minutes
-        run = [(r, round(t + offset, 1)) for r, t in self._run(rng, int(rng.integers(3, 13)))]
-        k = int(rng.integers(len(run)))
-        item = _pick(rng, self.scene)
-        scene = self.pool.scenes[item]
-        frames = [(item if i == k else r, t) for i, (r, t) in enumerate(run)]
+    def needle(self, rng: np.random.Generator, frames: int | None = None) -> Sample:
+        """`frames` (else 3 to NEEDLE_FRAMES) real frames walking through the sample videos, one a
+        second as bench.needle streams them, with one scene among them and, half the time, a plain
+        colour frame right before it; one to three questions in turn about the scene, without a
+        time: what it showed, its colour, what came right after the plain frame."""
+        count = frames or int(rng.integers(3, NEEDLE_FRAMES + 1))
+        start = 0.0 if rng.random() < 0.4 else float(rng.integers(1, 150))  # streams run for minutes
+        walk = self._walk(rng, count)
+        pair = count > 1 and rng.random() < 0.5
+        k = int(rng.integers(1 if pair else 0, count))
+        walk[k] = _pick(rng, self.scene)
+        scene = self.pool.scenes[walk[k]]
         thing = {"shape": "shape", "count": "shapes", "digit": "digit", "letter": "letter"}[scene.kind]
         named = thing
         if scene.shape and rng.random() < 0.5:  # "What colour was the star?"
             named = scene.shape if scene.kind == "shape" else scenes._plural(scene.shape)
-        when = _pick(rng, (f"When did you see the {named}?", f"At what time did the {named} appear?"))
-        turns = [("needle-when", when, f"I saw it at {run[k][1]:.1f}s.")]
+        turns = []
         for task, question, answer in scene_questions(scene, rng):
             if task not in ("describe", "background"):
                 question = question.replace(f"the {thing}", f"the {named}")
                 turns.append(("needle-what", _in_past(question, None), _past(answer)))
+        if pair:
+            colour = _pick(rng, [c for c in scenes.COLOURS if c not in (scene.colour, scene.background)])
+            walk[k - 1] = _pick(rng, self.plain[colour])
+            question = _pick(rng, AFTER).format(colour=colour)
+            description = scene.describe()
+            turns.append(("needle-after", question, f"I saw {description[0].lower()}{description[1:]}"))
         order = rng.permutation(len(turns))[: int(rng.integers(1, 4))]
-        return Sample(frames, [turns[i][1:] for i in order], turns[order[-1]][0])
+        return Sample([(item, start + i) for i, item in enumerate(walk)], [turns[i][1:] for i in order], turns[order[-1]][0])
 
     def video(self, rng: np.random.Generator) -> Sample:
         """2-6 frames of one real video: what it shows overall (the head's mean), or at a time."""
@@ -266,6 +287,14 @@ class Samples:
         k = int(rng.integers(len(run)))
         question = f"What did you see {_at(rng, run[k][1])}?"
         return Sample(run, [(question, _past(self.label(run[k][0])))], "video-moment")
+
+    def _walk(self, rng: np.random.Generator, count: int) -> list[int]:
+        """`count` whole real frames walking through the sample videos in turn (bench.needle's
+        haystack), from a random place and with a random stride."""
+        step = _pick(rng, (1, 4, 7))
+        walk = [run[i] for _, run in sorted(self.runs.items()) for i in range(0, len(run), step)]
+        first = int(rng.integers(len(walk)))
+        return [walk[(first + i) % len(walk)] for i in range(count)]
 
     def _start(self, rng: np.random.Generator) -> float:
         return 0.0 if rng.random() < 0.6 else float(rng.integers(1, 60))

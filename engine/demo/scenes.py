@@ -33,7 +33,7 @@ MIN_CONTRAST = 110  # least distance between a figure's colour and its backgroun
 
 @dataclass(frozen=True)
 class Scene:
-    kind: str  # "shape" (one), "count" (several alike), "digit" or "letter"
+    kind: str  # "shape" (one), "count" (several alike), "digit", "letter", or "plain" (colour only)
     colour: str  # the figure's colour
     background: str | None  # the background's colour; None for a textured background
     shape: str | None = None  # "shape" and "count"
@@ -45,6 +45,8 @@ class Scene:
         ground = f"on {_article(self.background).lower()} {self.background} background" if self.background else "on a patterned background"
         if self.kind == "shape":
             return f"{_article(self.colour)} {self.colour} {self.shape} {ground}."
+        if self.kind == "plain":
+            return f"A plain {self.colour} background."
         if self.kind == "count":
             return f"{NUMBER_WORDS[self.count].capitalize()} {self.colour} {_plural(self.shape)} {ground}."
         return f"The {self.kind} {self.symbol} in {self.colour} {ground}."
@@ -66,9 +68,9 @@ def draw(rng: np.random.Generator, kind: str | None = None) -> tuple[np.ndarray,
     kind = kind or KINDS[rng.integers(len(KINDS))]
     names = list(COLOURS)
     colour = names[rng.integers(len(names))]
-    plain = rng.random() < 0.8
+    solid = rng.random() < 0.8
     grounds = [n for n in names if _distance(COLOURS[n], COLOURS[colour]) >= MIN_CONTRAST]
-    background = grounds[rng.integers(len(grounds))] if plain else None
+    background = grounds[rng.integers(len(grounds))] if solid else None
     image = _background(rng, background, colour)
     pen = ImageDraw.Draw(image)
     fill = _jitter(rng, COLOURS[colour])
@@ -91,6 +93,12 @@ def draw(rng: np.random.Generator, kind: str | None = None) -> tuple[np.ndarray,
     centre = SIZE / 2 + rng.uniform(-20, 20, size=2)
     pen.text(tuple(centre), symbol, fill=fill, font=font, anchor="mm")
     return np.asarray(image), Scene(kind, colour, background, symbol=symbol)
+
+
+def plain(rng: np.random.Generator, colour: str) -> tuple[np.ndarray, Scene]:
+    """A frame of one palette colour (slightly jittered) and nothing on it."""
+    image = Image.new("RGB", (SIZE, SIZE), _jitter(rng, COLOURS[colour]))
+    return np.asarray(image), Scene("plain", colour, colour)
 
 
 def _distance(a: tuple[int, ...], b: tuple[int, ...]) -> float:

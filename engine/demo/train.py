@@ -32,7 +32,7 @@ from safetensors import safe_open
 from transformers import DynamicCache
 
 from engine.demo import evaluate
-from engine.demo.data import IGNORE, TOKENS_PER_FRAME, VISUAL, Layout, Pool, RealFrame, Sample, Samples, build_pool
+from engine.demo.data import IGNORE, NEEDLE_FRAMES, TOKENS_PER_FRAME, VISUAL, Layout, Pool, RealFrame, Sample, Samples, build_pool
 from engine.demo.scenes import NUMBER_WORDS
 from engine.demo.model import ENCODER_CHANNELS, WEIGHTS, assemble, imagenet_names, pooled_features, save_projector
 from engine.session import DEFAULT_SYSTEM_PROMPT
@@ -45,21 +45,22 @@ VIDEOS = ("bigbuckbunny.mp4", "bikes.mp4", "carphone_distorted.mp4", "carphone_p
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    steps: int = 500
+    steps: int = 900
     batch: int = 8
-    lr: float = 1e-3
+    lr: float = 2e-3
     warmup_steps: int = 25
     weight_decay: float = 0.01
     scenes: int = 6000  # training scenes
     crops_per_frame: int = 2  # random crops of each training frame, besides the whole frame
+    plain_per_colour: int = 20  # plain frames of each palette colour (needles: "right after the red background")
     eval_scenes: int = 400  # held-out scenes, from their own seed
     eval_per_task: int = 16  # teacher-forced held-out conversations per kind
-    eval_every: int = 100
+    eval_every: int = 300
     warm_steps: int = 1500  # warm start: visual tokens near the word embeddings of what is shown
     warm_batch: int = 32
     warm_lr: float = 2e-3
     mix: dict[str, float] = field(
-        default_factory=lambda: {"scene": 0.4, "real": 0.22, "moment": 0.15, "needle": 0.13, "video": 0.1}
+        default_factory=lambda: {"scene": 0.4, "real": 0.2, "needle": 0.25, "moment": 0.1, "video": 0.05}
     )
 
 
@@ -89,7 +90,7 @@ def sample_videos() -> list[RealFrame]:
 def pools(config: TrainConfig, tower, cache: Path) -> tuple[Pool, Pool]:
     """(training pool, held-out pool), encoded once and cached under a name that hashes the data's
     settings."""
-    key = hashlib.sha256(json.dumps([config.seed, config.scenes, config.crops_per_frame, config.eval_scenes, 2]).encode())
+    key = hashlib.sha256(json.dumps([config.seed, config.scenes, config.crops_per_frame, config.plain_per_colour, config.eval_scenes, 3]).encode())
     path = cache / f"pools-{key.hexdigest()[:12]}.pt"
     if path.exists():
         state = torch.load(path, weights_only=False)
@@ -105,9 +106,9 @@ def pools(config: TrainConfig, tower, cache: Path) -> tuple[Pool, Pool]:
         return pooled_features(tower, images)
 
     train = build_pool(encode, [f for f in frames if not f.held_out], config.scenes, config.crops_per_frame,
-                       np.random.default_rng([config.seed, 1]), progress=progress)
+                       np.random.default_rng([config.seed, 1]), config.plain_per_colour, progress=progress)
     held_out = build_pool(encode, [f for f in frames if f.held_out], config.eval_scenes, 0,
-                          np.random.default_rng([config.seed, 2]), progress=progress)
+                          np.random.default_rng([config.seed, 2]), config.plain_per_colour, progress=progress)
     cache.mkdir(parents=True, exist_ok=True)
     torch.save({"train": train.state(), "held_out": held_out.state()}, path)
     return train, held_out
@@ -125,8 +126,8 @@ class Trainer:
         self.eval_samples = Samples(held_out, names)
         features = train.features.float().flatten(0, 1)  # (M * 9, FEATURE_CHANNELS)
         self.mean, self.std = features.mean(dim=0), features.std(dim=0).clamp(min=1e-3)
-        # the 33 colour channels would be drowned by the encoder's 1280: standardised louder (a
-        # probe of figure colour: 68% at gain 1, 88% at 8, 90% from the colour channels alone)
+        # the colour channels would be drowned by the encoder's 1280: standardised louder (a probe
+        # of figure colour, before the figure and border channels: 68% at gain 1, 88% at 8)
         self.std[ENCODER_CHANNELS:] /= COLOUR_GAIN
         with torch.no_grad():
             opening = self.layout.opening(DEFAULT_SYSTEM_PROMPT)
@@ -241,7 +242,7 @@ class Trainer:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             kind = kinds[rng.choice(len(kinds), p=weights)]
-            batch = [self.samples.generators[kind](rng) for _ in range(config.batch)]
+            batch = self.draw(self.samples, kind, config.batch, rng)
             loss, _, count = self.batch_loss(self.train, batch)
             optimizer.zero_grad(set_to_none=True)
             (loss / count.sum()).backward()  # the mean over answer and stop tokens
@@ -258,6 +259,14 @@ class Trainer:
             parameter.requires_grad_(False)
         self.fold_normalisation()
 
+    @staticmethod
+    def draw(samples: Samples, kind: str, count: int, rng: np.random.Generator) -> list[Sample]:
+        """`count` conversations of `kind`; needles of one length per call (less padding)."""
+        if kind == "needle":
+            frames = int(rng.integers(3, NEEDLE_FRAMES + 1))
+            return [samples.needle(rng, frames) for _ in range(count)]
+        return [samples.generators[kind](rng) for _ in range(count)]
+
     @torch.no_grad()
     def exact_match(self) -> dict[str, list[float]]:
         """Teacher-forced exact match on fixed held-out conversations, by task: [every answer
@@ -265,7 +274,7 @@ class Trainer:
         rng = np.random.default_rng([self.config.seed, 4])
         by_task: dict[str, list[tuple[bool, bool]]] = {}
         for kind in sorted(self.config.mix):
-            batch = [self.eval_samples.generators[kind](rng) for _ in range(self.config.eval_per_task)]
+            batch = self.draw(self.eval_samples, kind, self.config.eval_per_task, rng)
             for start in range(0, len(batch), 8):
                 part = batch[start : start + 8]
                 _, right, count = self.batch_loss(self.held_out, part)
@@ -313,7 +322,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=WEIGHTS)
     parser.add_argument("--mix", help="kinds of conversation and their weights, e.g. scene=0.5,real=0.25,needle=0.25")
     parser.add_argument("--init", type=Path, help="go on training these weights (skip the warm start with --warm-steps 0)")
-    parser.add_argument("--engine-eval", type=int, default=50, help="held-out questions per task through the engine")
+    parser.add_argument("--engine-eval", type=int, default=30, help="held-out questions per task through the engine")
     args = parser.parse_args()
     config = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr, scenes=args.scenes,
                          eval_every=args.eval_every, warm_steps=args.warm_steps,
