@@ -11,10 +11,13 @@ or a large coloured digit). The same stream goes through the real session API (o
 per policy and budget, `fps` 1, frames over the session's WebSocket at 20 times real time,
 pausing when the gateway says so), and then three questions are asked in turn, as a user would:
 
-- shape needle: "What shape did you see?", "What colour was the star?",
-  "What came right after the red background?"
+- shape needle: "What shape did you see?", "What colour was the star?" ("the shape" when it is
+  asked before the shape), "What came right after the red background?"
 - digit needle: "What digit did you see?", "What colour was the digit?",
   "What came right after the red background?"
+
+Trial t starts at question t mod 3 of that order (and wraps round), so that every kind of
+question is asked first, second and third.
 
 An answer is right when the first colour, shape or digit it names is the needle's (for the last
 question: the scene's shape or digit). `full` keeps every token (its budget is shown as null).
@@ -78,26 +81,27 @@ def haystack(frames: list, count: int, offset: int) -> list[np.ndarray]:
     return [walk[(offset + i) % len(walk)] for i in range(count)]
 
 
-def questions(scene: scenes.Scene, plain: str) -> list[Question]:
+def questions(scene: scenes.Scene, plain: str, turn: int) -> list[Question]:
+    """The three questions, starting at `turn` (0-2) of the order what, colour, after, so that each
+    kind is asked first, second and third over the trials. The colour question names the shape
+    ("the star") only when the shape has been asked already."""
     what = scene.shape if scene.kind == "shape" else scene.symbol
-    after = Question("after", f"What came right after the {plain} background?", what)
-    if scene.kind == "shape":
-        return [  # the shape first: the later questions name it
-            Question("shape", "What shape did you see?", scene.shape),
-            Question("colour", f"What colour was the {scene.shape}?", scene.colour),
-            after,
-        ]
-    return [
-        Question("digit", "What digit did you see?", scene.symbol),
-        Question("colour", "What colour was the digit?", scene.colour),
-        after,
+    thing = "digit" if scene.kind == "digit" else "shape"
+    order = [
+        Question(thing, f"What {thing} did you see?", what),
+        Question("colour", f"What colour was the {thing}?", scene.colour),
+        Question("after", f"What came right after the {plain} background?", what),
     ]
+    order = order[turn:] + order[:turn]
+    if scene.kind == "shape" and turn != 1:  # the shape question comes before the colour's
+        order = [Question("colour", f"What colour was the {scene.shape}?", q.expected) if q.kind == "colour" else q for q in order]
+    return order
 
 
 def build_stream(real: list, seconds: int, depth: float, trial: int) -> Stream:
     """One frame a second for `seconds`; the needle (a plain frame of a colour that is neither the
     scene's figure nor its background, then the scene: a shape on odd trials, a digit on even
-    ones) at `depth` of the way through."""
+    ones) at `depth` of the way through; the questions start at the trial's turn (trial mod 3)."""
     rng = np.random.default_rng([7, trial])
     image, scene = scenes.draw(rng, "shape" if trial % 2 else "digit")
     plain = [c for c in scenes.COLOURS if c not in (scene.colour, scene.background)][int(rng.integers(9))]
@@ -106,7 +110,7 @@ def build_stream(real: list, seconds: int, depth: float, trial: int) -> Stream:
     pictures[needle_at] = scenes.plain(rng, plain)[0]
     pictures[needle_at + 1] = image
     frames = [(float(t), _jpeg(p)) for t, p in enumerate(pictures)]
-    return Stream(frames, float(needle_at), questions(scene, plain))
+    return Stream(frames, float(needle_at), questions(scene, plain, trial % 3))
 
 
 def _jpeg(pixels: np.ndarray) -> bytes:
