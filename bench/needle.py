@@ -1,7 +1,8 @@
 """A visual needle in a stream: what each KV cache policy still remembers as the stream outgrows it.
 
     python -m bench.needle [--minutes 3] [--policies full,sliding,h2o,snapkv,infmllm]
-                           [--budgets 256,512] [--depths 0.1,0.5,0.9] [--trials 2] [--svg PATH]
+                           [--budgets 256,512] [--depths 0.1,0.5,0.9] [--trials 2]
+                           [--distractors 20] [--svg PATH]
 
 Starts Redis (REDIS_URL, else an embedded server), one worker serving `--model` (default
 `streamvqa-demo`) and the gateway, then for every trial and needle depth builds one stream:
@@ -17,7 +18,9 @@ pausing when the gateway says so), and then three questions are asked in turn, a
   "What came right after the red background?"
 
 Trial t starts at question t mod 3 of that order (and wraps round), so that every kind of
-question is asked first, second and third.
+question is asked first, second and third. `--distractors N` puts N other generated scenes in
+each stream (never of the needle's kind), so that the needle is not the one scene that draws
+attention: the policies must choose among scenes, more of them than the budget holds.
 
 An answer is right when the first colour, shape or digit it names is the needle's (for the last
 question: the scene's shape or digit). `full` keeps every token (its budget is shown as null).
@@ -98,10 +101,13 @@ def questions(scene: scenes.Scene, plain: str, turn: int) -> list[Question]:
     return order
 
 
-def build_stream(real: list, seconds: int, depth: float, trial: int) -> Stream:
+def build_stream(real: list, seconds: int, depth: float, trial: int, distractors: int = 0) -> Stream:
     """One frame a second for `seconds`; the needle (a plain frame of a colour that is neither the
     scene's figure nor its background, then the scene: a shape on odd trials, a digit on even
-    ones) at `depth` of the way through; the questions start at the trial's turn (trial mod 3)."""
+    ones) at `depth` of the way through; the questions start at the trial's turn (trial mod 3).
+    `distractors` other scenes replace haystack frames at random places: letters, and digits
+    about a shape or shapes about a digit (never the needle's kind, so that every question still
+    has one answer), in no colour of the plain frame."""
     rng = np.random.default_rng([7, trial])
     image, scene = scenes.draw(rng, "shape" if trial % 2 else "digit")
     plain = [c for c in scenes.COLOURS if c not in (scene.colour, scene.background)][int(rng.integers(9))]
@@ -109,6 +115,15 @@ def build_stream(real: list, seconds: int, depth: float, trial: int) -> Stream:
     pictures = haystack(real, seconds, offset=int(rng.integers(1 << 16)))
     pictures[needle_at] = scenes.plain(rng, plain)[0]
     pictures[needle_at + 1] = image
+    others = np.random.default_rng([7, trial, 1])  # the needle's stream is the same with or without them
+    free = [t for t in range(seconds) if t not in (needle_at, needle_at + 1)]
+    kinds = ("letter", "digit" if scene.kind == "shape" else "shape")
+    for at in others.choice(free, size=min(distractors, len(free)), replace=False):
+        while True:
+            picture, distractor = scenes.draw(others, kinds[int(others.integers(2))])
+            if plain not in (distractor.colour, distractor.background):
+                break
+        pictures[at] = picture
     frames = [(float(t), _jpeg(p)) for t, p in enumerate(pictures)]
     return Stream(frames, float(needle_at), questions(scene, plain, trial % 3))
 
@@ -184,6 +199,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="256,512", help="cache budgets in tokens (a frame is 16)")
     parser.add_argument("--depths", default="0.1,0.5,0.9", help="where the needle is, as a share of the stream")
     parser.add_argument("--trials", type=int, default=1, help="streams per depth (needles alternate: digit, shape)")
+    parser.add_argument("--distractors", type=int, default=0, help="other generated scenes in each stream")
     parser.add_argument("--model", default="streamvqa-demo")
     parser.add_argument("--svg", type=Path, help="draw accuracy by depth and budget here")
     parser.add_argument("--verbose", action="store_true", help="print every answer")
@@ -214,7 +230,7 @@ def main() -> None:
         with Client(url, timeout_s=600) as client:
             for depth in depths:
                 for trial in range(args.trials):
-                    stream = build_stream(real, seconds, depth, trial)
+                    stream = build_stream(real, seconds, depth, trial, args.distractors)
                     for policy, budget in runs:
                         results = run_one(client, stream, policy, budget, args.verbose)
                         right[policy, budget, depth] += results
@@ -224,7 +240,7 @@ def main() -> None:
         for (policy, budget, depth), results in right.items():
             kinds = {k: round(sum(v) / len(v), 3) for k, v in sorted(by_kind[policy, budget, depth].items())}
             cell = dict(policy=policy, budget=budget, depth=depth, accuracy=round(sum(results) / len(results), 3),
-                        questions=len(results), minutes=args.minutes, by_kind=kinds)
+                        questions=len(results), minutes=args.minutes, distractors=args.distractors, by_kind=kinds)
             cells.append(cell)
             emit(**cell)
         emit(event="done", runs=len(runs) * len(depths) * args.trials, s=round(time.monotonic() - started, 1))
