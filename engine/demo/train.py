@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import DynamicCache
 
-from engine.demo import evaluate, sample_video
+from engine.demo import WEIGHTS, evaluate, sample_video
 from engine.demo.data import IGNORE, NEEDLE_FRAMES, TOKENS_PER_FRAME, VISUAL, Layout, Pool, RealFrame, Sample, Samples, build_pool
 from engine.demo.scenes import NUMBER_WORDS
-from engine.demo.model import ENCODER_CHANNELS, WEIGHTS, assemble, imagenet_names, pooled_features, save_projector
+from engine.demo.model import ENCODER_CHANNELS, assemble, imagenet_names, pooled_features, save_projector
 from engine.session import DEFAULT_SYSTEM_PROMPT
 
 WARM_TEMPERATURE = 0.05
