@@ -49,7 +49,7 @@ from PIL import Image
 from bench.common import emit, split_list
 from engine import POLICIES
 from engine.demo import scenes
-from engine.demo.evaluate import first_named
+from engine.demo.evaluate import CHOICES, first_named
 from engine.demo.train import sample_videos
 from streamvqa import children
 from streamvqa.client import Client
@@ -67,6 +67,7 @@ class Question:
     kind: str  # "colour", "shape", "digit", or "after" (a shape or digit)
     text: str
     expected: str  # a colour, shape or digit
+    names: str  # what a right answer names: a key of evaluate.CHOICES ("colour", "shape", "digit")
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,9 @@ def questions(scene: scenes.Scene, plain: str, turn: int) -> list[Question]:
     what = scene.shape if scene.kind == "shape" else scene.symbol
     thing = "digit" if scene.kind == "digit" else "shape"
     order = [
-        Question(thing, f"What {thing} did you see?", what),
-        Question("colour", f"What colour was the {thing}?", scene.colour),
-        Question("after", f"What came right after the {plain} background?", what),
+        Question(thing, f"What {thing} did you see?", what, thing),
+        Question("colour", f"What colour was the {thing}?", scene.colour, "colour"),
+        Question("after", f"What came right after the {plain} background?", what, thing),
     ]
     order = order[turn:] + order[:turn]
     kinds = [q.kind for q in order]
@@ -139,9 +140,7 @@ def _jpeg(pixels: np.ndarray) -> bytes:
 
 
 def is_right(question: Question, answer: str) -> bool:
-    kind = {"after": "digit" if question.expected in scenes.DIGITS else "shape"}.get(question.kind, question.kind)
-    choices = {"colour": scenes.COLOURS, "shape": scenes.SHAPES, "digit": scenes.DIGITS}[kind]
-    return first_named(answer, list(choices)) == question.expected
+    return first_named(answer, CHOICES[question.names]) == question.expected
 
 
 def run_one(client: Client, stream: Stream, policy: str, budget: int | None, verbose: bool) -> list[bool]:
@@ -208,6 +207,8 @@ def main() -> None:
     parser.add_argument("--svg", type=Path, help="draw accuracy by depth and budget here")
     parser.add_argument("--verbose", action="store_true", help="print every answer")
     args = parser.parse_args()
+    if args.distractors < 0:
+        parser.error(f"--distractors must be 0 or more, got {args.distractors}")
     policies, budgets = split_list(args.policies), split_list(args.budgets, int)
     depths = split_list(args.depths, float)
     seconds = max(2, int(args.minutes * 60))

@@ -189,7 +189,6 @@ def test_what_do_you_see_in_bikes_names_a_cycle_or_a_street(demo):
     assert any(word in answer for word in ("cycle", "bike", "moped", "rickshaw", "scooter", "street", "road")), answer
 
 
-
 @needs_demo
 def test_a_needle_among_real_frames_is_recalled_after_the_stream_moves_on(demo):
     """Ten seconds of bikes.mp4 at 1 fps with a plain green frame and then a blue star at 4 and
