@@ -8,6 +8,7 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
 from app.main import create_app
+from app.server import with_header_timeout
 from app.settings import GatewaySettings
 
 
@@ -43,7 +44,9 @@ def main() -> None:
         port=settings.port,
         log_level=settings.log_level.lower(),
         log_config=log_config(),
-        proxy_headers=True,
+        http=with_header_timeout(settings.header_timeout_s),
+        proxy_headers=bool(settings.forwarded_allow_ips),
+        forwarded_allow_ips=settings.forwarded_allow_ips or None,
         timeout_graceful_shutdown=SHUTDOWN_S,
         ws_max_size=settings.ws_max_message_bytes,
         ws_per_message_deflate=settings.ws_per_message_deflate,

@@ -1,6 +1,8 @@
 """Limits on what one caller may ask of the gateway: request rate, body size, socket message rate."""
 
+import asyncio
 import hashlib
+import json
 import time
 
 from redis.asyncio import Redis
@@ -66,10 +68,11 @@ class MessageRate:
 
 class BodyLimit:
     """ASGI middleware: request bodies over `max_bytes` are refused with 413, whether they
-    announce their length or not; uploads (paths ending in /upload) have their own limit."""
+    announce their length or not, and bodies not all received within `timeout_s` with 408;
+    uploads (paths ending in /upload) have limits of their own."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"].endswith("/upload"):
@@ -77,19 +80,28 @@ class BodyLimit:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _refuse(send, self.max_bytes)
+            await _refuse(send, 413, "body_too_large", f"the request body exceeds {self.max_bytes} bytes")
             return
-        received, refused = 0, False
+        received, refused, complete = 0, False, False
+        deadline = time.monotonic() + self.timeout_s
 
         async def limited() -> Message:
-            nonlocal received, refused
+            nonlocal received, refused, complete
             if refused:
                 return {"type": "http.disconnect"}
-            message = await receive()
+            if complete:  # the body is in; later calls wait for the client to leave
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                refused = True
+                await _refuse(send, 408, "body_timeout", f"the request body did not arrive within {self.timeout_s:g} s")
+                return {"type": "http.disconnect"}
             received += len(message.get("body", b""))
+            complete = not message.get("more_body", False)
             if received > self.max_bytes:  # answer now; the app sees the client leave
                 refused = True
-                await _refuse(send, self.max_bytes)
+                await _refuse(send, 413, "body_too_large", f"the request body exceeds {self.max_bytes} bytes")
                 return {"type": "http.disconnect"}
             return message
 
@@ -100,8 +112,8 @@ class BodyLimit:
         await self.app(scope, limited, sending)
 
 
-async def _refuse(send: Send, max_bytes: int) -> None:
-    body = b'{"code":"body_too_large","message":"the request body exceeds %d bytes"}' % max_bytes
+async def _refuse(send: Send, status: int, code: str, message: str) -> None:
+    body = json.dumps({"code": code, "message": message}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

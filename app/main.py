@@ -54,7 +54,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(routes.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
     app.include_router(asks.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
     app.include_router(streams.router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.header_timeout_s)
     if settings.cors_origin_list:
         app.add_middleware(
             CORSMiddleware,

@@ -1,5 +1,7 @@
 """An upload's file bytes as they arrive, from a raw body or the first file of a multipart form."""
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from python_multipart.multipart import MultipartParser, parse_options_header
@@ -9,16 +11,54 @@ from app.errors import ApiError
 from streamvqa.protocol import MEDIA_CHUNK_BYTES
 
 
-def file_chunks(request: Request) -> AsyncIterator[bytes]:
+RATE_WINDOW_S = 10.0  # an upload's rate is checked over each such span of waiting for the client
+
+
+def file_chunks(request: Request, min_bytes_per_s: int = 0) -> AsyncIterator[bytes]:
     """The uploaded file in chunks of MEDIA_CHUNK_BYTES (the last one shorter); nothing is
-    buffered whole. Headers are checked now, the body as it streams."""
+    buffered whole. Headers are checked now, the body as it streams; a client sending less
+    than `min_bytes_per_s` is refused (408)."""
+    body = _paced(request.stream(), min_bytes_per_s) if min_bytes_per_s else request.stream()
     content_type, params = parse_options_header(request.headers.get("content-type", ""))
     if content_type != b"multipart/form-data":
-        return _rechunk(request.stream())
+        return _rechunk(body)
     boundary = params.get(b"boundary")
     if not boundary:
         raise ApiError(400, "bad_multipart", "multipart upload without a boundary")
-    return _rechunk(_multipart_file(request, boundary))
+    return _rechunk(_multipart_file(body, boundary))
+
+
+async def _paced(body: AsyncIterator[bytes], min_bytes_per_s: int) -> AsyncIterator[bytes]:
+    """The body's pieces; ApiError 408 once, over RATE_WINDOW_S of waiting for the client (time
+    the consumer spends, e.g. waiting for a slow worker, does not count), fewer than
+    `min_bytes_per_s` bytes a second came."""
+    pieces = aiter(body)
+    waited_s, received = 0.0, 0
+    arriving: asyncio.Task | None = None
+    try:
+        while True:
+            arriving = arriving or asyncio.ensure_future(anext(pieces))
+            started = time.monotonic()
+            await asyncio.wait({arriving}, timeout=RATE_WINDOW_S - waited_s)
+            waited_s += time.monotonic() - started
+            if arriving.done():
+                try:
+                    piece = arriving.result()
+                except StopAsyncIteration:
+                    return
+                arriving = None
+                received += len(piece)
+                yield piece
+            if waited_s >= RATE_WINDOW_S:
+                if received < min_bytes_per_s * waited_s:
+                    raise ApiError(
+                        408, "upload_too_slow",
+                        f"the upload sent {received} bytes in {waited_s:.0f} s; at least {min_bytes_per_s} bytes a second are needed",
+                    )
+                waited_s, received = 0.0, 0
+    finally:
+        if arriving is not None and not arriving.done():
+            arriving.cancel()
 
 
 async def _rechunk(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -32,7 +72,7 @@ async def _rechunk(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield bytes(buffer)
 
 
-async def _multipart_file(request: Request, boundary: bytes) -> AsyncIterator[bytes]:
+async def _multipart_file(body: AsyncIterator[bytes], boundary: bytes) -> AsyncIterator[bytes]:
     parsed: list[bytes] = []
     part = {"headers": b"", "is_file": False, "files_seen": 0}
 
@@ -60,7 +100,7 @@ async def _multipart_file(request: Request, boundary: bytes) -> AsyncIterator[by
             "on_part_data": on_part_data,
         },
     )
-    async for piece in request.stream():
+    async for piece in body:
         try:
             parser.write(piece)
         except Exception as err:  # python-multipart raises its own parse errors
