@@ -14,27 +14,43 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
+from app.sessions import WAKE_LUA
 from streamvqa import protocol
-from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, TokenEvent
+from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, SessionRecord, TokenEvent
 
 READ_BLOCK_MS = 1000
 KEEPALIVE_S = 15  # `events` yields None after this long without an event
 
-# Queues a question unless ARGV[1] already wait, and records its id. KEYS = the question
-# stream, the session's asked ids; ARGV = backlog, the message, the answer id, the time, the
-# asked ids' bound, TTL (s). Returns 1 when queued.
-SUBMIT_LUA = """
+# Queues a question unless ARGV[1] already wait, records its id, and brings the session back to
+# a worker if it left its worker idle. KEYS = the question stream, the session's asked ids, its
+# hash, its model's pending queue and admitted set; ARGV = backlog, the message, the answer id,
+# the time, the asked ids' bound, TTL (s), the session id, the pending MAXLEN. Returns 1 when
+# queued (or found queued: a call retried after its reply was lost), 0 when the backlog is
+# full, -1 when the session is gone, -2 when it failed.
+SUBMIT_LUA = WAKE_LUA + """
+if redis.call('ZSCORE', KEYS[2], ARGV[3]) then return 1 end
+if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
+if redis.call('HGET', KEYS[3], 'state') == 'error' then return -2 end
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
 redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[5]) - 1)
 redis.call('EXPIRE', KEYS[2], ARGV[6])
+wake(KEYS[3], KEYS[4], KEYS[5], ARGV[7], ARGV[8], ARGV[4])
 return 1
 """
 
 
 class QuestionsBacklogFull(Exception):
     pass
+
+
+class QuestionRefused(Exception):
+    """The session cannot take questions: `code` is session_not_found or session_error."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 class AnswerTimeout(Exception):
@@ -72,18 +88,22 @@ class AnswerStatus(BaseModel):
 
 
 async def submit(
-    redis: Redis, keys: Keys, session_id: str, question: str, max_new_tokens: int, session_ttl_s: int
+    redis: Redis, keys: Keys, session: SessionRecord, question: str, max_new_tokens: int, session_ttl_s: int
 ) -> str:
     """Queue a question for the session's worker; returns the answer id."""
     answer_id = uuid.uuid4().hex
     asked_at = time.time()
     message = Question(answer_id=answer_id, question=question, max_new_tokens=max_new_tokens, asked_at=asked_at)
     queued = await redis.eval(
-        SUBMIT_LUA, 2, keys.questions(session_id), keys.asked(session_id),
+        SUBMIT_LUA, 5, keys.questions(session.id), keys.asked(session.id), keys.session(session.id),
+        keys.pending(session.model), keys.admitted(session.model),
         protocol.QUESTIONS_BACKLOG, message.model_dump_json(), answer_id, asked_at, protocol.ASKED_MAXLEN, session_ttl_s,
+        session.id, protocol.PENDING_MAXLEN,
     )
-    if not queued:
+    if queued == 0:
         raise QuestionsBacklogFull()
+    if queued < 0:
+        raise QuestionRefused("session_not_found" if queued == -1 else "session_error")
     return answer_id
 
 

@@ -14,7 +14,7 @@ from app.deps import AuthorizedSession, KeysDep, Metrics, RedisDep, Settings
 from app.errors import ApiError
 from app.metrics import GatewayMetrics
 from streamvqa import protocol
-from streamvqa.protocol import MAX_ANSWER_TOKENS, MAX_QUESTION_CHARS, DoneEvent, ErrorEvent, SessionState
+from streamvqa.protocol import MAX_ANSWER_TOKENS, MAX_QUESTION_CHARS, DoneEvent, ErrorEvent, SessionRecord, SessionState
 
 router = APIRouter(tags=["questions"])
 ANSWER_ID = re.compile(r"[0-9a-f]{32}")
@@ -51,10 +51,13 @@ class AnswerPending(BaseModel):
     location: str = Field(description="Where to fetch or resume the answer.")
 
 
+REFUSAL_STATUS = {"session_error": 409, "question_too_long": 422}  # a worker's error events, as HTTP statuses
+
+
 def _refusal(error: ErrorEvent) -> ApiError:
-    if error.code == "session_reset":  # its worker died while answering: ask again
+    if error.code == "session_reset":  # its worker died or stopped while answering: ask again
         return ApiError(503, error.code, error.message, {"Retry-After": "1"})
-    return ApiError(409 if error.code == "session_error" else 500, error.code, error.message)
+    return ApiError(REFUSAL_STATUS.get(error.code, 500), error.code, error.message)
 
 
 def _answer_url(session_id: str, answer_id: str) -> str:
@@ -76,7 +79,7 @@ async def ask(
     if session.state == SessionState.ERROR:
         raise ApiError(409, "session_error", f"the session failed: {session.error}")
     streaming = body.stream or sse.wants_events(request)
-    answer_id = await submit(redis, keys, session.id, body.question, body.max_new_tokens, settings, metrics, "sse" if streaming else "rest")
+    answer_id = await submit(redis, keys, session, body.question, body.max_new_tokens, settings, metrics, "sse" if streaming else "rest")
     if streaming:
         location = _answer_url(session.id, answer_id)
         started = sse.frame("started", {"answer_id": answer_id, "location": location})  # no id: resuming starts after it
@@ -84,7 +87,10 @@ async def ask(
         return sse.response(events, headers={"Location": location})
     wait_s = settings.ask_timeout_s if body.wait_s is None else min(body.wait_s, settings.ask_timeout_s)
     try:
-        async for _, event in answers.events(redis, keys, session.id, answer_id, wait_s):
+        async for item in answers.events(redis, keys, session.id, answer_id, wait_s):
+            if item is None:  # a keepalive: a blocking reply has nothing to send meanwhile
+                continue
+            _, event = item
             if event.type == "error":
                 metrics.answers.labels("error").inc()
                 raise _refusal(event)
@@ -132,14 +138,18 @@ async def _nothing():
 
 
 async def submit(
-    redis, keys, session_id: str, question: str, max_new_tokens: int, settings, metrics: GatewayMetrics, via: str
+    redis, keys, session: SessionRecord, question: str, max_new_tokens: int, settings, metrics: GatewayMetrics, via: str
 ) -> str:
     """Queue a question (asked via `rest`, `sse` or `socket`); its answer id. 429 when the
-    session's question backlog is full."""
+    session's question backlog is full; 404 when it is gone, 409 when it failed."""
     try:
-        answer_id = await answers.submit(redis, keys, session_id, question, max_new_tokens, settings.session_ttl_s)
+        answer_id = await answers.submit(redis, keys, session, question, max_new_tokens, settings.session_ttl_s)
     except answers.QuestionsBacklogFull as err:
         raise ApiError(429, "too_many_questions", "too many unanswered questions on this session") from err
+    except answers.QuestionRefused as err:
+        if err.code == "session_not_found":
+            raise ApiError(404, err.code, f"no session {session.id}") from err
+        raise ApiError(409, err.code, "the session failed; see its error") from err
     metrics.questions.labels(via).inc()
     return answer_id
 

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 from app import sse
 from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, RedisDep, Settings, Store
 from app.errors import ApiError
-from app.sessions import TooManySessions, UploadRefused
+from app.sessions import NoPlace, TooManySessions, UploadRefused
 from app.uploads import file_chunks
 from streamvqa.protocol import EventEnvelope, MemoryReport, SessionOptions, SessionRecord
 
@@ -52,20 +52,27 @@ async def create_session(
     """Create a session. All options are optional; the reply holds the session's token."""
     options = options or SessionOptions()
     model = options.model or settings.model
-    workers = await store.live_workers(model)
+    registry = await store.workers()
+    workers = [w for w in registry if w.alive and w.model == model]
     retry = {"Retry-After": str(NO_WORKER_RETRY_S)}
     if not workers:
+        if model != settings.model and model not in {w.model for w in registry}:
+            raise ApiError(404, "model_not_found", f"no worker serves model {model!r}; GET /models lists the models served")
         raise ApiError(503, "no_worker", f"no worker serves model {model!r} now", retry)
     if not any(w.fits(options.budget_tokens) for w in workers):
         raise ApiError(
             503, "no_capacity", f"no worker serving {model!r} has room for a {options.budget_tokens}-token cache now", retry
         )
+    places = sum(w.max_sessions for w in workers)
     try:
-        record, token = await store.create(options, model, caller, settings.max_sessions_per_key)
+        record, token = await store.create(options, model, caller, settings.max_sessions_per_key, places)
     except TooManySessions as err:
         raise ApiError(
             429, "too_many_sessions", f"this caller holds {settings.max_sessions_per_key} sessions; delete one first"
         ) from err
+    except NoPlace as err:
+        message = f"the workers serving {model!r} hold as many active sessions as they may ({places}); idle ones leave them"
+        raise ApiError(503, "no_capacity", message, retry) from err
     metrics.sessions_created.inc()
     return CreatedSession(id=record.id, token=token, session=record)
 
@@ -97,8 +104,9 @@ async def get_session(session: AuthorizedSession) -> SessionRecord:
 
 @router.delete("/sessions/{session_id}", status_code=status.HTTP_204_NO_CONTENT)
 async def delete_session(session: AuthorizedSession, store: Store) -> None:
-    """Forget the session; its worker frees its memory at its next turn (well under a second)."""
-    await store.delete(session.id)
+    """Forget the session and its answers; its worker stops what it does for it at its next step
+    and frees its memory."""
+    await store.delete(session)
 
 
 UPLOAD_BODY = {
@@ -123,9 +131,9 @@ async def upload(
     `ingest` events on `GET /sessions/{id}/events`."""
     if int(request.headers.get("content-length") or 0) > settings.max_upload_bytes:
         raise ApiError(413, "upload_too_large", f"the upload exceeds the limit of {settings.max_upload_bytes} bytes")
-    chunks = file_chunks(request)
+    chunks = file_chunks(request, settings.upload_min_bytes_per_s)
     try:
-        total = await store.upload(session.id, chunks, settings.max_upload_bytes, settings.upload_stall_s)
+        total = await store.upload(session, chunks, settings.max_upload_bytes, settings.upload_stall_s)
     except UploadRefused as err:
         raise ApiError(err.status, err.code, str(err)) from err
     metrics.upload_bytes.inc(total)

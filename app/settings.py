@@ -16,6 +16,18 @@ class GatewaySettings(CommonSettings):
     port: int = Field(8000, ge=1, le=65535, description="Port the gateway listens on.")
     ask_timeout_s: float = Field(300.0, gt=0, description="How long `ask` waits for an answer.")
     upload_stall_s: float = Field(60.0, gt=0, description="How long an upload waits for a stalled worker.")
+    upload_min_bytes_per_s: int = Field(
+        8192, ge=0, description="An upload that sends less than this on average over 10 s of waiting for the client is "
+        "refused (408 upload_too_slow); 0 turns the check off.",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A connection that has not sent a whole request's headers within this is closed "
+        "(and a request's body, uploads excepted, must arrive within it too).",
+    )
+    forwarded_allow_ips: str = Field(
+        "", description="Comma-separated addresses of reverse proxies whose X-Forwarded-For and X-Forwarded-Proto are "
+        "trusted (`*` for any); empty trusts none, and each caller is its own address.",
+    )
     ws_max_message_bytes: int = Field(
         4 * 1024 * 1024, ge=64 * 1024, description="Largest WebSocket message; larger ones close the socket with 1009."
     )
@@ -37,7 +49,7 @@ class GatewaySettings(CommonSettings):
         "", description="Comma-separated API keys; when set, creating and listing sessions needs one (`X-API-Key`)."
     )
     max_sessions_per_key: int = Field(
-        64, ge=1, description="Live sessions one API key (or, without keys, one client address) may hold."
+        8, ge=1, description="Live sessions one API key (or, without keys, one client address) may hold."
     )
     rate_limit_per_s: float = Field(
         50.0, ge=0, description="REST requests per second per API key (or client address); 0 turns the limit off."

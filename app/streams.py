@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
@@ -27,7 +28,7 @@ from app.deps import SESSION_ID, caller_of
 from app.errors import ApiError
 from app.limits import MessageRate
 from app.metrics import GatewayMetrics
-from app.sessions import SessionStore
+from app.sessions import WAKE_LUA, SessionStore
 from app.settings import GatewaySettings
 from streamvqa import protocol
 from streamvqa.protocol import (
@@ -44,6 +45,7 @@ from streamvqa.protocol import (
     SessionRecord,
     StartedEvent,
     StartMessage,
+    WarningEvent,
     parse_frame_header,
 )
 
@@ -54,35 +56,53 @@ MAX_ASKING = 4  # questions a socket may have unanswered at once
 START_TIMEOUT_S = 10  # a socket that sends no `start` within this is closed
 INBOX_BYTES = 8 * 1024 * 1024  # bytes read ahead of Redis per socket; the socket is not read while over
 PAUSED_MESSAGES = 32  # messages a client may still send after `backpressure`; one more closes it (4429)
-CLAIM_WAIT_S = 2.0  # how long a connecting socket waits for the previous one's claim to be released
+CLAIM_WAIT_S = 2.0  # how long a connecting socket waits for the previous one's claim to be released (or lapse)
 EVENTS_BLOCK_MS = 1000
 CLEANUP_WAIT_S = 2.0  # how long a closing socket waits for its tasks to end
 
 # Claims a session's media for a stream socket. KEYS = hash, streamer key; ARGV = format,
-# connection id, claim TTL (ms). Returns the stream bytes received so far, -1 when the session
-# is gone, -2 when it has other media, -3 when another socket streams into it, -4 when it failed.
+# connection id, claim TTL (ms), the connection it resumes ('' for none). Returns [stream bytes
+# received so far, last frame time or ''], or -1 when the session is gone, -2 when it has other
+# media, -3 when another socket streams into it (one that is not the resumed one), -4 when it failed.
 CLAIM_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'state') == 'error' then return -4 end
 local media = redis.call('HGET', KEYS[1], 'media')
 if media and media ~= ARGV[1] then return -2 end
-if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[3]) then return -3 end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[4] then return -3 end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('HSET', KEYS[1], 'media', ARGV[1])
-return tonumber(redis.call('HGET', KEYS[1], 'stream_bytes') or '0')
+local found = redis.call('HMGET', KEYS[1], 'stream_bytes', 'last_frame_s')
+return {tonumber(found[1] or '0'), found[2] or ''}
 """
-# Adds a media entry to a live session. KEYS = hash, media stream; ARGV = MAXLEN, stream bytes
-# to count, then the entry's field, value pairs. Returns 1, or -1 when the session is gone (the
-# entry is not added: nothing outlives a session), -2 when it failed.
-ADD_LUA = """
+# Adds a media entry to a live session, once, and brings the session back to a worker if it
+# left its worker idle. A container stream's bytes carry the stream's byte count before them
+# (ARGV[8]), a frame its time (ARGV[4]): a call retried after its reply was lost, or a frame
+# sent again after a reconnection, is found there and not added twice. KEYS = hash, media
+# stream, streamer key, the model's pending queue and admitted set; ARGV = MAXLEN, stream bytes
+# to count, this connection, a frame's time ('' for none), the session id, the pending MAXLEN,
+# the time, the offset ('' for none), then the entry's field, value pairs. Returns 1 (added, or
+# found added), 0 for a frame not after the last one, -1 when the session is gone (nothing
+# outlives a session), -2 when it failed, -3
+# when another connection took the stream over, -4 when bytes before these are missing (Redis
+# lost them: the client sends on from `bytes_received`).
+ADD_LUA = WAKE_LUA + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'state') == 'error' then return -2 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 3))
+local holder = redis.call('GET', KEYS[3])
+if holder and holder ~= ARGV[3] then return -3 end
+if ARGV[4] ~= '' and tonumber(ARGV[4]) <= tonumber(redis.call('HGET', KEYS[1], 'last_frame_s') or '-1') then return 0 end
+if ARGV[8] ~= '' then
+  local received = tonumber(redis.call('HGET', KEYS[1], 'stream_bytes') or '0')
+  if received > tonumber(ARGV[8]) then return 1 end
+  if received < tonumber(ARGV[8]) then return -4 end
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 9))
 if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[1], 'stream_bytes', ARGV[2]) end
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'last_frame_s', ARGV[4]) end
+wake(KEYS[1], KEYS[4], KEYS[5], ARGV[5], ARGV[6], ARGV[7])
 return 1
-"""
-RENEW_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
 """
 # Counts a socket among its session's open sockets, unless ARGV[3] are open. KEYS[1] = the
 # session's sockets (a sorted set: connection id -> expiry, ms); ARGV = connection id, TTL (ms),
@@ -161,6 +181,8 @@ class StreamConnection:
         self.session_id = session_id
         self.id = uuid.uuid4().hex[:16]
         self.format: str | None = None  # None: the socket only watches and asks
+        self.record: SessionRecord | None = None  # the session, as it was when the socket connected
+        self._stream_bytes = 0  # the session's stream bytes in Redis, as far as this socket knows
         self._rate = MessageRate(settings.ws_messages_per_s)
         self._asking: set[asyncio.Task] = set()  # at most MAX_ASKING
         # Set when the socket ends: its loops stop at their next step. Cancelling them is not
@@ -175,20 +197,22 @@ class StreamConnection:
         self._send_lock = asyncio.Lock()
         self._claim = redis.register_script(CLAIM_LUA)
         self._add_entry = redis.register_script(ADD_LUA)
-        self._renew = redis.register_script(RENEW_LUA)
+        self._renew = redis.register_script(protocol.RENEW_CLAIM_LUA)
         self._release = redis.register_script(protocol.RELEASE_LUA)
         self._open_socket = redis.register_script(OPEN_SOCKET_LUA)
 
     async def run(self, token: str | None) -> None:
-        record = await self._authenticate(token)
-        self.format = (await self._start()).format
+        self.record = record = await self._authenticate(token)
+        start = await self._start()
+        self.format = start.format
         sockets = self.keys.sockets(self.session_id)
         if not await self._count_socket():
             raise StreamClosed(
                 CloseCode.TOO_MANY, f"this session has {self.settings.max_sockets_per_session} sockets open already"
             )
         try:
-            claimed = await self._claim_media(record) if self.format else 0
+            claimed, last_frame_s = await self._claim_media(record, start.resume) if self.format else (0, None)
+            self._stream_bytes = claimed
             try:
                 since = await self._last_event_id()
                 if self.format:
@@ -198,6 +222,7 @@ class StreamConnection:
                         format=self.format,
                         connection=self.id,
                         bytes_received=claimed,
+                        last_frame_s=last_frame_s,
                         frames=record.frames_ingested,
                         video_time_s=record.video_time_s,
                     )
@@ -257,13 +282,15 @@ class StreamConnection:
                 CloseCode.BAD_REQUEST, 'first send {"type": "start", "format": "webm" | "mp4" | "frames" | null}'
             ) from err
 
-    async def _claim_media(self, record: SessionRecord) -> int:
-        """Claim the session's media for this socket; the stream bytes received before it."""
+    async def _claim_media(self, record: SessionRecord, resume: str | None) -> tuple[int, float | None]:
+        """Claim the session's media for this socket (taking it over from `resume`, the client's
+        previous connection, if that still holds it); the stream bytes and the last frame's time
+        received before it."""
         deadline = asyncio.get_running_loop().time() + CLAIM_WAIT_S
         while True:
             claimed = await self._claim(
                 keys=[self.keys.session(self.session_id), self.keys.streamer(self.session_id)],
-                args=[self.format, self.id, protocol.STREAMER_TTL_S * 1000],
+                args=[self.format, self.id, protocol.STREAMER_TTL_S * 1000, resume or ""],
             )
             if claimed != -3 or asyncio.get_running_loop().time() > deadline:
                 break
@@ -276,7 +303,8 @@ class StreamConnection:
             raise StreamClosed(CloseCode.CONFLICT, "another socket is streaming into this session")
         if claimed == -4:
             raise StreamClosed(CloseCode.CONFLICT, f"the session failed: {record.error}")
-        return claimed
+        stream_bytes, last_frame_s = claimed
+        return int(stream_bytes), float(last_frame_s) if last_frame_s else None
 
     async def _last_event_id(self) -> str:
         last = await self.redis.xrevrange(self.keys.events(self.session_id), count=1)
@@ -368,7 +396,7 @@ class StreamConnection:
         ref, answer_id = question.ref, None
         try:
             answer_id = await submit(
-                self.redis, self.keys, self.session_id, question.question, question.max_new_tokens,
+                self.redis, self.keys, self.record, question.question, question.max_new_tokens,
                 self.settings, self.metrics, "socket",
             )
             await self.send(AnswerStartedEvent(answer_id=answer_id, ref=ref))
@@ -424,7 +452,9 @@ class StreamConnection:
                 await self.send(MediaErrorEvent(code="bad_frame", message=str(err), connection=self.id))
                 return
             await self._wait_for_room()
-            await self._add({"type": "frame", "time_s": repr(time_s), "data": message}, len(message))
+            if not await self._add({"type": "frame", "data": message}, len(message), frame_s=time_s):
+                message = f"frame at {time_s:.3f} s skipped: not after the previous frame the session received"
+                await self.send(WarningEvent(code="frame_skipped", message=message))
             return
         for start in range(0, len(message), protocol.MEDIA_CHUNK_BYTES):
             chunk = message[start : start + protocol.MEDIA_CHUNK_BYTES]
@@ -450,15 +480,30 @@ class StreamConnection:
         self._paused = False
         await self.send(BackpressureEvent(paused=False, backlog=backlog))
 
-    async def _add(self, fields: dict, stream_bytes: int = 0, closing: bool = False) -> None:
-        """Add a media entry, unless the session is gone or failed (then close, unless `closing`)."""
+    async def _add(self, fields: dict, stream_bytes: int = 0, closing: bool = False, frame_s: float | None = None) -> bool:
+        """Add a media entry, unless the session is gone or failed or another socket took the
+        stream over (then close, unless `closing`); False for a frame not after the last one."""
         pairs = [item for pair in fields.items() for item in pair]
-        keys = [self.keys.session(self.session_id), self.keys.media(self.session_id)]
-        added = await self._add_entry(keys=keys, args=[protocol.MEDIA_MAXLEN, stream_bytes, *pairs])
-        if added == 1 or closing:
-            return
+        keys = [
+            self.keys.session(self.session_id), self.keys.media(self.session_id), self.keys.streamer(self.session_id),
+            self.keys.pending(self.record.model), self.keys.admitted(self.record.model),
+        ]
+        offset = self._stream_bytes if fields["type"] == "data" else None
+        args = [
+            protocol.MEDIA_MAXLEN, stream_bytes, self.id, "" if frame_s is None else repr(frame_s), self.session_id,
+            protocol.PENDING_MAXLEN, time.time(), "" if offset is None else offset, *pairs,
+        ]
+        added = await self._add_entry(keys=keys, args=args)
+        if added == 1:
+            self._stream_bytes += stream_bytes
+        if added >= 0 or closing:
+            return added == 1
         if added == -1:
             raise StreamClosed(CloseCode.NOT_FOUND, "the session is gone")
+        if added == -3:
+            raise StreamClosed(CloseCode.CONFLICT, "another socket took this session's stream over")
+        if added == -4:
+            raise StreamClosed(CloseCode.TRY_AGAIN_LATER, "Redis lost bytes of the stream; connect again and send on from bytes_received")
         raise StreamClosed(CloseCode.UNDECODABLE, "the session failed")
 
     async def _relay(self, since: str) -> None:

@@ -27,12 +27,13 @@ MEDIA_MAXLEN = 4 * MEDIA_BACKLOG_ENTRIES  # hard cap; never reached while writer
 QUESTIONS_BACKLOG = 16  # unanswered questions per session before asks are refused
 ASKED_MAXLEN = 1024  # questions per session whose answers can be looked up by id (the latest)
 MAX_QUESTION_CHARS = 4000
+MAX_QUESTION_TOKENS = 1024  # a longer question (as the model tokenises it) is refused: `question_too_long`
 MAX_SYSTEM_PROMPT_CHARS = 4000
 ANSWER_MAXLEN = 4096  # answer stream entries (tokens plus the final record)
 ANSWER_TTL_S = 3600
 PENDING_MAXLEN = 10_000  # sessions waiting for a worker, per model
 MAX_ANSWER_TOKENS = 1024  # the most tokens one answer may have
-PROMPT_RESERVE_TOKENS = 2048  # the longest prompt (a question, or a group of frames) a cache takes at once
+PROMPT_RESERVE_TOKENS = 2048  # the longest prompt (a question with its turn markers, or a group of frames) a cache takes at once
 
 
 def peak_cache_tokens(budget_tokens: int) -> int:
@@ -40,11 +41,16 @@ def peak_cache_tokens(budget_tokens: int) -> int:
     (it evicts down to the budget after each)."""
     return budget_tokens + PROMPT_RESERVE_TOKENS + MAX_ANSWER_TOKENS
 EVENTS_MAXLEN = 1000  # a session's recent events (ingest progress, errors, state changes)
-STREAMER_TTL_S = 30  # a streaming connection's claim on its session, renewed while it lives
+STREAMER_TTL_S = 10  # a connection's claim on its session's media (a stream socket, an upload), renewed every third of it
 
 # Deletes a key (a worker's lease, a socket's claim) only while it holds ARGV[1], its holder.
 RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# Renews a claim (`session:{id}:streamer`) for ARGV[2] ms while ARGV[1] holds it; 0 when it does not.
+RENEW_CLAIM_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
 
@@ -147,6 +153,10 @@ class Keys:
 
     def pending(self, model: str) -> str:
         return f"{self.prefix}pending:{model}"
+
+    def admitted(self, model: str) -> str:
+        """The sessions of `model` that hold or wait for a place on a worker (not parked, not failed)."""
+        return f"{self.prefix}admitted:{model}"
 
     def workers(self) -> str:
         return f"{self.prefix}workers"
@@ -272,6 +282,7 @@ class SessionRecord(BaseModel):
     upload_ended: bool = Field(False, description="Every byte of the upload reached the worker.")
     media_duration_s: float | None = Field(None, description="An upload's video duration, once known.")
     stream_bytes: int = Field(0, description="Bytes received on the session's stream sockets.")
+    last_frame_s: float | None = Field(None, description="Video time of the last `frames` message received.")
     frames_dropped: int = Field(0, description="Live frames dropped because the worker fell behind.")
     ingest_lag_s: float = Field(0.0, description="How far behind real time the last live frame was ingested.")
     frames_ingested: int = 0
@@ -376,6 +387,9 @@ class StartedEvent(BaseModel):
     format: str | None = Field(description="The media format, or null for a socket that only watches and asks.")
     connection: str
     bytes_received: int = Field(description="Stream bytes received before this connection (send on from here).")
+    last_frame_s: float | None = Field(
+        None, description="`frames`: the video time of the last frame received before this connection (send on after it)."
+    )
     frames: int
     video_time_s: float
 
@@ -406,6 +420,11 @@ class StartMessage(BaseModel):
 
     type: Literal["start"]
     format: Literal["webm", "mp4", "frames"] | None = None
+    resume: str | None = Field(
+        None, max_length=64,
+        description="The `connection` of this client's previous socket: if it still holds the stream (its gateway "
+        "or Redis went away before it could let go), this socket takes the stream over at once.",
+    )
 
 
 class AskMessage(BaseModel):

@@ -18,10 +18,13 @@ _RETRY = {
 }
 
 
-def connect(url: str, max_connections: int | None = None) -> Redis:
+def connect(url: str, max_connections: int | None = None, retry: bool = True) -> Redis:
     """A client for `url`; with `max_connections`, callers wait for a free connection rather
-    than opening more."""
+    than opening more. Without `retry`, a command whose connection fails or times out raises at
+    once: for XREADGROUP, whose entries a lost reply would leave delivered but never seen, the
+    caller reads its pending entries again instead."""
+    options = _RETRY if retry else {**_RETRY, "retry": Retry(ExponentialBackoff(), 0), "retry_on_error": []}
     if max_connections is None:
-        return Redis.from_url(url, **_RETRY)
-    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S, **_RETRY)
+        return Redis.from_url(url, **options)
+    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S, **options)
     return Redis(connection_pool=pool)

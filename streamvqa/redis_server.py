@@ -30,10 +30,13 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    """A redis-server child process bound to 127.0.0.1, keeping nothing on disk but its log."""
+    """A redis-server child process bound to 127.0.0.1, keeping nothing on disk but its log; with
+    `appendfsync` (`always`, `everysec`), an append-only file synced that often, which a restart
+    loads."""
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(self, directory: Path, port: int | None = None, appendfsync: str | None = None) -> None:
         self.directory = directory
+        self.appendfsync = appendfsync
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._process: Popen | None = None
@@ -50,7 +53,7 @@ class EmbeddedRedis:
                 "--bind", "127.0.0.1",
                 "--port", str(self.port),
                 "--save", "",
-                "--appendonly", "no",
+                *(("--appendonly", "yes", "--appendfsync", self.appendfsync) if self.appendfsync else ("--appendonly", "no")),
                 "--dir", str(self.directory),
                 "--logfile", "redis.log",
             ]
@@ -66,6 +69,13 @@ class EmbeddedRedis:
     def stop(self) -> None:
         if self._process is not None:
             children.stop(self._process)
+            self._process = None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing saved on the way out."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
             self._process = None
 
     def __enter__(self) -> "EmbeddedRedis":

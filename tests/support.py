@@ -175,7 +175,8 @@ class StreamSocket:
     """A client of `WS /sessions/{id}/stream`: sends media, collects the events that come back."""
 
     def __init__(
-        self, user: Client, media_format: str | None, token: str | None = None, query_token: bool = False
+        self, user: Client, media_format: str | None, token: str | None = None, query_token: bool = False,
+        resume: str | None = None,
     ) -> None:
         url = user.http.base_url.copy_with(scheme="ws", path=f"/sessions/{user.id}/stream")
         token = token if token is not None else user.token
@@ -186,7 +187,8 @@ class StreamSocket:
         self.events: list[dict] = []
         self.close_code: int | None = None
         self.close_reason = ""
-        self.send(json.dumps({"type": "start", "format": media_format}))
+        start = {"type": "start", "format": media_format, **({"resume": resume} if resume else {})}
+        self.send(json.dumps(start))
         self.started = self.next_event(timeout_s=10)
 
     def send(self, message: bytes | str) -> bool:

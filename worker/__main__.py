@@ -16,8 +16,8 @@ async def serve(settings: WorkerSettings) -> None:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     model = load_model(settings.model, settings.torch_device)
-    redis = connect(settings.redis_url)
-    worker = Worker(settings, model, redis)
+    redis, reader = connect(settings.redis_url), connect(settings.redis_url, retry=False)
+    worker = Worker(settings, model, redis, reader)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, worker.stop)
@@ -25,6 +25,7 @@ async def serve(settings: WorkerSettings) -> None:
         await worker.run()
     finally:
         await redis.aclose()
+        await reader.aclose()
 
 
 def main() -> None:

@@ -27,11 +27,19 @@ class ByteFeed(io.RawIOBase):
         self._held = 0
         self._ended = False
         self._aborted = False
+        self._reading = False  # the reader waits for bytes
         self._changed = threading.Condition()
 
     @property
     def room_bytes(self) -> int:
         return self.max_bytes - self._held
+
+    @property
+    def starved(self) -> bool:
+        """The reader has taken every byte written and waits for more (which may never come:
+        the input has not ended)."""
+        with self._changed:
+            return self._reading and not self._chunks and not self._ended
 
     def readable(self) -> bool:
         return True
@@ -64,7 +72,9 @@ class ByteFeed(io.RawIOBase):
 
     def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
         with self._changed:
+            self._reading = True
             self._changed.wait_for(lambda: self._chunks or self._ended)
+            self._reading = False
             if self._aborted:
                 raise FeedAborted()
             if not self._chunks:

@@ -17,7 +17,10 @@ from streamvqa.sampling import FrameSampler
 
 log = logging.getLogger(__name__)
 
-MAX_SOURCE_PIXELS = 8192 * 8192  # larger frames or images are refused before they are decoded
+MAX_SOURCE_PIXELS = 8192 * 8192  # larger video frames are refused before they are decoded
+# Larger images (`frames` messages) are refused before they are decoded: a small PNG can declare
+# a huge, uniform image, and decoding it would take 3 bytes a pixel (and more while converting).
+MAX_IMAGE_PIXELS = 4096 * 4096
 STREAM_BUFFER_BYTES = 4096  # PyAV's read size on live streams: small, so frames come out promptly
 DECORD_BATCH_FRAMES = 8  # frames decord fetches per call
 Image.MAX_IMAGE_PIXELS = None  # `decode_image` checks sizes itself (MAX_SOURCE_PIXELS, lower), with a clearer error
@@ -39,10 +42,11 @@ class Frame:
     time_s: float  # presentation time from the start of the video
 
 
-def scaled_size(width: int, height: int, max_side: int) -> tuple[int, int]:
-    """(width, height) scaled down so that the longer side is at most `max_side`, keeping the aspect."""
-    if width * height > MAX_SOURCE_PIXELS:
-        raise DecodeError(f"a {width}x{height} frame is larger than the limit of {MAX_SOURCE_PIXELS} pixels")
+def scaled_size(width: int, height: int, max_side: int, max_pixels: int = MAX_SOURCE_PIXELS) -> tuple[int, int]:
+    """(width, height) scaled down so that the longer side is at most `max_side`, keeping the
+    aspect; DecodeError when the source has more than `max_pixels`."""
+    if width * height > max_pixels:
+        raise DecodeError(f"a {width}x{height} frame is larger than the limit of {max_pixels} pixels")
     scale = min(1.0, max_side / max(width, height))
     return max(2, round(width * scale)), max(2, round(height * scale))
 
@@ -155,7 +159,7 @@ def decode_image(data: bytes, max_side: int) -> np.ndarray:
     checked before its pixels are decoded."""
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-        width, height = scaled_size(image.width, image.height, max_side)
+        width, height = scaled_size(image.width, image.height, max_side, MAX_IMAGE_PIXELS)
         image.draft("RGB", (width, height))  # JPEG decodes at a reduced scale directly
         image = image.convert("RGB")
         if image.size != (width, height):

@@ -147,6 +147,7 @@ class _LiveIngest:
         self.sampler = FrameSampler(fps)
         self.connection = ""  # the connection whose media is arriving now
         self.ended = False  # the client said the stream is over (until it connects again)
+        self.connected = False  # a client is sending (from its `connect` or media to its `disconnect`)
         self._last_time_s = -math.inf  # the last frame kept
         self._errors: deque[tuple[str, str, str]] = deque(maxlen=8)  # (code, connection, message)
         self._warnings: deque[str] = deque(maxlen=8)
@@ -160,9 +161,15 @@ class _LiveIngest:
         """Frames to append, or errors or warnings to report."""
         return len(self.queue) > 0 or bool(self._errors) or bool(self._warnings)
 
+    @property
+    def settling(self) -> bool:
+        """No client is sending: it said `end`, or it went away (it may connect again)."""
+        return self.ended or not self.connected
+
     def connect(self, connection: str) -> None:
         self.connection = connection
         self.ended = False
+        self.connected = True
         self.queue.restart_clock()
 
     def state(self) -> dict:
@@ -199,16 +206,20 @@ class FramesIngest(_LiveIngest):
 
     @property
     def finished(self) -> bool:
-        return self.ended and len(self.queue) == 0
+        """Every frame received is in the cache (or dropped) and no client is sending."""
+        return self.settling and len(self.queue) == 0
 
     def receive(self, kind: str, fields: dict[bytes, bytes]) -> None:
         if kind == "connect":
             self.connect(fields[b"connection"].decode())
         elif kind == "end":
             self.ended = True
+        elif kind == "disconnect":
+            self.connected = False
         elif kind == "frame":
+            self.connected = True
             self._receive_frame(fields[b"data"])
-        elif kind != "disconnect":
+        else:
             self._fail(f"unexpected media entry {kind!r} in a frames stream", "bad_frame")
 
     def _receive_frame(self, message: bytes) -> None:
@@ -278,9 +289,12 @@ class StreamIngest(_LiveIngest):
 
     @property
     def finished(self) -> bool:
+        """Every byte received is decoded, its frames are in the cache (or dropped), and no
+        client is sending. A stream left open by a client that went away counts as decoded once
+        its decoder waits for bytes that are not there."""
         with self._wake:
-            idle = self._decoding is None and not self._pending
-        return self.ended and idle and len(self.queue) == 0
+            idle = not self._pending and (self._decoding is None or self._decoding.feed.starved)
+        return self.settling and idle and len(self.queue) == 0
 
     def receive(self, kind: str, fields: dict[bytes, bytes]) -> None:
         if kind == "connect":
@@ -290,11 +304,14 @@ class StreamIngest(_LiveIngest):
             if self._current is not None and self._current.failed:
                 self._end_stream()
         elif kind == "data":
+            self.connected = True
             self._receive_bytes(fields[b"data"])
         elif kind == "end":
             self.ended = True
             self._end_stream()
-        elif kind != "disconnect":  # a disconnected client may come back and go on
+        elif kind == "disconnect":  # the client may come back and go on with the same stream
+            self.connected = False
+        else:
             self._fail(f"unexpected media entry {kind!r} in a {self.format} stream")
 
     def state(self) -> dict:

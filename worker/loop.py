@@ -1,19 +1,25 @@
-"""The worker's loop: take sessions by lease, answer their questions first, then ingest their media.
+"""The worker's loop: take sessions by lease, then run their work one bounded engine step at a time.
 
 One event loop does all Redis I/O. The engine runs on one thread of its own (one model, one
-device); decoding runs on another, and each live container stream has a decoder thread of its
-own. Each turn reads every stream the worker owns in one XREADGROUP, answers the questions it
-got, hands the media to each session's ingest, then appends a few frames of each session that
-has frames ready, so questions never wait behind a whole video. Ingest progress, warnings and
-errors go to the session's events stream (the gateway relays them to stream sockets).
+device); media entries are handled on a media thread, uploads are sampled on a decode thread
+(the next frames are decoded while the engine works), and each live container stream has a
+decoder thread of its own. Each turn reads every stream the worker owns in one XREADGROUP
+(without waiting while there is work), queues the questions it got, hands the media to each
+session's ingest, and runs one engine step that `worker.scheduler` chooses: a question's start
+first, otherwise the sessions' answers and frames in turn, one step each. Ingest progress,
+warnings and errors go to the session's events stream (the gateway relays them to stream sockets).
+A session idle for IDLE_RELEASE_S leaves the worker (snapshotted) and comes back at its next
+question or media, so idle sessions do not hold a worker's places.
 """
 
 import asyncio
 import logging
 import os
+import re
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -31,7 +37,6 @@ from streamvqa.protocol import (
     DoneEvent,
     ErrorEvent,
     EventEnvelope,
-    Evidence,
     IngestEvent,
     Keys,
     MediaErrorEvent,
@@ -45,8 +50,10 @@ from streamvqa.protocol import (
     WarningEvent,
     WorkerInfo,
 )
+from worker.answering import AnswerRun
 from worker.decode import DecodeError
-from worker.ingest import FramesIngest, LiveLimits, StreamIngest, UploadIngest, open_live
+from worker.ingest import Batch, FramesIngest, LiveLimits, StreamIngest, UploadIngest, open_live
+from worker.scheduler import Step, entry_time, next_step
 from worker.settings import WorkerSettings
 from worker.snapshots import SnapshotStore
 
@@ -54,12 +61,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 READ_COUNT = 8  # entries per stream per turn
+RECOVER_COUNT = 256  # pending entries per stream read again after a failed read (more than a stream holds unacknowledged)
 IDLE_BLOCK_MS = 250  # how long an idle turn waits for new entries (and new sessions wait to be taken)
 LIVE_BLOCK_MS = 50  # the same while a live stream is open (its frames come from a decoder thread)
+DECODING_BLOCK_MS = 10  # the same while an upload's next frames are being decoded
+PENDING_POLL_S = 0.1  # how often a busy worker looks for new sessions
 MAX_BACKOFF_S = 5.0  # longest wait between retries while Redis fails
 DEAD_WORKER_FORGET_S = 3600  # workers silent this long leave the registry
 SNAPSHOT_AFTER_ENTRIES = protocol.MEDIA_BACKLOG_ENTRIES // 2  # unacknowledged live media that forces a snapshot
 MEMORY_INTERVAL_S = 1.0  # the shortest time between two memory reports of a session while it ingests
+STOP_GRACE_S = 5.0  # on SIGTERM, answers under way may go on this long before they are cut (session_reset)
+SWEEP_INTERVAL_S = 60.0  # how often spool and snapshot files of sessions that are gone are deleted
+SWEEP_MIN_AGE_S = 60.0  # a file younger than this is never deleted by a sweep
 
 # Updates a live session: KEYS = its hash, media and question streams; ARGV[1] = TTL (s),
 # ARGV[2] = a state to set ('' for none), ARGV[3] = the state it must replace ('' for any),
@@ -76,9 +89,11 @@ return 1
 """
 # Renews a lease while this worker (ARGV[1]) holds it, and takes it back when nobody does and
 # the hash still names this worker (a restarted Redis forgets leases that lapsed while it was
-# down; a session queued again for another worker no longer names it). KEYS = the lease, the session's
-# hash; ARGV[2] = TTL (ms). Returns 1 when the worker holds the lease.
+# down; a session queued again for another worker no longer names it). KEYS = the lease, the
+# session's hash; ARGV[2] = TTL (ms). Returns 1 when the worker holds the lease, 0 when it does
+# not or the session is gone.
 RENEW_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if holder or redis.call('HGET', KEYS[2], 'worker') ~= ARGV[1] then return 0 end
@@ -92,6 +107,7 @@ CLAIM_LUA = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
 redis.call('HSET', KEYS[2], 'worker', ARGV[1])
+redis.call('HDEL', KEYS[2], 'queued')
 return 1
 """
 # Records an upload's progress and acknowledges its media entry in one step. KEYS = the hash,
@@ -110,14 +126,53 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
 return 1
 """
+# Adds an answer event while the session lives (a deleted session's answers are not brought
+# back, and its answer stops), once: the event is the answer's ARGV[4]-th (from 0), and a call
+# retried after its reply was lost finds it there. KEYS = the hash, the answer stream; ARGV =
+# the event, MAXLEN, TTL (s), its index. Returns 0 when the session is gone.
+PUBLISH_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('XLEN', KEYS[2]) > tonumber(ARGV[4]) then return 1 end
+redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], '*', 'm', ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
 # Puts a dead worker's session back in the pending queue, once: KEYS = its hash, its lease, the
-# pending stream; ARGV = the dead worker's id, the pending MAXLEN, the session id. Returns 1
-# when queued (the lease has lapsed and the hash still names the dead worker).
+# pending stream, the model's admitted set; ARGV = the dead worker's id, the pending MAXLEN, the
+# session id, the time. Returns 1 when queued (the lease has lapsed and the hash still names the
+# dead worker).
 REQUEUE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 if redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'worker', '')
+redis.call('HSET', KEYS[1], 'worker', '', 'queued', '1')
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'session_id', ARGV[3])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
+return 1
+"""
+# Lets an idle (or failed) session go: KEYS = its hash, lease, question stream, media stream,
+# streamer claim, the model's admitted set; ARGV = worker id, session id, '1' for a failed
+# session. Refused (0) while the lease is another's, a question waits, or (unless failed) media
+# waits or a socket streams into it; the gateway queues it again at its next question or media.
+PARK_LUA = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+if redis.call('XLEN', KEYS[3]) > 0 then return 0 end
+if ARGV[3] ~= '1' and (redis.call('XLEN', KEYS[4]) > 0 or redis.call('EXISTS', KEYS[5]) == 1) then return 0 end
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[6], ARGV[2])
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'worker', '')
+  redis.call('HDEL', KEYS[1], 'queued')
+end
+return 1
+"""
+# Gives up an upload whose connection is gone (its gateway died part-way): frees the session's
+# media slot for another upload. KEYS = the hash, the streamer claim, the media stream. Refused
+# (0) while the claim is held or entries wait.
+ABANDON_UPLOAD_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('XLEN', KEYS[3]) > 0 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[1], 'media', 'upload_bytes', 'upload_ended', 'media_duration_s', 'upload_queued')
+if redis.call('HGET', KEYS[1], 'state') == 'ingesting' then redis.call('HSET', KEYS[1], 'state', 'ready') end
 return 1
 """
 
@@ -131,15 +186,21 @@ def available_kv_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
+def prefix_folder(prefix: str) -> str:
+    """A folder name for a key prefix, so that deployments sharing SPOOL_DIR or SNAPSHOT_DIR
+    never touch each other's files."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", prefix.rstrip(":")) or "_"
+
+
 @dataclass
 class Hosted:
-    """A session this worker holds."""
+    """A session this worker holds; `worker.scheduler.Work` for the scheduler."""
 
     record: SessionRecord
     engine: Session
     ingest: UploadIngest | FramesIngest | StreamIngest | None = None
     media_closed: bool = False  # the upload ended, failed or was aborted: no more media is read
-    settled: bool = False  # a live stream's end was reported (until it connects again)
+    settled: bool = False  # a live stream's end (or its client's leaving) was reported, until media comes again
     error: str | None = None
     lost: bool = False  # the lease or the session is gone; dropped at the next turn
     lease_until: float = 0.0  # monotonic time until which the lease surely holds (renewed by the heartbeat)
@@ -149,50 +210,99 @@ class Hosted:
     memory_at: float = 0.0  # monotonic time of its last memory report
     memory_stale: bool = False  # the cache changed after it
     snapshot_at: float = field(default_factory=time.monotonic)
+    questions: deque[tuple[bytes, dict[bytes, bytes]]] = field(default_factory=deque)  # read, not started
+    answer: AnswerRun | None = None  # the answer under way
+    batch: asyncio.Future | None = None  # an upload's next frames, being decoded on the decode thread
+    active_at: float = field(default_factory=time.monotonic)  # its last question, media or step
+    media_at: float = field(default_factory=time.monotonic)  # its last media entry
+    orphaned: bool = False  # its media connection is gone while its ingest waits for more (found by the heartbeat)
 
     @property
     def held(self) -> bool:
         """Whether the lease surely still holds: a session whose renewal is late (Redis away) is
         left alone, neither read nor snapshotted, until its lease is renewed or lost."""
-        return time.monotonic() < self.lease_until
-
-    @property
-    def has_work(self) -> bool:
-        return self.held and self.ingest is not None and self.ingest.has_work
+        return time.monotonic() < self.lease_until and not self.lost
 
     @property
     def reads_media(self) -> bool:
         return not self.media_closed and (self.ingest is None or self.ingest.accepts_media)
 
+    @property
+    def next_question_at(self) -> tuple[int, int] | None:
+        if self.held and self.answer is None and self.questions:
+            return entry_time(self.questions[0][0])
+        return None
+
+    @property
+    def answering(self) -> bool:
+        return self.held and self.answer is not None
+
+    @property
+    def ingest_ready(self) -> bool:
+        if not self.held or self.ingest is None or self.error:
+            return False
+        if self.ingest.live:
+            return self.ingest.has_work
+        return self.batch is not None and self.batch.done()
+
+    @property
+    def awaits_media(self) -> bool:
+        """Its ingest waits for more from a connection: an upload not ended, a live stream whose
+        client has neither ended nor left."""
+        if self.ingest is None or self.error:
+            return False
+        return not self.ingest.settling if self.ingest.live else not self.media_closed
+
+    @property
+    def busy(self) -> bool:
+        """Work is queued or under way: it cannot leave the worker now."""
+        live_open = self.ingest is not None and not (self.ingest.live and self.settled)
+        return bool(self.answer or self.questions or self.unacked or self.batch) or (live_open and not self.error)
+
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, model: Model, redis: Redis) -> None:
+    def __init__(self, settings: WorkerSettings, model: Model, redis: Redis, reader: Redis | None = None) -> None:
+        """`reader` reads the streams (XREADGROUP): a client that never retries a command by
+        itself (a lost reply's entries are read again from the worker's pending entries)."""
         self.settings = settings
         self.model = model
         self.redis = redis
+        self.reader = reader or redis
+        self._reread = False  # a read failed: entries it delivered may be pending unseen
         # a restarted process never reuses a dead one's id (containers restart with the same pid)
         self.id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.keys = Keys(settings.redis_prefix)
         self.sessions: dict[str, Hosted] = {}  # at most settings.max_sessions
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self._decode_thread = ThreadPoolExecutor(1, thread_name_prefix="decode")
+        self._decode_thread = ThreadPoolExecutor(1, thread_name_prefix="decode")  # uploads' frames
+        self._media_thread = ThreadPoolExecutor(1, thread_name_prefix="media")  # media entries into ingests
         self._stopping = asyncio.Event()
         self._update = redis.register_script(UPDATE_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(protocol.RELEASE_LUA)
-        self._requeue = redis.register_script(REQUEUE_LUA)
+        self._requeue_script = redis.register_script(REQUEUE_LUA)
         self._take_lease = redis.register_script(CLAIM_LUA)
         self._upload_ack = redis.register_script(UPLOAD_ACK_LUA)
         self._set_if_live = redis.register_script(SET_IF_LIVE_LUA)
+        self._publish_script = redis.register_script(PUBLISH_LUA)
+        self._park_script = redis.register_script(PARK_LUA)
+        self._abandon_upload = redis.register_script(ABANDON_UPLOAD_LUA)
         self._claiming: set[str] = set()  # sessions being opened: advertised, not yet held
         self.frames_ingested = self.evictions = self.answers = 0  # since start, advertised for GET /metrics
+        self.spool_dir = settings.spool_dir / prefix_folder(settings.redis_prefix)
         self.snapshots = SnapshotStore(
-            redis, self.keys, settings.snapshot_dir, settings.snapshot_redis_max_bytes, settings.session_ttl_s
+            redis, self.keys, settings.snapshot_dir / prefix_folder(settings.redis_prefix),
+            settings.snapshot_redis_max_bytes, settings.session_ttl_s,
         )
         self._lease_ms = int(settings.lease_ttl_s * 1000)
         self._lease_margin_s = settings.lease_ttl_s * 0.8  # act on a lease only this long after renewing it
         self.kv_memory_bytes = settings.kv_memory_bytes or available_kv_memory(model.device)
         self._no_room_until = 0.0  # after a session that did not fit, the pending queue waits
+        self._pending_at = 0.0  # monotonic time the pending queue was last read
+        self._orphans_at = 0.0  # ... and searched for entries a dead worker read but never took
+        self._swept_at = 0.0
+        self._last_step: str | None = None  # the session that ran the last step
+        self._failing_since: float | None = None  # monotonic time the loop's turns began to fail
         self._live_limits = LiveLimits(
             settings.live_feed_bytes, settings.live_queue_frames, settings.live_max_lag_s, read_ahead=READ_COUNT
         )
@@ -201,7 +311,7 @@ class Worker:
         self._stopping.set()
 
     async def run(self) -> None:
-        self.settings.spool_dir.mkdir(parents=True, exist_ok=True)
+        self.spool_dir.mkdir(parents=True, exist_ok=True)
         backoff_s = 0.1
         while True:  # Redis may not be up yet
             try:
@@ -222,9 +332,14 @@ class Worker:
             while not self._stopping.is_set():
                 try:
                     await self._turn()
-                    backoff_s = 0.1
+                    backoff_s, self._failing_since = 0.1, None
                 except RedisError as err:
-                    log.warning("Redis failed (%s); retrying in %.1f s", err, backoff_s)
+                    self._failing_since = self._failing_since or time.monotonic()
+                    if isinstance(err, ResponseError) and "NOGROUP" in str(err):  # Redis lost its data
+                        log.warning("a stream or its group is gone (%s); repairing", err)
+                        await self._try(self._repair)
+                    else:
+                        log.warning("Redis failed (%s); retrying in %.1f s", err, backoff_s)
                     await asyncio.sleep(backoff_s)
                     backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
         finally:
@@ -232,67 +347,165 @@ class Worker:
             heartbeat.cancel()
             await self._shutdown()
 
+    @staticmethod
+    async def _try(action: Callable) -> None:
+        try:
+            await action()
+        except RedisError as err:
+            log.warning("Redis failed again (%s)", err)
+
     # -- one turn ------------------------------------------------------------------------------
 
     async def _turn(self) -> None:
-        lost = [session_id for session_id, hosted in self.sessions.items() if hosted.lost]
-        for session_id in lost:
-            await self._release(keys=[self.keys.lease(session_id)], args=[self.id])
-            if not await self.redis.exists(self.keys.session(session_id)):
-                self.snapshots.delete_file(session_id)  # deleted or expired (a lost lease: the next owner's)
-            self._drop(session_id)
-        if lost:
-            await self._advertise()
-        await self._take_new_sessions(block_ms=None if self.sessions else IDLE_BLOCK_MS)
+        await self._drop_lost()
+        await self._take_new_sessions()
         if not self.sessions:
             return
-        if any(hosted.has_work for hosted in self.sessions.values()):
-            block_ms = None
-        elif any(hosted.ingest is not None and hosted.ingest.live for hosted in self.sessions.values()):
-            block_ms = LIVE_BLOCK_MS
-        else:
-            block_ms = IDLE_BLOCK_MS
+        self._decode_uploads()
         streams = self._streams_to_read()
         if not streams:  # every lease is waiting to be renewed
             await asyncio.sleep(IDLE_BLOCK_MS / 1000)
             return
-        reply = await self._read(streams, READ_COUNT, block_ms)
+        if self._reread:
+            await self._take_entries(await self._read({stream: "0" for stream in streams}, RECOVER_COUNT, None), seen=True)
+            self._reread = False
+        await self._take_entries(await self._read(streams, READ_COUNT, self._block_ms()))
+        step = next_step(self.sessions, self._last_step)
+        if step is not None:
+            self._last_step = step.session_id
+            await self._run_step(step)
+        await self._tend()
+
+    async def _take_entries(self, reply: list, seen: bool = False) -> None:
+        """Queue the questions read and hand the media to the ingests. With `seen`, the reply is
+        the worker's own pending entries: those it holds already are skipped, the others (a
+        failed read delivered them) are taken in order."""
         entries = {key.decode(): rows for key, rows in reply}
-        for session_id in list(self.sessions):
+        now = time.monotonic()
+        for session_id, hosted in list(self.sessions.items()):
+            known = self._holding(hosted) if seen else set()
             for entry_id, fields in entries.get(self.keys.questions(session_id), []):
-                await self._answer(session_id, entry_id, fields)
-        for session_id in list(self.sessions):
+                if entry_id not in known:
+                    hosted.questions.append((entry_id, fields))
+                    hosted.active_at = now
             for entry_id, fields in entries.get(self.keys.media(session_id), []):
+                if entry_id in known:
+                    continue
+                if not fields:  # deleted after it was read
+                    await self._consume(self.keys.media(session_id), entry_id)
+                    continue
                 await self._receive_media(session_id, entry_id, fields)
+
+    @staticmethod
+    def _holding(hosted: Hosted) -> set[bytes]:
+        """The entries read and not yet acknowledged that the session holds."""
+        held = {entry_id for entry_id, _ in hosted.questions} | set(hosted.unacked)
+        return held | ({hosted.answer.entry_id} if hosted.answer is not None else set())
+
+    def _block_ms(self) -> int | None:
+        """How long this turn's read may wait for new entries: not at all while a step is ready."""
+        hosted = self.sessions.values()
+        if next_step(self.sessions, self._last_step) is not None:
+            return None
+        if any(h.batch is not None for h in hosted):
+            return DECODING_BLOCK_MS
+        if any(h.ingest is not None and h.ingest.live and not h.settled for h in hosted):
+            return LIVE_BLOCK_MS
+        return IDLE_BLOCK_MS
+
+    async def _run_step(self, step: Step) -> None:
+        hosted = self.sessions[step.session_id]
+        hosted.active_at = time.monotonic()
+        if step.kind == "start":
+            await self._start_answer(step.session_id, hosted)
+        elif step.kind == "answer":
+            await self._continue_answer(step.session_id, hosted)
+        else:
+            await self._ingest_step(step.session_id, hosted)
+
+    async def _tend(self) -> None:
+        """What each session needs between steps: the end of its ingest noticed, a snapshot, a
+        memory report; an idle or failed session lets its place go."""
+        now = time.monotonic()
         for session_id, hosted in list(self.sessions.items()):
             if not hosted.held:
                 continue
-            if hosted.has_work or (hosted.ingest is not None and hosted.ingest.live and not hosted.settled):
-                await self._ingest_step(session_id, hosted)
-            elif isinstance(hosted.ingest, UploadIngest) and hosted.ingest.finished:
-                await self._finish_ingest(session_id, hosted)  # its last try could not snapshot
-        for session_id, hosted in list(self.sessions.items()):
+            if hosted.orphaned:
+                await self._media_lost(session_id, hosted)
+            ingest = hosted.ingest
+            if ingest is not None and not hosted.settled and not hosted.error and hosted.answer is None:
+                if ingest.finished and hosted.batch is None and not ingest.has_work:
+                    await self._finish_ingest(session_id, hosted)
             await self._maybe_snapshot(session_id, hosted)
-            if hosted.memory_stale and hosted.held:
+            if hosted.memory_stale:
                 await self._report_memory(session_id, hosted)
+            if not hosted.busy and (hosted.error or self._idle(hosted, now)):
+                await self._park(session_id, hosted)
+
+    async def _media_lost(self, session_id: str, hosted: Hosted) -> None:
+        """The connection sending the session's media is gone without a word (its gateway died):
+        a live stream counts as left (its client may connect again), an upload is given up so
+        that it can be sent again."""
+        hosted.orphaned = False
+        if hosted.ingest is None:
+            return
+        if hosted.ingest.live:
+            await self._in_thread(self._media_thread, hosted.ingest.receive, "disconnect", {})
+            log.info("session %s: its stream's connection is gone", session_id)
+            return
+        keys = [self.keys.session(session_id), self.keys.streamer(session_id), self.keys.media(session_id)]
+        if not await self._abandon_upload(keys=keys):
+            return
+        await self._close_ingest(hosted)
+        hosted.media_closed = False
+        message = "the upload stopped part-way (its connection was lost); upload the file again"
+        await self._event(session_id, MediaErrorEvent(code="upload_abandoned", message=message))
+        log.info("session %s: %s", session_id, message)
+
+    async def _find_orphaned_media(self) -> None:
+        """Mark the sessions whose ingest waits for media from a connection that no longer holds
+        its claim (renewed every STREAMER_TTL_S / 3 while it lives) and sent nothing for as long."""
+        now = time.monotonic()
+        waiting = [
+            (session_id, hosted) for session_id, hosted in self.sessions.items()
+            if hosted.awaits_media and now - hosted.media_at >= protocol.STREAMER_TTL_S
+        ]
+        if not waiting:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id, _ in waiting:
+                pipe.exists(self.keys.streamer(session_id))
+                pipe.xlen(self.keys.media(session_id))
+            found = await pipe.execute()
+        for (_, hosted), claimed, backlog in zip(waiting, found[::2], found[1::2], strict=True):
+            hosted.orphaned = not claimed and not backlog
+
+    def _idle(self, hosted: Hosted, now: float) -> bool:
+        release_s = self.settings.idle_release_s
+        return release_s > 0 and now - hosted.active_at >= release_s
 
     async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list:
         """XREADGROUP; when a stream or its group is gone (a deleted session, a Redis that lost
         its data), repair what can be repaired and read nothing this turn."""
         try:
-            return await self.redis.xreadgroup(protocol.GROUP, self.id, streams, count=count, block=block_ms)
+            return await self.reader.xreadgroup(protocol.GROUP, self.id, streams, count=count, block=block_ms)
         except ResponseError as err:
             if "NOGROUP" in str(err) and await self._repair():
                 return []
             raise
+        except RedisError:
+            self._reread = True  # its reply may have been lost after Redis delivered entries
+            raise
 
     def _streams_to_read(self) -> dict[str, str]:
-        """Every held session's questions, and its media unless it is done or its ingest is full."""
+        """Every held session's questions (while fewer than the backlog wait here), and its
+        media unless it is done or its ingest is full."""
         streams = {}
         for session_id, hosted in self.sessions.items():
             if not hosted.held:
                 continue
-            streams[self.keys.questions(session_id)] = ">"
+            if len(hosted.questions) < protocol.QUESTIONS_BACKLOG:
+                streams[self.keys.questions(session_id)] = ">"
             if hosted.reads_media:
                 streams[self.keys.media(session_id)] = ">"
         return streams
@@ -304,16 +517,23 @@ class Worker:
         reserved = sum(protocol.peak_cache_tokens(budget) for budget in held) * self.model.kv_bytes_per_token
         return max(0, self.kv_memory_bytes - reserved)
 
-    async def _take_new_sessions(self, block_ms: int | None) -> None:
+    async def _take_new_sessions(self) -> None:
         """Take up to the room left (MAX_SESSIONS, cache memory) from the pending queue of this
-        worker's model."""
+        worker's model: waiting for one while the worker holds none, at most every
+        PENDING_POLL_S while it is busy."""
+        now = time.monotonic()
+        block_ms = None if self.sessions else IDLE_BLOCK_MS
         room = self.settings.max_sessions - len(self.sessions)
-        if room <= 0 or time.monotonic() < self._no_room_until:
+        if room <= 0 or now < self._no_room_until or (self.sessions and now - self._pending_at < PENDING_POLL_S):
             if block_ms is not None:
                 await asyncio.sleep(block_ms / 1000)
             return
+        self._pending_at = now
         pending = self.keys.pending(self.model.name)
-        _, orphans, *_ = await self.redis.xautoclaim(pending, protocol.GROUP, self.id, self._lease_ms, "0-0", count=room)
+        orphans = []
+        if now - self._orphans_at >= self.settings.lease_ttl_s / 3:  # entries a dead worker read but never took
+            self._orphans_at = now
+            _, orphans, *_ = await self.redis.xautoclaim(pending, protocol.GROUP, self.id, self._lease_ms, "0-0", count=room)
         reply = [(pending, orphans)] if orphans else await self._read({pending: ">"}, room, block_ms)
         for _, rows in reply:
             for entry_id, fields in rows:
@@ -328,8 +548,8 @@ class Worker:
             await self._advertise()
 
     async def _claim(self, session_id: str) -> None:
-        """Take a session: a new one, or one whose worker died (from its snapshot, then the media
-        and questions that worker had read but not finished)."""
+        """Take a session: a new one, one that left a worker idle, or one whose worker died (from
+        its snapshot, then the media and questions that worker had read but not finished)."""
         lease = self.keys.lease(session_id)
         if await self._take_lease(keys=[lease, self.keys.session(session_id)], args=[self.id, self._lease_ms]) != 1:
             return  # another worker holds it, or it expired while it waited
@@ -344,9 +564,7 @@ class Worker:
             record = SessionRecord.from_hash(stored)
             if protocol.peak_cache_tokens(record.budget_tokens) * self.model.kv_bytes_per_token > self._kv_free_bytes():
                 await self._release(keys=[lease], args=[self.id])  # no room for its cache here: back in the queue
-                pending = self.keys.pending(self.model.name)
-                keys = [self.keys.session(session_id), lease, pending]
-                await self._requeue(keys=keys, args=[self.id, protocol.PENDING_MAXLEN, session_id])
+                await self._requeue(session_id, self.id)
                 self._no_room_until = time.monotonic() + 1.0
                 return
             hosted = await self._open(session_id, record)
@@ -388,6 +606,7 @@ class Worker:
                     snapshot.ingest["format"], record.fps, self.settings.max_frame_side, self._live_limits
                 )
                 hosted.ingest.resume(snapshot.ingest)
+                hosted.settled = record.state != SessionState.INGESTING
         if record.media == "upload" and record.upload_bytes > 0 and record.state == SessionState.INGESTING:
             after_s = hosted.engine.stats().video_time_s if hosted.engine.stats().frames else None
             state = {"spool": str(self._spool(session_id)), "bytes": record.upload_bytes, "ended": record.upload_ended}
@@ -404,7 +623,7 @@ class Worker:
     async def _replay(self, session_id: str) -> None:
         """Finish what a dead worker had read but not finished: its questions (each answered once,
         or failed with `session_reset` when it had begun answering), then its media, in order."""
-        for stream, handle in ((self.keys.questions(session_id), self._reanswer), (self.keys.media(session_id), self._receive_media)):
+        for stream, handle in ((self.keys.questions(session_id), self._reclaim_question), (self.keys.media(session_id), self._receive_media)):
             start = "0-0"
             while True:
                 start, entries, *_ = await self.redis.xautoclaim(stream, protocol.GROUP, self.id, 0, start, count=64)
@@ -424,7 +643,9 @@ class Worker:
         if hosted is not None and hosted.error:
             await self._fail(session_id, hosted, hosted.error)
 
-    async def _reanswer(self, session_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    async def _reclaim_question(self, session_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """A question a dead worker had read: answered already (acknowledged), begun (ended with
+        `session_reset`), or not begun (queued to be answered)."""
         try:
             question = Question.model_validate_json(fields[b"m"])
         except (KeyError, ValueError):
@@ -436,20 +657,73 @@ class Worker:
             await self._consume(self.keys.questions(session_id), entry_id)  # answered before the worker died
         elif kinds:
             message = "the worker answering this question stopped part-way; ask again"
-            await self._publish(self.keys.answer(session_id, question.answer_id), ErrorEvent(code="session_reset", message=message))
+            stream = self.keys.answer(session_id, question.answer_id)
+            await self._publish(session_id, stream, ErrorEvent(code="session_reset", message=message), len(events))
             await self._consume(self.keys.questions(session_id), entry_id)
         else:
-            await self._answer(session_id, entry_id, fields)
+            self.sessions[session_id].questions.append((entry_id, fields))
 
     def _spool(self, session_id: str) -> Path:
-        return self.settings.spool_dir / f"{session_id}.upload"
+        return self.spool_dir / f"{session_id}.upload"
 
-    def _drop(self, session_id: str) -> None:
-        """Forget a session this worker no longer holds; its upload spool stays for the next holder."""
+    async def _drop_lost(self) -> None:
+        """Forget the sessions whose lease or data is gone; a deleted or expired session's files go too."""
+        lost = [session_id for session_id, hosted in self.sessions.items() if hosted.lost]
+        for session_id in lost:
+            await self._release(keys=[self.keys.lease(session_id)], args=[self.id])
+            gone = not await self.redis.exists(self.keys.session(session_id))
+            if gone:  # deleted or expired (a lost lease: the next owner's files)
+                self.snapshots.delete_file(session_id)
+            await self._drop(session_id, delete_spool=gone)
+        if lost:
+            await self._advertise()
+
+    async def _drop(self, session_id: str, delete_spool: bool = False) -> None:
+        """Forget a session this worker no longer holds; its upload spool stays for the next
+        holder unless `delete_spool`."""
         hosted = self.sessions.pop(session_id)
-        if hosted.ingest is not None:
-            hosted.ingest.close(delete=False)
+        if hosted.answer is not None:
+            await self._in_engine(hosted.answer.pieces.close)
+            hosted.answer = None
+        await self._close_ingest(hosted, delete=delete_spool)
         log.info("dropped session %s", session_id)
+
+    async def _close_ingest(self, hosted: Hosted, delete: bool = True) -> None:
+        """Close the session's ingest (an upload's after the frames being decoded, on the same thread)."""
+        ingest, batch, hosted.ingest, hosted.batch = hosted.ingest, hosted.batch, None, None
+        if batch is not None:
+            batch.add_done_callback(lambda done: done.cancelled() or done.exception())  # its result is not wanted
+        if ingest is None:
+            return
+        if ingest.live:
+            ingest.close(delete)
+        else:
+            await self._in_thread(self._decode_thread, ingest.close, delete)
+
+    async def _park(self, session_id: str, hosted: Hosted) -> None:
+        """Let an idle or failed session go: snapshotted, its lease released, out of the model's
+        admitted sessions. Refused while work arrives for it (it stays, and waits another idle period)."""
+        if not hosted.error and not await self._maybe_snapshot(session_id, hosted, force=True):
+            return
+        keys = [
+            self.keys.session(session_id), self.keys.lease(session_id), self.keys.questions(session_id),
+            self.keys.media(session_id), self.keys.streamer(session_id), self.keys.admitted(self.model.name),
+        ]
+        if not await self._park_script(keys=keys, args=[self.id, session_id, "1" if hosted.error else "0"]):
+            hosted.active_at = time.monotonic()
+            return
+        await self._drop(session_id)
+        await self._advertise()
+        log.info("session %s left this worker (%s)", session_id, "failed" if hosted.error else "idle")
+
+    async def _requeue(self, session_id: str, worker_id: str, model: str | None = None) -> bool:
+        """Queue a session of `worker_id` (a dead one, or this one) again for a worker of `model`."""
+        model = model or self.model.name
+        keys = [
+            self.keys.session(session_id), self.keys.lease(session_id), self.keys.pending(model), self.keys.admitted(model),
+        ]
+        args = [worker_id, protocol.PENDING_MAXLEN, session_id, time.time()]
+        return bool(await self._requeue_script(keys=keys, args=args))
 
     async def _repair(self) -> bool:
         """Recreate the pending queue's group if it is gone and give up every session whose
@@ -461,79 +735,119 @@ class Worker:
         return repaired
 
     async def _fail(self, session_id: str, hosted: Hosted, message: str) -> None:
+        """The session's media failed: it takes no more (questions are refused), and it lets its
+        place go once the questions it had are answered."""
         hosted.error = message
         hosted.media_closed = True
         if hosted.unacked:  # nothing will ever replay them
             await self._consume(self.keys.media(session_id), *hosted.unacked)
             hosted.unacked = []
-        if hosted.ingest is not None:
-            hosted.ingest.close()
-            hosted.ingest = None
+        await self._close_ingest(hosted)
         await self._set(session_id, SessionState.ERROR, error=message)
         await self._event(session_id, MediaErrorEvent(code="session_error", message=message))
         log.info("session %s failed: %s", session_id, message)
 
     # -- questions -----------------------------------------------------------------------------
 
-    async def _answer(self, session_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-        hosted = self.sessions[session_id]
-        started = time.monotonic()
+    async def _start_answer(self, session_id: str, hosted: Hosted) -> None:
+        """A question's step: refused, or its prefill and first token."""
+        entry_id, fields = hosted.questions.popleft()
+        questions = self.keys.questions(session_id)
         try:
             question = Question.model_validate_json(fields[b"m"])
-        except (KeyError, ValueError):
-            log.warning("session %s: dropped a malformed question", session_id)
-            await self._consume(self.keys.questions(session_id), entry_id)
+        except (KeyError, TypeError, ValueError):
+            log.warning("session %s: dropped a malformed (or deleted) question", session_id)
+            await self._consume(questions, entry_id)
             return
         stream = self.keys.answer(session_id, question.answer_id)
-        pieces = None
+        if await self.redis.xlen(stream):  # the same question twice (a retried submit): answered once
+            log.warning("session %s: answer %s already has events; not answering again", session_id, question.answer_id)
+            await self._consume(questions, entry_id)
+            return
+        if hosted.error:
+            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="session_error", message=hosted.error))
+            return
+        evictions = hosted.engine.stats().evictions
+
+        def begin() -> tuple[int, AnswerRun | None, str | None]:  # on the engine's thread
+            tokens = len(self.model.tokenize(question.question, user=True))
+            if tokens > protocol.MAX_QUESTION_TOKENS:
+                return tokens, None, None
+            run = AnswerRun(entry_id, question, stream, hosted.engine.ask(question.question, question.max_new_tokens), evictions)
+            return tokens, run, next(run.pieces, None)
+
         try:
-            if await self.redis.xlen(stream):  # the same question twice (a retried submit): answered once
-                log.warning("session %s: answer %s already has events; not answering again", session_id, question.answer_id)
-                return
-            if hosted.error:
-                await self._publish(stream, ErrorEvent(code="session_error", message=hosted.error))
-                return
-            evictions = hosted.engine.stats().evictions
-            pieces = hosted.engine.ask(question.question, question.max_new_tokens)
-            answer = []
-            asked_at = question.asked_at or (time.time() - (time.monotonic() - started))
-            first_token_at = None
-            while (piece := await self._in_engine(next, pieces, None)) is not None:
-                if piece:
-                    first_token_at = first_token_at or time.time()
-                    answer.append(piece)
-                    await self._publish(stream, TokenEvent(text=piece))
-            finished_at = time.time()
-            stats = hosted.engine.stats()
-            done = DoneEvent(
-                answer="".join(answer),
-                tokens=pieces.tokens,
-                evidence=[Evidence(time_s=e.time_s, weight=e.weight) for e in pieces.evidence],
-                video_time_s=stats.video_time_s,
-                cache_tokens=stats.cache_tokens,
-                worker_ms=round((time.monotonic() - started) * 1000, 1),
-                ttft_ms=round(max(0.0, (first_token_at or finished_at) - asked_at) * 1000, 1),
-                total_ms=round(max(0.0, finished_at - asked_at) * 1000, 1),
-            )
-            await self._publish(stream, done)
-            self.answers += 1
-            self.evictions += stats.evictions - evictions
-            hosted.changed = True
-            await self._set(session_id, **self._progress(hosted.engine))
-            await self._report_memory(session_id, hosted, force=True)
-        except RedisError:
-            raise
+            tokens, run, piece = await self._in_engine(begin)
         except Exception as err:
             log.exception("session %s: answering failed", session_id)
-            await self._publish(stream, ErrorEvent(code="internal_error", message=f"answering failed: {err}"))
-        finally:
-            if pieces is not None:
-                await self._in_engine(pieces.close)  # ends the turn in the cache, on the engine's thread
-            await self._consume(self.keys.questions(session_id), entry_id)
+            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="internal_error", message=f"answering failed: {err}"))
+            return
+        if run is None:
+            message = f"the question is {tokens} tokens long; at most {protocol.MAX_QUESTION_TOKENS} are taken"
+            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="question_too_long", message=message))
+            return
+        hosted.answer = run
+        await self._answer_piece(session_id, hosted, piece)
 
-    async def _publish(self, stream: str, event: TokenEvent | DoneEvent | ErrorEvent) -> None:
+    async def _continue_answer(self, session_id: str, hosted: Hosted) -> None:
+        """An answer's step: its next token (after sending what Redis did not take before)."""
+        run = hosted.answer
+        if run.outbox:
+            await self._answer_piece(session_id, hosted, "")
+            return
+        try:
+            piece = await self._in_engine(next, run.pieces, None)
+        except Exception as err:
+            log.exception("session %s: answering failed", session_id)
+            await self._cancel_answer(session_id, hosted, ErrorEvent(code="internal_error", message=f"answering failed: {err}"))
+            return
+        await self._answer_piece(session_id, hosted, piece)
+
+    async def _answer_piece(self, session_id: str, hosted: Hosted, piece: str | None) -> None:
+        """Send a generated piece (None: the answer is over). A session found gone stops here."""
+        run = hosted.answer
+        run.add(piece or "")
+        while run.outbox:
+            if not await self._publish(session_id, run.stream, run.outbox[0], run.published):
+                await self._cancel_answer(session_id, hosted)  # deleted: nobody will read on
+                hosted.lost = True
+                return
+            run.outbox.pop(0)
+            run.published += 1
+        if piece is None:
+            await self._finish_answer(session_id, hosted)
+
+    async def _finish_answer(self, session_id: str, hosted: Hosted) -> None:
+        run = hosted.answer
+        if not await self._publish(session_id, run.stream, run.done(hosted.engine), run.published):  # Redis failing: tried again
+            hosted.lost = True  # deleted meanwhile
+        hosted.answer = None
+        hosted.changed = True
+        self.answers += 1
+        self.evictions += hosted.engine.stats().evictions - run.evictions_before
+        await self._consume(self.keys.questions(session_id), run.entry_id)
+        await self._set(session_id, **self._progress(hosted.engine))
+        await self._report_memory(session_id, hosted, force=True)
+
+    async def _cancel_answer(self, session_id: str, hosted: Hosted, error: ErrorEvent | None = None) -> None:
+        """Stop an answer under way (its turn still ends in the cache), with `error` as its last event."""
+        run, hosted.answer = hosted.answer, None
+        hosted.changed = True
+        await self._in_engine(run.pieces.close)
+        if error is not None:
+            await self._publish(session_id, run.stream, error, run.published)
+        await self._consume(self.keys.questions(session_id), run.entry_id)
+
+    async def _refuse(self, session_id: str, entry_id: bytes, stream: str, error: ErrorEvent) -> None:
+        await self._publish(session_id, stream, error, 0)
+        await self._consume(self.keys.questions(session_id), entry_id)
+
+    async def _publish(self, session_id: str, stream: str, event: TokenEvent | DoneEvent | ErrorEvent, index: int) -> bool:
+        """Add an answer's `index`-th event (from 0); False when the session is gone."""
         document = AnswerEnvelope(event=event).model_dump_json()
-        await self._append(stream, document, protocol.ANSWER_MAXLEN, protocol.ANSWER_TTL_S, approximate=False)
+        keys = [self.keys.session(session_id), stream]
+        args = [document, protocol.ANSWER_MAXLEN, protocol.ANSWER_TTL_S, index]
+        return bool(await self._publish_script(keys=keys, args=args))
 
     # -- media ---------------------------------------------------------------------------------
 
@@ -541,13 +855,12 @@ class Worker:
         """Hand a media entry to the session's ingest. An upload's entries are acknowledged once
         spooled, with its byte count; a live stream's once a snapshot covers them."""
         hosted = self.sessions[session_id]
+        hosted.active_at = hosted.media_at = time.monotonic()
         kind = fields.get(b"type", b"").decode()
         media = self.keys.media(session_id)
         try:
             if kind == "abort":  # the gateway gave up on this upload and freed the slot; drop its bytes
-                if hosted.ingest is not None:
-                    hosted.ingest.close()
-                    hosted.ingest = None
+                await self._close_ingest(hosted)
                 await self._consume(media, entry_id)
                 return
             if kind == "connect":
@@ -557,8 +870,10 @@ class Worker:
                     self._spool(session_id), hosted.record.fps, self.settings.max_frame_side,
                     self.settings.max_upload_bytes,
                 )
-            await self._in_thread(self._decode_thread, hosted.ingest.receive, kind, fields)
-            if isinstance(hosted.ingest, UploadIngest):
+            elif hosted.ingest.live and hosted.settled and kind in ("data", "frame"):
+                await self._unsettle(session_id, hosted)  # media again, without a new connection
+            await self._in_thread(self._media_thread, hosted.ingest.receive, kind, fields)
+            if not hosted.ingest.live:
                 await self._received_upload(session_id, hosted, kind, entry_id)
             else:
                 hosted.unacked.append(entry_id)
@@ -576,9 +891,11 @@ class Worker:
         """A stream socket connected: keep the session's live ingest (a reconnection) or open one."""
         ingest = hosted.ingest
         if ingest is None or not ingest.live or ingest.format != media_format:
-            if ingest is not None:
-                ingest.close()
+            await self._close_ingest(hosted)
             hosted.ingest = open_live(media_format, hosted.record.fps, self.settings.max_frame_side, self._live_limits)
+        await self._unsettle(session_id, hosted)
+
+    async def _unsettle(self, session_id: str, hosted: Hosted) -> None:
         hosted.settled = False
         await self._set(session_id, SessionState.INGESTING)
         await self._event(session_id, StateEvent(state=SessionState.INGESTING))
@@ -595,12 +912,24 @@ class Worker:
         keys = [self.keys.session(session_id), self.keys.media(session_id)]
         await self._upload_ack(keys=keys, args=[entry_id, *pairs])
 
+    def _decode_uploads(self) -> None:
+        """Start decoding each upload's next frames on the decode thread, while the engine works."""
+        loop = asyncio.get_running_loop()
+        for hosted in self.sessions.values():
+            ingest = hosted.ingest
+            if hosted.batch is None and ingest is not None and not ingest.live and ingest.has_work and hosted.held:
+                hosted.batch = loop.run_in_executor(self._decode_thread, ingest.next_frames, self.settings.frames_per_step)
+
     async def _ingest_step(self, session_id: str, hosted: Hosted) -> None:
-        """Append the frames that are ready (decoding an upload's next few), report, and notice the end."""
+        """Append the frames that are ready (an upload's decoded batch, or a live stream's queue),
+        report, and notice the end."""
         ingest = hosted.ingest
-        assert ingest is not None
         try:
-            batch = await self._in_thread(self._decode_thread, ingest.next_frames, self.settings.frames_per_step)
+            if ingest.live:
+                batch = ingest.next_frames(self.settings.frames_per_step)
+            else:
+                batch: Batch = await hosted.batch  # done: the scheduler chose this step for it
+                hosted.batch = None
             if batch.frames:
                 images, times = [f.image for f in batch.frames], [f.time_s for f in batch.frames]
                 evictions = hosted.engine.stats().evictions
@@ -637,19 +966,21 @@ class Worker:
             )
             await self._set(session_id, frames_dropped=dropped, ingest_lag_s=round(batch.lag_s, 3), **self._progress(hosted.engine))
             await self._report_memory(session_id, hosted)
-        if ingest.finished:
+        if not ingest.live and ingest.finished:
             await self._finish_ingest(session_id, hosted)
 
     async def _finish_ingest(self, session_id: str, hosted: Hosted) -> None:
-        if isinstance(hosted.ingest, UploadIngest):
+        """All media so far is in the cache: an upload is done (its spool goes once a snapshot
+        covers it), a live stream's client ended or left (its ingest stays, for a client that
+        connects again)."""
+        if not hosted.ingest.live:
             if not await self._maybe_snapshot(session_id, hosted, force=True):
                 return  # the spool stays until a snapshot covers the whole upload; tried again next turn
-            hosted.ingest.close()
-            hosted.ingest = None
+            await self._close_ingest(hosted)
             if hosted.engine.stats().frames == 0:
                 await self._fail(session_id, hosted, "the video has no frames")
                 return
-        hosted.settled = True  # a live ingest stays, for a client that connects again
+        hosted.settled = True
         if hosted.engine.stats().frames == 0:
             await self._set(session_id, SessionState.READY, SessionState.INGESTING)
             message = "the stream ended before any frame could be decoded"
@@ -663,10 +994,11 @@ class Worker:
 
     async def _maybe_snapshot(self, session_id: str, hosted: Hosted, force: bool = False) -> bool:
         """Snapshot a session that changed, every SNAPSHOT_INTERVAL_S or once SNAPSHOT_AFTER_ENTRIES
-        live media entries wait for one, then acknowledge the media it covers. A live session is
-        snapshotted only while no frame waits for the engine, so the media it acknowledges is in
-        the cache (or sampled out). True when the session's state is in a snapshot."""
-        if hosted.lost or hosted.error or not hosted.held:
+        live media entries wait for one, then acknowledge the media it covers. Never in the
+        middle of an answer; a live session only while no frame waits for the engine, so the
+        media it acknowledges is in the cache (or sampled out). True when the session's state is
+        in a snapshot."""
+        if hosted.lost or hosted.error or not hosted.held or hosted.answer is not None:
             return False
         if not (hosted.changed or hosted.unacked):
             return True
@@ -690,6 +1022,27 @@ class Worker:
         if covered:
             await self._consume(self.keys.media(session_id), *covered)
         return True
+
+    async def _sweep_files(self) -> None:
+        """Delete spool and snapshot files of sessions that are gone (deleted, expired, or lost
+        with a Redis that restarted empty), older than SWEEP_MIN_AGE_S."""
+        now = time.time()
+        files = [
+            path
+            for folder in (self.spool_dir, self.snapshots.directory)
+            if folder.is_dir()
+            for path in folder.iterdir()
+            if path.suffix in (".upload", ".snapshot", ".partial")
+        ]
+        for path in files:
+            try:
+                if now - path.stat().st_mtime < SWEEP_MIN_AGE_S:
+                    continue
+            except FileNotFoundError:
+                continue
+            if not await self.redis.exists(self.keys.session(path.stem)):
+                path.unlink(missing_ok=True)
+                log.info("deleted %s: its session is gone", path)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -741,15 +1094,10 @@ class Worker:
 
     async def _event(self, session_id: str, event: IngestEvent | StateEvent | WarningEvent | MediaErrorEvent) -> None:
         document = EventEnvelope(event=event).model_dump_json()
-        await self._append(
-            self.keys.events(session_id), document, protocol.EVENTS_MAXLEN, self.settings.session_ttl_s, approximate=True
-        )
-
-    async def _append(self, stream: str, document: str, maxlen: int, ttl_s: int, approximate: bool) -> None:
-        """Add a JSON document to a bounded stream and restart its expiry."""
+        stream = self.keys.events(session_id)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(stream, {"m": document}, maxlen=maxlen, approximate=approximate)
-            pipe.expire(stream, ttl_s)
+            pipe.xadd(stream, {"m": document}, maxlen=protocol.EVENTS_MAXLEN, approximate=True)
+            pipe.expire(stream, self.settings.session_ttl_s)
             await pipe.execute()
 
     async def _consume(self, stream: str, *entry_ids: bytes) -> None:
@@ -785,14 +1133,24 @@ class Worker:
         )
         await self.redis.hset(self.keys.workers(), self.id, info.model_dump_json())
 
+    @property
+    def _failing(self) -> bool:
+        """The loop's turns have failed for longer than a lease: the worker cannot serve."""
+        return self._failing_since is not None and time.monotonic() - self._failing_since > self.settings.lease_ttl_s
+
     async def _heartbeat(self) -> None:
-        """Renew leases and the worker's advertisement; mark sessions whose lease was lost. Ends
+        """Renew leases and the worker's advertisement; mark sessions whose lease was lost; sweep
+        files now and then. A worker whose loop keeps failing stops advertising and renewing, so
+        that it is not counted as ready and its sessions go to a worker that can serve them. Ends
         once the worker stops (a flag, not only cancellation: redis-py can swallow a cancellation
         that lands inside a command)."""
         while not self._stopping.is_set():
             await asyncio.sleep(self.settings.lease_ttl_s / 3)
             if self._stopping.is_set():
                 return
+            if self._failing:
+                log.warning("the loop has failed for %.0f s; not advertising", time.monotonic() - self._failing_since)
+                continue
             try:
                 await self._advertise()
                 for session_id, hosted in list(self.sessions.items()):
@@ -803,6 +1161,10 @@ class Worker:
                     else:
                         hosted.lost = True
                 await self._forget_dead_workers()
+                await self._find_orphaned_media()
+                if time.monotonic() - self._swept_at >= SWEEP_INTERVAL_S:
+                    self._swept_at = time.monotonic()
+                    await self._sweep_files()
             except RedisError as err:
                 log.warning("heartbeat: Redis failed (%s)", err)
             except Exception:
@@ -817,34 +1179,42 @@ class Worker:
             info = WorkerInfo.model_validate_json(raw)
             if info.alive or info.id == self.id:
                 continue
-            pending = self.keys.pending(info.model)
             for session_id in info.session_ids:
-                keys = [self.keys.session(session_id), self.keys.lease(session_id), pending]
-                if await self._requeue(keys=keys, args=[info.id, protocol.PENDING_MAXLEN, session_id]):
+                if await self._requeue(session_id, info.id, info.model):
                     log.info("session %s of the dead worker %s is free again", session_id, info.id)
             if info.expires_at < now - DEAD_WORKER_FORGET_S:
                 await self.redis.hdel(self.keys.workers(), worker_id)
 
     async def _shutdown(self) -> None:
-        """Hand every session over: snapshot it, release its lease and queue it for another
-        worker (or this one, restarted); then leave the registry."""
+        """Hand every session over: answers under way finish (for up to STOP_GRACE_S, then end
+        with `session_reset`), then each session is snapshotted, its lease released and queued
+        for another worker (or this one, restarted); questions not begun wait for that worker.
+        Then leave the registry."""
         try:
+            deadline = time.monotonic() + STOP_GRACE_S
+            while time.monotonic() < deadline and any(h.answering for h in self.sessions.values()):
+                for session_id, hosted in list(self.sessions.items()):
+                    if hosted.answering:
+                        await self._continue_answer(session_id, hosted)
             for session_id, hosted in list(self.sessions.items()):
+                if hosted.answer is not None:
+                    message = "the worker stopped while answering; ask again"
+                    await self._cancel_answer(session_id, hosted, ErrorEvent(code="session_reset", message=message))
                 for _ in range(self.settings.live_queue_frames):  # frames already read go into the snapshot
                     if not (hosted.ingest is not None and hosted.ingest.live and len(hosted.ingest.queue)):
                         break
                     await self._ingest_step(session_id, hosted)
                 await self._maybe_snapshot(session_id, hosted, force=True)
                 await self._release(keys=[self.keys.lease(session_id)], args=[self.id])
-                keys = [self.keys.session(session_id), self.keys.lease(session_id), self.keys.pending(self.model.name)]
-                await self._requeue(keys=keys, args=[self.id, protocol.PENDING_MAXLEN, session_id])
-                self._drop(session_id)
+                await self._requeue(session_id, self.id)
+                await self._drop(session_id)
             await self.redis.hdel(self.keys.workers(), self.id)
         except RedisError as err:
             log.warning("shutdown: Redis failed (%s)", err)
         finally:
             self._engine_thread.shutdown(wait=True, cancel_futures=True)
             self._decode_thread.shutdown(wait=True, cancel_futures=True)
+            self._media_thread.shutdown(wait=True, cancel_futures=True)
 
     async def _in_engine(self, fn: Callable[..., T], *args: object) -> T:
         return await self._in_thread(self._engine_thread, fn, *args)

@@ -16,6 +16,10 @@ class WorkerSettings(CommonSettings):
         "free memory once the model is loaded, or half the available RAM on a CPU.",
     )
     lease_ttl_s: float = Field(15.0, ge=1.0, description="A session whose worker is silent this long is free.")
+    idle_release_s: float = Field(
+        120.0, ge=0, description="A session with no question, media or answer for this long leaves its worker "
+        "(snapshotted) and comes back at its next question or media; 0 keeps sessions until they expire.",
+    )
     spool_dir: Path = Field(
         Path(tempfile.gettempdir()) / "streamvqa-spool",
         description="Where uploads wait to be decoded; shared by every worker, an upload survives its worker.",

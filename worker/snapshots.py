@@ -24,27 +24,37 @@ class Snapshot:
     taken_at: float
 
 
+# Replaces a session's snapshot while the session lives (a deleted session's is not brought
+# back). KEYS = the session's hash, its snapshot; ARGV = TTL (s), then field, value pairs.
+STORE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return 1
+"""
+
+
 class SnapshotStore:
     def __init__(self, redis: Redis, keys: Keys, directory: Path, redis_max_bytes: int, ttl_s: int) -> None:
         self.redis = redis
+        self._store = redis.register_script(STORE_LUA)
         self.keys = keys
         self.directory = directory
         self.redis_max_bytes = redis_max_bytes
         self.ttl_s = ttl_s
 
     async def save(self, session_id: str, engine: bytes, ingest: dict | None) -> int:
-        """Store a snapshot, replacing the last; returns its size in bytes."""
+        """Store a snapshot, replacing the last; returns its size in bytes (0: the session is gone)."""
         fields: dict[str, bytes | str] = {"ingest": json.dumps(ingest), "taken_at": repr(time.time())}
         if len(engine) <= self.redis_max_bytes:
             fields["engine"] = engine
         else:
             fields["path"] = str(await asyncio.to_thread(self._write_file, session_id, engine))
-        key = self.keys.snapshot(session_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(key)
-            pipe.hset(key, mapping=fields)
-            pipe.expire(key, self.ttl_s)
-            await pipe.execute()
+        pairs = [item for pair in fields.items() for item in pair]
+        keys = [self.keys.session(session_id), self.keys.snapshot(session_id)]
+        if not await self._store(keys=keys, args=[self.ttl_s, *pairs]):
+            return 0  # the session is gone (its file goes with the next sweep)
         if "engine" in fields:
             await asyncio.to_thread(self._path(session_id).unlink, missing_ok=True)
         return len(engine)

@@ -1,5 +1,9 @@
 """Asking and fetching answers: a JSON answer, Server-Sent Events, 202 and resuming by id."""
 
+import os
+import signal
+import time
+
 import httpx
 import pytest
 
@@ -99,3 +103,28 @@ def test_ask_options_are_validated_by_name(ingested):
     reply = ingested.ask(QUESTION, wait_s=-1, stream="maybe", colour="red")
     assert reply.status_code == 422
     assert {f["field"] for f in reply.json()["fields"]} == {"body.wait_s", "body.stream", "body.colour"}
+
+
+def test_a_blocking_ask_outlasting_the_keepalive_gets_its_answer_id(ingested, stack):
+    worker = stack.processes["worker"]
+    os.kill(worker.pid, signal.SIGSTOP)  # a worker too busy to answer in time
+    try:
+        reply = ingested.ask(QUESTION, max_new_tokens=2, wait_s=17)  # past the answer stream's 15-s keepalive
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    assert reply.status_code == 202, reply.text
+    location = reply.json()["location"]
+    deadline = time.monotonic() + 60
+    while (found := ingested.http.get(location, headers=ingested.auth).json())["status"] != "done":
+        assert time.monotonic() < deadline, found
+        time.sleep(0.2)
+    assert found["tokens"] == 2
+
+
+def test_a_question_over_the_token_limit_is_refused_and_leaves_the_cache_alone(ingested):
+    before = ingested.get().json()["cache_tokens"]
+    reply = ingested.ask("x" * 1500, max_new_tokens=2)  # 1,500 tokens with this model's tokenizer
+    assert (reply.status_code, reply.json()["code"]) == (422, "question_too_long")
+    assert "at most 1024" in reply.json()["message"]
+    assert ingested.get().json()["cache_tokens"] == before
+    assert ingested.ask("x" * 1000, max_new_tokens=2).status_code == 200  # within it

@@ -38,11 +38,12 @@ def test_invalid_options_are_refused_with_the_field_named(client):
     assert {f["field"] for f in body["fields"]} == {"body.fps", "body.surprise"}
 
 
-def test_a_model_no_worker_serves_is_503_with_retry_after(client):
-    reply = client.create(model="llava-hf/llava-1.5-7b-hf")
-    assert reply.status_code == 503
-    assert reply.headers["retry-after"] == "5"
-    assert reply.json()["code"] == "no_worker"
+@pytest.mark.parametrize("model", ["llava-hf/llava-1.5-7b-hf", "gpt-9", "../../etc/passwd"])
+def test_a_model_no_worker_has_served_is_404_without_retry_after(client, model):
+    reply = client.create(model=model)
+    assert reply.status_code == 404
+    assert "retry-after" not in reply.headers
+    assert reply.json()["code"] == "model_not_found"
 
 
 def test_unknown_session_is_404_missing_token_401_wrong_token_403(stack, client):

@@ -301,3 +301,27 @@ def test_a_socket_without_a_format_watches_another_sockets_stream_and_asks(clien
     watcher.send(timed_jpeg(2.0, 2))
     assert watcher.wait_closed() == 4400
     streamer.close()
+
+
+def test_an_undecodable_stream_leaves_the_session_ready_for_another(client):
+    client.create(fps=2)
+    socket = _bad_stream(client, "mp4", [random.Random(3).randbytes(50_000)])
+    assert socket.wait_closed() == 1007
+    assert client.wait_for_state("ready", timeout_s=30)["frames_ingested"] == 0  # not left "ingesting"
+    media_format, data = stream_bytes("libx264", SECONDS)
+    again = StreamSocket(client, media_format)
+    for piece in random_cuts(data, seed=5, pieces=10):
+        again.send(piece)
+    again.end()
+    assert _ingested(again) is not None
+    assert again.frame_times() == EXPECTED_TIMES[2.0]
+
+
+def test_an_image_too_large_to_decode_is_refused_by_its_header(client):
+    client.create()
+    bomb = _png_declaring(8192, 8192)  # 200 MB of pixels once decoded
+    socket = _bad_stream(client, "frames", [frame_message(0.0, bomb), timed_jpeg(1.0)])
+    event = socket.wait_for(lambda e: e["type"] == "error")
+    assert event["code"] == "bad_frame" and "8192x8192 frame is larger than the limit of 16777216 pixels" in event["message"]
+    assert _ingested(socket) is not None
+    assert socket.frame_times() == [1.0]

@@ -115,9 +115,9 @@ def test_failures_raise_one_error_type_with_status_and_code(api, bikes):
     assert error(lambda: api.session("0" * 32, session.token).info()) == (404, "session_not_found")
     assert error(lambda: api.session(session.id, "not-the-token").info()) == (403, "forbidden")
     assert error(lambda: api.create_session(fps=9)) == (422, "invalid_request")
-    with pytest.raises(StreamvqaError) as no_worker:
+    with pytest.raises(StreamvqaError) as unknown:
         api.create_session(model="no-such-model")
-    assert (no_worker.value.status, no_worker.value.code, no_worker.value.retry_after_s) == (503, "no_worker", 5.0)
+    assert (unknown.value.status, unknown.value.code, unknown.value.retry_after_s) == (404, "model_not_found", None)
     assert error(lambda: session.upload(CARPHONE)) == (409, "media_exists")
     too_big = io.BytesIO(bytes(5 * 1024 * 1024))  # the stack's limit is 4 MiB
     assert error(lambda: session.upload(too_big)) == (413, "upload_too_large")

@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import redis
 
@@ -170,6 +171,70 @@ def test_redis_away_for_ten_seconds_is_survived(tmp_path):
         assert user.get().json()["frames_ingested"] == 2
         assert user.ask("still there?", max_new_tokens=4).status_code == 200
         assert all(process.poll() is None for process in stack.processes.values())
+    finally:
+        stack.stop()
+        server.stop()
+
+
+def test_idle_workers_take_new_sessions_after_redis_restarts_empty(tmp_path):
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    stack = Stack(server.url, "svqa-test-empty:", tmp_path, LEASE_TTL_S="3")
+    stack.start("a", "worker", WORKER_ID="a")
+    stack.start("b", "worker", WORKER_ID="b")
+    stack.start("gateway", "app")
+    try:
+        stack.wait_until_serving(workers=2)
+        time.sleep(1)  # both idle, waiting on the pending queue
+        server.kill()
+        server.start()  # the same port, and no data: no pending queue, no group, no registry
+        restarted_at = time.monotonic()
+        user = Client(stack.url)
+        while user.create().status_code != 201:  # 503 until a worker advertises itself again
+            assert time.monotonic() - restarted_at < 3 + 10, "no worker came back"
+            time.sleep(0.2)
+        while user.get().json()["state"] != "ready":
+            assert time.monotonic() - restarted_at < 3 + 10, f"the new session stayed pending: {stack.log('a')}"
+            time.sleep(0.2)
+        assert httpx.get(f"{stack.url}/readyz").json()["workers"] == 2
+    finally:
+        stack.stop()
+        server.stop()
+
+
+def test_a_stream_goes_on_at_once_after_redis_restarts_from_its_append_only_file(tmp_path):
+    server = EmbeddedRedis(tmp_path / "redis", appendfsync="always")
+    server.start()
+    stack = Stack(server.url, "svqa-test-aof:", tmp_path, LEASE_TTL_S="5", LIVE_MAX_LAG_S="1000")
+    stack.start("worker", "worker")
+    stack.start("gateway", "app")
+    try:
+        stack.wait_until_serving()
+        user = Client(stack.url)
+        user.create(fps=1)
+        user.wait_for_state("ready")
+        socket = StreamSocket(user, "frames")
+        connection = socket.started["connection"]
+        for second in range(10):
+            socket.send(timed_jpeg(float(second), second))
+        socket.wait_for(lambda e: e["type"] == "ingest" and e["frames"] == 10)
+        server.kill()
+        for second in range(10, 12):  # in flight: the gateway cannot pass them on
+            socket.send(timed_jpeg(float(second), second))
+        assert socket.wait_closed() == 1013  # connect again in a few seconds
+        server.start()  # from its append-only file: the socket's claim on the stream came back too
+
+        restarted_at = time.monotonic()
+        while (again := StreamSocket(user, "frames", resume=connection)).started is None:
+            assert again.close_code == 1013 and time.monotonic() - restarted_at < 10, (again.close_code, again.close_reason)
+            time.sleep(0.2)
+        assert again.started["last_frame_s"] == 9.0  # what reached Redis: send on after it
+        for second in range(10, 20):
+            again.send(timed_jpeg(float(second), second))
+        again.end()
+        assert again.wait_for(lambda e: e["type"] == "state" and e["state"] == "ingested", timeout_s=60)
+        session = user.get().json()
+        assert (session["frames_ingested"], session["video_time_s"]) == (20, 19.0)  # every frame once
     finally:
         stack.stop()
         server.stop()

@@ -1,0 +1,86 @@
+"""Places on workers: never more sessions admitted than the workers may hold, and idle or failed
+sessions give their place back, so that nobody is locked out for the sessions' lifetime."""
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.support import Client, Stack, delete_prefix
+
+IDLE_RELEASE_S = 3
+
+
+@pytest.fixture
+def make_stack(redis_url: str, tmp_path):
+    stacks = []
+
+    def start(workers: int, **env: str | None) -> Stack:
+        stack = Stack(redis_url, f"svqa-test-{uuid.uuid4().hex[:12]}:", tmp_path / str(len(stacks)), **env)
+        stack.directory.mkdir()
+        stacks.append(stack)
+        for name in "ab"[:workers]:
+            stack.start(name, "worker", WORKER_ID=name)
+        stack.start("gateway", "app")
+        stack.wait_until_serving(workers=workers)
+        return stack
+
+    yield start
+    for stack in stacks:
+        stack.stop()
+        delete_prefix(redis_url, stack.prefix)
+
+
+def _user(stack: Stack, api_key: str) -> Client:
+    user = Client(stack.url)
+    user.http.headers["X-API-Key"] = api_key
+    return user
+
+
+def test_concurrent_creates_get_the_places_there_are_and_idle_sessions_give_theirs_back(make_stack):
+    # two workers of two places each; the per-key limit (8 by default) is above the four places
+    stack = make_stack(2, MAX_SESSIONS="2", API_KEYS="key-one,key-two", MAX_SESSIONS_PER_KEY=None,
+                       IDLE_RELEASE_S=str(IDLE_RELEASE_S))
+    first = [_user(stack, "key-one") for _ in range(20)]
+    with ThreadPoolExecutor(20) as pool:
+        replies = list(pool.map(lambda user: user.create(), first))
+    assert sorted(reply.status_code for reply in replies) == [201] * 4 + [503] * 16
+    assert {reply.json()["code"] for reply in replies if reply.status_code == 503} == {"no_capacity"}
+    admitted = [user for user, reply in zip(first, replies, strict=True) if reply.status_code == 201]
+    assert sorted(user.wait_for_state("ready", timeout_s=30)["worker"] for user in admitted) == ["a", "a", "b", "b"]
+
+    second = _user(stack, "key-two")
+    refused = second.create()
+    assert (refused.status_code, refused.json()["code"]) == (503, "no_capacity")
+    full_at = time.monotonic()
+    while second.create().status_code != 201:  # the idle sessions leave their workers
+        assert time.monotonic() - full_at < IDLE_RELEASE_S + 10, "the idle sessions kept their places"
+        time.sleep(0.2)
+    assert second.wait_for_state("ready", timeout_s=30)["worker"] in ("a", "b")
+
+    while (resting := admitted[0].get().json())["worker"]:
+        assert time.monotonic() - full_at < IDLE_RELEASE_S + 10, "an idle session kept its place"
+        time.sleep(0.2)
+    assert resting["state"] == "ready"  # kept, on no worker
+    reply = admitted[0].ask("Are you back?", max_new_tokens=2)  # brings it back to a worker
+    assert reply.status_code == 200 and reply.json()["tokens"] == 2
+    assert admitted[0].get().json()["worker"] in ("a", "b")
+
+
+def test_a_failed_session_gives_its_place_back_at_once(make_stack):
+    stack = make_stack(1, MAX_SESSIONS="1", IDLE_RELEASE_S="0")  # idle sessions never leave
+    failing = Client(stack.url)
+    assert failing.create().status_code == 201
+    failing.wait_for_state("ready")
+    assert failing.upload(b"not a video at all" * 100).status_code == 202
+    assert failing.wait_for_state("error")["error"]
+
+    waiting = Client(stack.url)
+    deadline = time.monotonic() + 10
+    while (reply := waiting.create()).status_code != 201:
+        assert reply.json()["code"] == "no_capacity" and time.monotonic() < deadline, reply.text
+        time.sleep(0.2)
+    assert waiting.wait_for_state("ready")["worker"] == "a"
+    assert failing.get().json()["state"] == "error"  # still there to read, on no worker
+    assert failing.ask("Anything?").status_code == 409
