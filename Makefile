@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway bench-needle train-demo
+.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway bench-needle bench-fairness bench-chaos train-demo
 
 run: $(STAMP)
 	$(BIN)/python -m streamvqa.run
@@ -36,6 +36,13 @@ bench-gateway: $(STAMP)
 
 bench-needle: $(STAMP)
 	$(BIN)/python -m bench.needle $(BENCH_ARGS)
+
+bench-fairness: $(STAMP)
+	$(BIN)/python -m bench.fairness $(BENCH_ARGS)
+
+# Kills workers, gateways and Redis at random for 5 minutes while sessions stream, upload and ask.
+bench-chaos: $(STAMP)
+	$(BIN)/python -m bench.chaos $(BENCH_ARGS)
 
 # Trains streamvqa-demo's projector on CPU (about 80 minutes on 2 cores) and overwrites the committed
 # weights, engine/demo/projector.safetensors: the main run, a polish on more real frames, and one

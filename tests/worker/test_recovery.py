@@ -187,6 +187,7 @@ def test_idle_workers_take_new_sessions_after_redis_restarts_empty(tmp_path):
         stack.wait_until_serving(workers=2)
         time.sleep(1)  # both idle, waiting on the pending queue
         server.kill()
+        time.sleep(4)  # longer than a command's retries: each worker's loop meets the failure
         server.start()  # the same port, and no data: no pending queue, no group, no registry
         restarted_at = time.monotonic()
         user = Client(stack.url)
@@ -196,7 +197,9 @@ def test_idle_workers_take_new_sessions_after_redis_restarts_empty(tmp_path):
         while user.get().json()["state"] != "ready":
             assert time.monotonic() - restarted_at < 3 + 10, f"the new session stayed pending: {stack.log('a')}"
             time.sleep(0.2)
-        assert httpx.get(f"{stack.url}/readyz").json()["workers"] == 2
+        while httpx.get(f"{stack.url}/readyz").json().get("workers") != 2:  # both advertise again
+            assert time.monotonic() - restarted_at < 3 + 10, "a worker did not come back"
+            time.sleep(0.2)
     finally:
         stack.stop()
         server.stop()

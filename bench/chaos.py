@@ -1,0 +1,452 @@
+"""Faults injected into a running deployment, and what they cost: questions, frames, stuck sessions, recovery.
+
+    python -m bench.chaos [--seconds 300] [--streamers 3] [--uploaders 2] [--fault-every 30]
+                          [--faults worker,gateway,redis] [--fsync always] [--lease-ttl-s 5] [--seed 1]
+
+Starts Redis with an append-only file (`appendfsync always`; `--fsync everysec` shows what the
+last second of writes costs), two gateways and two workers serving `tiny-random-llava`, all on
+loopback. Clients use either gateway and move to the other when theirs is down:
+
+- streamers: a `frames` socket each, frames in real time at 2 fps (sessions at 2 fps), and a
+  question every few seconds (`POST /ask`, then its answer by id). On any close the socket
+  connects again (either gateway) with `resume` and sends on after the `last_frame_s` it is told;
+- uploaders: create a session, upload a generated 6-s video, wait until it is ingested, ask two
+  questions, delete it; again and again;
+- one idle session, asked now and then (it leaves its worker in between: IDLE_RELEASE_S=20).
+
+Every `--fault-every` seconds (0.5x to 1.5x, at random), once the last fault has been recovered
+from, one of `--faults`: kill -9 a worker, a gateway or Redis, restarted 1 to 3 s later (Redis
+from its append-only file). Recovery is the time from the kill until every live session (the
+streamers' and the idle one) answers a question again. After `--seconds` the streams end, every
+answer still out is awaited, and one JSON line sums it up:
+
+- `faults`: injected, by kind; `recovery_max_s` (target: within LEASE_TTL_S + 10 s) and each one;
+- questions `asked` (an answer id came back), `answered` (done), `reset` (ended `session_reset`:
+  the worker died while answering; the client asks again), `lost` (no final event),
+  `answered_twice` (two final events, or more tokens than the answer has);
+- frames `sent`, `ingested`, `duplicated`, `lost` (streams), and uploads whose frame count is off;
+- `stuck`: sessions left `pending` or `ingesting`, or that did not answer a last question.
+
+Targets: 0 lost, 0 twice, 0 stuck (docs/benchmarks.md has the figures).
+"""
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter, deque
+from pathlib import Path
+from subprocess import Popen
+
+import av
+import httpx
+import numpy as np
+import redis.asyncio as aioredis
+import websockets
+from PIL import Image
+from redis.exceptions import RedisError
+
+from streamvqa import children
+from streamvqa.protocol import AnswerEnvelope, EventEnvelope, frame_message
+from streamvqa.redis_server import EmbeddedRedis, free_port
+from streamvqa.run import wait_until_serving
+
+FPS = 2.0  # frames a second, sent and sampled
+UPLOAD_SECONDS, UPLOAD_FPS = 6, 1.0  # each upload: 6 s of video sampled at 1 fps, 6 frames
+ASK_EVERY_S = 4.0
+CALL_TIMEOUT_S = 90.0  # how long a client keeps retrying one call through faults
+DRAIN_S = 120.0  # how long answers still out are awaited at the end
+RESENT_FRAMES = 600  # frames a streamer keeps to send again after a reconnection
+RECOVERY_LIMIT_S = 120.0  # a fault not recovered from by then counts as not recovered (null)
+
+
+def _jpeg(index: int) -> bytes:
+    image = np.zeros((48, 64, 3), np.uint8)
+    image[:] = ((index * 37) % 256, (index * 91) % 256, 128)
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, "JPEG", quality=70)
+    return buffer.getvalue()
+
+
+def _video() -> bytes:
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 160, 120, "yuv420p"
+        for i in range(UPLOAD_SECONDS * 10):
+            image = np.full((120, 160, 3), (i * 7) % 256, np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+class Deployment:
+    """Redis, two gateways and two workers as child processes, each killed and started again at will."""
+
+    def __init__(self, folder: Path, args: argparse.Namespace) -> None:
+        self.redis = EmbeddedRedis(folder / "redis", appendfsync=args.fsync)
+        self.prefix = f"svqa-chaos-{uuid.uuid4().hex[:8]}:"
+        self.ports = [free_port(), free_port()]
+        self.env = {
+            **os.environ, "REDIS_PREFIX": self.prefix, "MODEL": "tiny-random-llava", "LOG_LEVEL": "WARNING",
+            "SPOOL_DIR": str(folder / "spool"), "SNAPSHOT_DIR": str(folder / "snapshots"), "MAX_SESSIONS": "16",
+            "LEASE_TTL_S": str(args.lease_ttl_s), "SNAPSHOT_INTERVAL_S": "2", "IDLE_RELEASE_S": "20",
+            "LIVE_MAX_LAG_S": "1000", "RATE_LIMIT_PER_S": "0", "MAX_SESSIONS_PER_KEY": "1000", "TORCH_THREADS": "1",
+        }
+        self.logs = folder
+        self.processes: dict[str, Popen] = {}
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.ports]
+
+    def start(self) -> None:
+        self.env["REDIS_URL"] = self.redis.start()
+        for name in ("worker0", "worker1", "gateway0", "gateway1"):
+            self.spawn(name)
+        wait_until_serving(f"{self.urls[0]}/healthz", self.env["REDIS_URL"], self.prefix, list(self.processes.values()), 300, 2)
+
+    def spawn(self, name: str) -> None:
+        env = {**self.env, **({"PORT": str(self.ports[int(name[-1])])} if name.startswith("gateway") else {})}
+        with (self.logs / f"{name}.log").open("ab") as log:
+            module = "app" if name.startswith("gateway") else "worker"
+            self.processes[name] = children.spawn([sys.executable, "-m", module], env, stdout=log, stderr=log)
+
+    def kill(self, name: str) -> None:
+        if name == "redis":
+            self.redis.kill()
+        else:
+            self.processes[name].kill()
+            self.processes[name].wait()
+
+    def restart(self, name: str) -> None:
+        if name == "redis":
+            self.redis.start()
+        else:
+            self.spawn(name)
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            children.stop(process)
+        self.redis.stop()
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.asked: dict[str, str] = {}  # answer id -> session id
+        self.counts: Counter = Counter()
+        self.streams: dict[str, str] = {}  # the streamers' sessions: id -> token
+        self.sent: dict[str, set[float]] = {}  # session -> frame times sent
+        self.uploads_off: list[tuple[str, int]] = []  # (session, frames) for uploads with the wrong frame count
+        self.recoveries: list[tuple[str, float]] = []
+        self.judged: dict[str, str] = {}  # answer id -> answered, reset, lost, answered_twice, error_<code>
+        self.lost_frames: list[float] = []
+
+
+class Api:
+    """REST calls through either gateway, retried through faults (the other gateway, 503s)."""
+
+    def __init__(self, http: httpx.AsyncClient, urls: list[str], rng: random.Random) -> None:
+        self.http, self.urls = http, urls
+        self.at = rng.randrange(len(urls))
+
+    async def call(self, method: str, path: str, token: str | None = None, retry: tuple[int, ...] = (503,), **kwargs) -> httpx.Response:
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        while True:
+            try:
+                reply = await self.http.request(method, self.urls[self.at] + path, headers=headers, **kwargs)
+                if reply.status_code not in retry or time.monotonic() > deadline:
+                    return reply
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                self.at = (self.at + 1) % len(self.urls)
+            await asyncio.sleep(0.3)
+
+    async def ask(self, session: tuple[str, str], tally: Tally, question: str) -> str | None:
+        """Ask and follow the answer to its end: done, reset (asked again by the caller), or
+        None when the question was never taken (its call failed: not counted as asked)."""
+        sid, token = session
+        try:
+            reply = await self.call("POST", f"/sessions/{sid}/ask", token, json={"question": question, "max_new_tokens": 4, "wait_s": 0})
+        except httpx.TransportError:
+            return None
+        if reply.status_code != 202:
+            tally.counts[f"ask_refused_{reply.status_code}"] += 1
+            return None
+        answer_id = reply.json()["answer_id"]
+        tally.asked[answer_id] = sid
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                found = await self.call("GET", f"/sessions/{sid}/answers/{answer_id}", token)
+            except httpx.TransportError:
+                continue
+            status = found.json().get("status") if found.status_code == 200 else None
+            if status == "done":
+                return "done"
+            if status == "error":
+                return found.json()["code"]
+            await asyncio.sleep(0.3)
+        return "timeout"
+
+    async def create(self, **options: object) -> tuple[str, str]:
+        reply = await self.call("POST", "/sessions", json=options)
+        reply.raise_for_status()
+        return reply.json()["id"], reply.json()["token"]
+
+
+async def _asking(api: Api, session: tuple[str, str], tally: Tally, stop: asyncio.Event, every_s: float) -> None:
+    while not stop.is_set():
+        if await api.ask(session, tally, "What do you see?") == "session_reset":
+            continue  # asked again at once
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except TimeoutError:
+            pass
+
+
+async def _streamer(api: Api, tally: Tally, stop: asyncio.Event, rng: random.Random) -> None:
+    session = await api.create(fps=FPS)
+    sid, token = session
+    tally.streams[sid] = token
+    tally.sent[sid] = set()
+    asker = asyncio.create_task(_asking(api, session, tally, stop, ASK_EVERY_S))
+    recent: deque[tuple[float, bytes]] = deque(maxlen=RESENT_FRAMES)
+    connection, index, started = None, 0, time.monotonic()
+    ended = False
+    while not ended:
+        url = api.urls[api.at].replace("http://", "ws://") + f"/sessions/{sid}/stream?token={token}"
+        try:
+            async with websockets.connect(url, max_size=None, open_timeout=10) as socket:
+                await socket.send(json.dumps({"type": "start", "format": "frames", **({"resume": connection} if connection else {})}))
+                hello = json.loads(await asyncio.wait_for(socket.recv(), 30))
+                if hello.get("type") != "started":
+                    raise OSError(f"not started: {hello}")
+                connection, last_s = hello["connection"], hello["last_frame_s"]
+                for time_s, message in list(recent):  # what the gateway never received
+                    if last_s is None or time_s > last_s:
+                        await socket.send(message)
+                drain = asyncio.create_task(_drain(socket))
+                drain.add_done_callback(lambda task: task.cancelled() or task.exception())
+                while not stop.is_set():
+                    due = started + index / FPS
+                    await asyncio.sleep(max(0.0, due - time.monotonic()))
+                    time_s = index / FPS
+                    message = frame_message(time_s, _jpeg(index))
+                    recent.append((time_s, message))
+                    tally.sent[sid].add(time_s)
+                    index += 1
+                    await socket.send(message)
+                    if drain.done():
+                        drain.result()
+                await socket.send(json.dumps({"type": "end"}))
+                ended = True
+                drain.cancel()
+        except (OSError, TimeoutError, websockets.exceptions.WebSocketException):
+            api.at = (api.at + 1) % len(api.urls) if rng.random() < 0.5 else api.at
+            await asyncio.sleep(0.5)
+    await asker
+
+
+async def _drain(socket) -> None:
+    """Read (and drop) the socket's events, so that the gateway never waits on this client."""
+    async for _ in socket:
+        pass
+    raise OSError("the socket closed")
+
+
+async def _uploader(api: Api, tally: Tally, stop: asyncio.Event, video: bytes, store: aioredis.Redis, prefix: str) -> None:
+    while not stop.is_set():
+        sid, token = session = await api.create(fps=UPLOAD_FPS)
+        tally.counts["uploads"] += 1
+        if not await _upload(api, session, video):
+            tally.counts["uploads_refused"] += 1
+        else:
+            deadline = time.monotonic() + CALL_TIMEOUT_S
+            while (found := (await api.call("GET", f"/sessions/{sid}", token)).json()).get("state") not in ("ingested", "error"):
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.3)
+            if found.get("frames_ingested") != UPLOAD_SECONDS * UPLOAD_FPS:
+                tally.uploads_off.append((sid, found.get("frames_ingested")))
+            for _ in range(2):
+                await api.ask(session, tally, "What happened?")
+        await _judge(store, prefix, sid, tally)
+        await api.call("DELETE", f"/sessions/{sid}", token)
+
+
+async def _upload(api: Api, session: tuple[str, str], video: bytes) -> bool:
+    """Upload, again while the last try's outcome is unknown; 409 (media_exists) while an upload
+    cut by a dead gateway has not been given up yet, or when the last try went through."""
+    sid, token = session
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            reply = await api.call("POST", f"/sessions/{sid}/upload", token, content=video)
+        except httpx.TransportError:
+            continue
+        if reply.status_code == 202:
+            return True
+        if reply.status_code == 409 and (await api.call("GET", f"/sessions/{sid}", token)).json().get("upload_ended"):
+            return True
+        await asyncio.sleep(1.0)
+    return False
+
+
+async def _recovered(api: Api, sessions: list[tuple[str, str]], tally: Tally) -> None:
+    """Until every session answers a question."""
+    while True:
+        results = await asyncio.gather(*(api.ask(session, tally, "Still there?") for session in sessions))
+        if all(result == "done" for result in results):
+            return
+
+
+async def _faults(deployment: Deployment, api: Api, probes: list[tuple[str, str]], tally: Tally,
+                  stop: asyncio.Event, args: argparse.Namespace, rng: random.Random) -> None:
+    kinds = args.faults.split(",")
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), args.fault_every * rng.uniform(0.5, 1.5))
+            return
+        except TimeoutError:
+            pass
+        kind = rng.choice(kinds)
+        name = {"worker": f"worker{rng.randrange(2)}", "gateway": f"gateway{rng.randrange(2)}"}.get(kind, "redis")
+        killed_at = time.monotonic()
+        deployment.kill(name)
+        await asyncio.sleep(rng.uniform(1, 3))
+        deployment.restart(name)
+        try:
+            await asyncio.wait_for(_recovered(api, probes, tally), RECOVERY_LIMIT_S)
+            tally.recoveries.append((name, round(time.monotonic() - killed_at, 2)))
+        except TimeoutError:
+            tally.recoveries.append((name, None))
+        print(json.dumps({"fault": name, "recovered_s": tally.recoveries[-1][1]}), flush=True)
+
+
+async def _run(deployment: Deployment, args: argparse.Namespace) -> tuple[Tally, Counter]:
+    tally, stop, rng = Tally(), asyncio.Event(), random.Random(args.seed)
+    video = _video()
+    store = aioredis.Redis.from_url(deployment.env["REDIS_URL"])
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as http:
+        apis = [Api(http, deployment.urls, random.Random(args.seed + i)) for i in range(args.streamers + args.uploaders + 2)]
+        idle = await apis[-1].create(fps=1.0)
+        streamers = [asyncio.create_task(_streamer(apis[i], tally, stop, random.Random(i))) for i in range(args.streamers)]
+        while len(tally.streams) < args.streamers:  # their sessions exist
+            await asyncio.sleep(0.1)
+        probes = [idle, *tally.streams.items()]
+        uploaders = [
+            asyncio.create_task(_uploader(apis[args.streamers + i], tally, stop, video, store, deployment.prefix))
+            for i in range(args.uploaders)
+        ]
+        idle_asker = asyncio.create_task(_asking(apis[-1], idle, tally, stop, 30.0))
+        faults = asyncio.create_task(_faults(deployment, apis[-2], probes, tally, stop, args, rng))
+        await asyncio.sleep(args.seconds)
+        stop.set()
+        await faults
+        await asyncio.gather(*streamers, *uploaders, idle_asker)
+        final = await asyncio.gather(*(apis[-1].ask(session, tally, "Last question?") for session in probes))
+        tally.counts["stuck_last_question"] = sum(result != "done" for result in final)
+        for sid, token in probes:
+            deadline = time.monotonic() + DRAIN_S
+            while (state := (await apis[-1].call("GET", f"/sessions/{sid}", token)).json().get("state")) in ("pending", "ingesting"):
+                if time.monotonic() > deadline:
+                    tally.counts["stuck_state"] += 1
+                    break
+                await asyncio.sleep(0.5)
+        for sid, _ in probes:
+            await _judge(store, deployment.prefix, sid, tally)
+        frames = await _frames(store, deployment.prefix, tally)
+    await store.aclose()
+    return tally, frames
+
+
+async def _judge(store: aioredis.Redis, prefix: str, sid: str, tally: Tally) -> None:
+    """Each asked answer of the session, as Redis holds it (before the session is deleted)."""
+    for answer_id in [a for a, s in tally.asked.items() if s == sid and a not in tally.judged]:
+        while True:
+            try:
+                stored = await store.xrange(f"{prefix}session:{sid}:answer:{answer_id}")
+                break
+            except RedisError:
+                await asyncio.sleep(0.5)  # Redis is being restarted
+        events = [AnswerEnvelope.model_validate_json(f[b"m"]).event for _, f in stored]
+        finals = [e for e in events if e.type != "token"]
+        tokens = sum(e.type == "token" for e in events)
+        if not finals:
+            verdict = "lost"
+        elif len(finals) > 1 or (finals[0].type == "done" and tokens > finals[0].tokens):
+            verdict = "answered_twice"
+        elif finals[0].type == "done":
+            verdict = "answered"
+        else:
+            verdict = "reset" if finals[0].code == "session_reset" else f"error_{finals[0].code}"
+        tally.judged[answer_id] = verdict
+
+
+async def _frames(store: aioredis.Redis, prefix: str, tally: Tally) -> Counter:
+    """Each stream's frames: sent, in the cache (the worker's count), and which times its ingest
+    events name. A time can be named twice without being in the cache twice: frames a dead worker
+    appended after its last snapshot are appended again by the worker that takes over."""
+    frames = Counter()
+    for sid, sent in tally.sent.items():
+        events = {}
+        for _, fields in await store.xrange(f"{prefix}session:{sid}:events"):
+            event = EventEnvelope.model_validate_json(fields[b"m"]).event
+            if event.type == "ingest":
+                events[event.frames] = event.times
+        times = [t for batch in events.values() for t in batch]
+        counted = int(await store.hget(f"{prefix}session:{sid}", "frames_ingested") or 0)
+        frames["sent"] += len(sent)
+        frames["ingested"] += counted
+        frames["duplicated"] += max(0, counted - len(set(times)))  # in the cache more than once
+        frames["lost"] += len(sent - set(times))
+        tally.lost_frames += sorted(sent - set(times))
+    return frames
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=300.0)
+    parser.add_argument("--streamers", type=int, default=3)
+    parser.add_argument("--uploaders", type=int, default=2)
+    parser.add_argument("--fault-every", type=float, default=30.0)
+    parser.add_argument("--faults", default="worker,gateway,redis")
+    parser.add_argument("--fsync", default="always", choices=["always", "everysec"])
+    parser.add_argument("--lease-ttl-s", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="streamvqa-chaos-"))
+    deployment = Deployment(folder, args)
+    started = time.monotonic()
+    try:
+        deployment.start()
+        tally, frames = asyncio.run(_run(deployment, args))
+    finally:
+        deployment.stop()
+    recoveries = [seconds for _, seconds in tally.recoveries]
+    recovered = [seconds for seconds in recoveries if seconds is not None]
+    print(json.dumps({
+        "seconds": args.seconds, "fsync": args.fsync, "lease_ttl_s": args.lease_ttl_s,
+        "faults": dict(Counter(name.rstrip("01") for name, _ in tally.recoveries)),
+        "recovery_max_s": max(recovered, default=None), "not_recovered": len(recoveries) - len(recovered),
+        "recoveries_s": recoveries,
+        "asked": len(tally.asked), **Counter(tally.judged.values()), "unjudged": len(set(tally.asked) - set(tally.judged)),
+        **{f"frames_{k}": v for k, v in frames.items()}, "lost_frame_times": tally.lost_frames[:20],
+        "uploads": tally.counts["uploads"], "uploads_wrong_frames": len(tally.uploads_off),
+        "stuck": tally.counts["stuck_last_question"] + tally.counts["stuck_state"],
+        **{k: v for k, v in tally.counts.items() if k.startswith("ask_refused")},
+        "wall_s": round(time.monotonic() - started, 1), "logs": str(folder),
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
