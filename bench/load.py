@@ -138,7 +138,8 @@ def main() -> None:
     prefix, port = f"svqa-load-{uuid.uuid4().hex[:8]}:", free_port()
     env = {
         **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "PORT": str(port), "MODEL": "tiny-random-llava",
-        "MAX_SESSIONS": str(args.sessions), "SPOOL_DIR": str(folder / "spool"), "LOG_LEVEL": "WARNING",
+        "MAX_SESSIONS": str(args.sessions), "MAX_SESSIONS_PER_KEY": str(args.sessions), "SPOOL_DIR": str(folder / "spool"),
+        "LOG_LEVEL": "WARNING",
         "SNAPSHOT_DIR": str(folder / "snapshots"),
     }
     processes = {f"worker{i}": children.spawn([sys.executable, "-m", "worker"], env) for i in range(args.workers)}
