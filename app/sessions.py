@@ -15,13 +15,16 @@ from streamvqa import protocol
 from streamvqa.protocol import Keys, SessionOptions, SessionRecord, SessionState, WorkerInfo
 
 # Queues a session that no worker holds (it left its worker idle) for a worker of its model,
-# once: a Lua function the scripts that bring work to a session call. `hash`, `pending`,
-# `admitted` are keys; `id` the session id, `maxlen` the pending MAXLEN, `now` the time.
-WAKE_LUA = """
+# once (`queued` holds when; after REQUEUE_AFTER_S without a worker, a lost entry is replaced):
+# a Lua function the scripts that bring work to a session call. `hash`, `pending`, `admitted`
+# are keys; `id` the session id, `maxlen` the pending MAXLEN, `now` the time.
+REQUEUE_AFTER_S = 30
+WAKE_LUA = f"""
 local function wake(hash, pending, admitted, id, maxlen, now)
   local found = redis.call('HMGET', hash, 'worker', 'queued', 'state')
-  if (not found[1] or found[1] == '') and found[2] ~= '1' and found[3] ~= 'error' then
-    redis.call('HSET', hash, 'queued', '1')
+  local waiting = found[2] and tonumber(now) - tonumber(found[2]) < {REQUEUE_AFTER_S}
+  if (not found[1] or found[1] == '') and not waiting and found[3] ~= 'error' then
+    redis.call('HSET', hash, 'queued', now)
     redis.call('XADD', pending, 'MAXLEN', '~', maxlen, '*', 'session_id', id)
     redis.call('ZADD', admitted, now, id)
   end
@@ -39,12 +42,12 @@ end
 if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[1]) then return -1 end
 for _, id in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
   local found = redis.call('HMGET', ARGV[2] .. id, 'state', 'worker', 'queued')
-  if not found[1] or found[1] == 'error' or ((not found[2] or found[2] == '') and found[3] ~= '1') then
+  if not found[1] or found[1] == 'error' or ((not found[2] or found[2] == '') and not found[3]) then
     redis.call('ZREM', KEYS[6], id)
   end
 end
 if redis.call('ZCARD', KEYS[6]) >= tonumber(ARGV[5]) then return -2 end
-redis.call('HSET', KEYS[2], 'queued', '1', unpack(ARGV, 8))
+redis.call('HSET', KEYS[2], 'queued', ARGV[6], unpack(ARGV, 8))
 redis.call('XGROUP', 'CREATE', KEYS[3], 'workers', '0', 'MKSTREAM')
 redis.call('XGROUP', 'CREATE', KEYS[4], 'workers', '0', 'MKSTREAM')
 for i = 2, 4 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end

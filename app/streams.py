@@ -84,9 +84,8 @@ return {tonumber(found[1] or '0'), found[2] or ''}
 # to count, this connection, a frame's time ('' for none), the session id, the pending MAXLEN,
 # the time, the offset ('' for none), then the entry's field, value pairs. Returns 1 (added, or
 # found added), 0 for a frame not after the last one, -1 when the session is gone (nothing
-# outlives a session), -2 when it failed, -3
-# when another connection took the stream over, -4 when bytes before these are missing (Redis
-# lost them: the client sends on from `bytes_received`).
+# outlives a session), -2 when it failed, -3 when another connection took the stream over, -4
+# when bytes before these are missing (Redis lost them: the client sends on from `bytes_received`).
 ADD_LUA = WAKE_LUA + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'state') == 'error' then return -2 end

@@ -144,7 +144,7 @@ return 1
 REQUEUE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 if redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'worker', '', 'queued', '1')
+redis.call('HSET', KEYS[1], 'worker', '', 'queued', ARGV[4])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'session_id', ARGV[3])
 redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
 return 1
