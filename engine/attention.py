@@ -3,7 +3,8 @@
 Registered with transformers as "streamvqa". While a forward runs inside `observing(cache)`,
 each attention layer hands its queries (after RoPE) and the cache's keys to the cache, which
 keeps the last queries to score its tokens at the next eviction and returns the keys rotated
-at their positions. Outside `observing`, it is plain SDPA.
+at their positions, and the values (with tokens borrowed from the host tier merged in, when
+a question asked for them). Outside `observing`, it is plain SDPA.
 """
 
 from collections.abc import Iterator
@@ -20,9 +21,12 @@ NAME = "streamvqa"
 
 
 class QueryObserver(Protocol):
-    def attend(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(
+        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Given the rotated queries (1, q_heads, c, head_dim) of the c tokens being run and the
-        cache's keys (1, kv_heads, N, head_dim), theirs included, returns the keys to attend."""
+        cache's keys and values (1, kv_heads, N, head_dim), theirs included, returns the keys
+        and values to attend (N may grow by borrowed tokens, which the mask already counts)."""
 
 
 _observer: ContextVar[QueryObserver | None] = ContextVar("streamvqa_observer", default=None)
@@ -31,7 +35,7 @@ _observer: ContextVar[QueryObserver | None] = ContextVar("streamvqa_observer", d
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
     observer = _observer.get()
     if observer is not None:
-        key = observer.attend(module.layer_idx, query, key, module.scaling)
+        key, value = observer.attend(module.layer_idx, query, key, value, module.scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

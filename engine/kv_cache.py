@@ -13,6 +13,13 @@ embedding, at every forward. So an eviction is a gather, and however many evicti
 lives through, what the attention sees is one rotation away from what the model computed: in
 bfloat16, rotating kept keys from position to position at every eviction instead lets the
 rounding build up (measured: 9% after 150 moves, 40% after 1,000).
+
+With a host tier (`engine/host_tier.py`), what an eviction removes moves there instead of
+being dropped, and a question may borrow pages back: `begin_retrieval` reserves their places,
+and while the question's first tokens run, each layer's attention brings back the pages its
+queries want, merged among the cached tokens in stream order (the question's own tokens are
+placed after them). `give_back` removes them again once the answer's turn is over; the cache
+does not evict while it holds borrowed tokens.
 """
 
 import time
@@ -22,6 +29,7 @@ from torch import nn
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from engine.host_tier import HostTier, Tokens
 from engine.policies import Observation, Policy
 
 TEXT, FRAME = 0, 1
@@ -71,6 +79,10 @@ class _PreRopeLayer(DynamicLayer):
     def __init__(self, table: PositionTable) -> None:
         super().__init__()
         self.table = table
+        self.pending = 0  # places reserved for borrowed tokens that this layer has yet to bring in
+
+    def get_seq_length(self) -> int:
+        return super().get_seq_length() + self.pending
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         start, count = self.get_seq_length(), key_states.shape[-2]
@@ -98,7 +110,13 @@ def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) 
 
 class KVCache:
     def __init__(
-        self, policy: Policy, rotary: nn.Module, num_layers: int, kv_heads: int, evidence_window: int = 32
+        self,
+        policy: Policy,
+        rotary: nn.Module,
+        num_layers: int,
+        kv_heads: int,
+        evidence_window: int = 32,
+        host: HostTier | None = None,
     ) -> None:
         self.policy = policy
         self.rotary = rotary
@@ -108,6 +126,16 @@ class KVCache:
         self.hf: DynamicCache = _Store([_PreRopeLayer(self.positions) for _ in range(num_layers)])
         self.kinds = [torch.empty(kv_heads, 0, dtype=torch.int8) for _ in range(num_layers)]
         self.times = [torch.empty(kv_heads, 0) for _ in range(num_layers)]
+        self.order = [torch.empty(kv_heads, 0, dtype=torch.int64) for _ in range(num_layers)]  # place in the stream
+        self.appended = 0  # tokens appended so far: the next token's place in the stream
+        self.host = host
+        # Per layer while an answer borrows from the host: (kv_heads, n) True where a token is borrowed.
+        self.borrowed: list[torch.Tensor | None] = [None] * num_layers
+        self._borrowing = 0  # closed pages each layer brings back at the next question
+        self.retrievals = 0
+        self.retrieved_tokens = 0  # per layer, over every question
+        self.retrieve_s = 0.0
+        self.recalled_seconds: set[int] = set()  # whole seconds of video the last retrieval brought back
         self.scores: list[torch.Tensor | None] = [None] * num_layers  # (kv_heads, n) for keeps_scores
         # Since the last eviction: each layer's last queries (q_heads, w, head_dim), at most
         # `_kept_queries`, and (for policies that accumulate) the attention each key received.
@@ -142,10 +170,15 @@ class KVCache:
 
     # -- append --------------------------------------------------------------------------------
 
-    def attend(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(
+        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Called by the attention of `layer` while it runs c new tokens, with their queries
-        (1, q_heads, c, head_dim) and every stored key (1, kv_heads, N, head_dim), theirs
-        included. Keeps the last queries, and returns the keys to attend: rotated at their index."""
+        (1, q_heads, c, head_dim) and every stored key and value (1, kv_heads, N, head_dim),
+        theirs included. Brings in borrowed tokens if places are reserved, keeps the last
+        queries, and returns the keys (rotated at their index) and values to attend."""
+        if self.hf.layers[layer].pending:
+            keys, values = self._borrow(layer, queries[0].detach(), scaling)
         cos, sin = self.positions.up_to(keys.shape[2], keys)
         keys = rotate(keys, cos, sin, self.positions.scale)
         new = queries[0].detach()
@@ -159,7 +192,7 @@ class KVCache:
             if before is not None:
                 received[:, : before.shape[1]] += before
             self._received[layer] = received
-        return keys
+        return keys, values
 
     def append(self, kinds: torch.Tensor, times: torch.Tensor) -> None:
         """After the model has run c new tokens: their kinds (c,) int8 and video times (c,)."""
@@ -167,36 +200,123 @@ class KVCache:
         self.max_position = max(self.max_position, self.tokens + count - 1)
         new_kinds = kinds.to(torch.int8).expand(self.kv_heads, count)
         new_times = times.float().expand(self.kv_heads, count)
+        new_order = torch.arange(self.appended, self.appended + count).expand(self.kv_heads, count)
+        self.appended += count
         for layer in range(self.num_layers):
             self.kinds[layer] = torch.cat([self.kinds[layer], new_kinds], dim=1)
             self.times[layer] = torch.cat([self.times[layer], new_times], dim=1)
+            self.order[layer] = torch.cat([self.order[layer], new_order], dim=1)
 
     def rollback(self) -> None:
-        """After a failed forward: drop whatever it appended, and what it observed."""
-        for cached in self.hf.layers:
-            if cached.is_initialized and cached.keys.shape[2] > self.tokens:
-                cached.keys = cached.keys[:, :, : self.tokens]
-                cached.values = cached.values[:, :, : self.tokens]
+        """After a failed forward: drop whatever it appended or borrowed, and what it observed."""
+        for layer, cached in enumerate(self.hf.layers):
+            cached.pending = 0
+            held = self.kinds[layer].shape[1]
+            if cached.is_initialized and cached.keys.shape[2] > held:
+                cached.keys = cached.keys[:, :, :held]
+                cached.values = cached.values[:, :, :held]
         self._queries = [None] * self.num_layers
+        self.give_back()
         self._received = [None] * self.num_layers
+
+    # -- borrow from the host tier -------------------------------------------------------------
+
+    def begin_retrieval(self, retrieval_tokens: int) -> int:
+        """Reserve places for what the next tokens run will borrow from the host tier: the same
+        number in every layer. Returns that number (0 without a host tier or with nothing in it)."""
+        if self.host is None or self.host.tokens == 0 or retrieval_tokens <= 0:
+            return 0
+        self._borrowing = self.host.page_count(retrieval_tokens)
+        count = self._borrowing * self.host.page_tokens + (self.host.open.count if self.host.open is not None else 0)
+        if count:
+            for cached in self.hf.layers:
+                cached.pending = count
+            self.retrievals += 1
+            self.retrieved_tokens += count
+            self.recalled_seconds = set()
+        return count
+
+    def _borrow(self, layer: int, queries: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bring in the pages the queries (q_heads, c, head_dim) of `layer` want, into the places
+        reserved: merged among the cached tokens in stream order, before the c new ones."""
+        started = time.perf_counter()
+        cached = self.hf.layers[layer]
+        count, new = cached.pending, queries.shape[1]
+        held = cached.keys.shape[2] - new  # cached before these tokens
+        cos, sin = self.positions.up_to(held + count + new, cached.keys)
+        bare = rotate(queries, cos[held + count :], -sin[held + count :], 1 / self.positions.scale)  # turned back
+        got = self.host.retrieve(layer, bare, scaling, self._borrowing).tokens
+        order = torch.cat([self.order[layer], got.order[0]], dim=1)  # (kv_heads, held + count)
+        merge = order.argsort(dim=1, stable=True)
+        index = merge.to(cached.keys.device)[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])
+        for name in ("keys", "values"):
+            stored = getattr(cached, name)
+            joined = torch.cat([stored[:, :, :held], getattr(got, name)], dim=2).gather(2, index)
+            setattr(cached, name, torch.cat([joined, stored[:, :, held:]], dim=2))
+        self.kinds[layer] = torch.cat([self.kinds[layer], got.kinds[0]], dim=1).gather(1, merge)
+        self.times[layer] = torch.cat([self.times[layer], got.times[0]], dim=1).gather(1, merge)
+        self.order[layer] = order.gather(1, merge)
+        self.borrowed[layer] = merge >= held
+        received = self._received[layer]
+        if received is not None:
+            padded = torch.cat([received[:, :held], received.new_zeros(self.kv_heads, count)], dim=1)
+            self._received[layer] = padded.gather(1, merge.to(received.device))
+        self._queries[layer] = None  # from here on, only queries of tokens after every borrowed one
+        cached.pending = 0
+        self.recalled_seconds.update(got.times.floor().long().unique().tolist())
+        self.retrieve_s += time.perf_counter() - started
+        return cached.keys, cached.values
+
+    def give_back(self) -> None:
+        """Remove every borrowed token (they are still in the host tier)."""
+        for layer, borrowed in enumerate(self.borrowed):
+            if borrowed is None:
+                continue
+            cached = self.hf.layers[layer]
+            count = int(borrowed[0].sum())
+            keep = (~borrowed).nonzero()[:, 1].view(self.kv_heads, -1)  # (kv_heads, n - count), ascending
+            width = borrowed.shape[1]  # the tokens after these came later than every borrowed one
+            index = keep.to(cached.keys.device)[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])
+            for name in ("keys", "values"):
+                stored = getattr(cached, name)
+                setattr(cached, name, torch.cat([stored[:, :, :width].gather(2, index), stored[:, :, width:]], dim=2))
+            for attribute in ("kinds", "times", "order"):
+                rows = getattr(self, attribute)
+                rows[layer] = torch.cat([rows[layer][:, :width].gather(1, keep), rows[layer][:, width:]], dim=1)
+            received = self._received[layer]
+            if received is not None:
+                self._received[layer] = torch.cat(
+                    [received[:, :width].gather(1, keep.to(received.device)), received[:, width:]], dim=1
+                )
+            queries = self._queries[layer]
+            if queries is not None:  # every one is of a token after the borrowed ones: move them back
+                cos, sin = self.positions.up_to(count + 1, queries)
+                self._queries[layer] = rotate(queries, cos[count:], -sin[count:])
+            self.borrowed[layer] = None
 
     # -- evict ---------------------------------------------------------------------------------
 
     def evict(self) -> None:
         """Down to the policy's budget, if over it. The queries seen so far are dropped either
         way (the next prompt brings its own window); what accumulates is kept until an eviction."""
+        if any(b is not None for b in self.borrowed):
+            self._queries = [None] * self.num_layers
+            return
         if self.policy.evicts and self.tokens > self.policy.budget_tokens:
             started = time.perf_counter()
             removed = self.tokens - self.policy.budget_tokens
-            for layer in range(self.num_layers):
-                self._evict_layer(layer)
+            evicted = [self._evict_layer(layer) for layer in range(self.num_layers)]
+            if self.host is not None:
+                self.host.add(Tokens(*(torch.stack([layer[i] for layer in evicted]) for i in range(5))))
             self._received = [None] * self.num_layers
             self.evictions += 1
             self.evicted_tokens += removed
             self.evict_s += time.perf_counter() - started
         self._queries = [None] * self.num_layers
 
-    def _evict_layer(self, layer: int) -> None:
+    def _evict_layer(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Keep the policy's choice; returns what left, in stream order per KV head: keys,
+        values (kv_heads, removed, head_dim), kinds, times, order (kv_heads, removed)."""
         policy, cached = self.policy, self.hf.layers[layer]
         total = cached.keys.shape[2]
         attention = None
@@ -209,14 +329,23 @@ class KVCache:
             previous = torch.cat([kept, kept.new_zeros(self.kv_heads, total - kept.shape[1])], dim=1)
         scores = policy.score(Observation(self.kv_heads, total, attention, previous, self._received[layer]))
         keep = policy.select(scores)  # (kv_heads, B), ascending: the kept tokens' new positions
+        keep_cpu = keep.cpu()
+        gone = torch.ones(self.kv_heads, total, dtype=torch.bool).scatter_(1, keep_cpu, False)
+        gone = gone.nonzero()[:, 1].view(self.kv_heads, -1)  # (kv_heads, removed), ascending
+        left = [None, None]
+        if self.host is not None:
+            index = gone.to(cached.keys.device)[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])
+            left = [cached.keys.gather(2, index)[0], cached.values.gather(2, index)[0]]
         index = keep.to(cached.keys.device)[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])
         cached.keys = cached.keys.gather(2, index)
         cached.values = cached.values.gather(2, index)
-        keep_cpu = keep.cpu()
+        left += [self.kinds[layer].gather(1, gone), self.times[layer].gather(1, gone), self.order[layer].gather(1, gone)]
         self.kinds[layer] = self.kinds[layer].gather(1, keep_cpu)
         self.times[layer] = self.times[layer].gather(1, keep_cpu)
+        self.order[layer] = self.order[layer].gather(1, keep_cpu)
         if policy.keeps_scores:
             self.scores[layer] = scores.float().gather(1, keep.to(scores.device))
+        return tuple(left)
 
     # -- read ----------------------------------------------------------------------------------
 
@@ -258,11 +387,14 @@ class KVCache:
             "values": [layer.values for layer in self.hf.layers],
             "kinds": self.kinds,
             "times": self.times,
+            "order": self.order,
+            "host": None if self.host is None else self.host.state(),
             "scores": self.scores,
             "queries": self._queries,
             "received": self._received,
             "scaling": self._scaling,
             "counters": [self.evictions, self.evicted_tokens, self.evict_s, self.max_position],
+            "retrieval": [self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s],
         }
 
     def load(self, state: dict, device: torch.device) -> None:
@@ -275,6 +407,13 @@ class KVCache:
             cached.lazy_initialization(keys, values)
             cached.keys, cached.values = keys, values
         self.kinds, self.times = state["kinds"], state["times"]
+        # A snapshot of a version without stream order: its tokens are in stream order
+        self.order = state.get("order") or [torch.arange(k.shape[1]).expand(self.kv_heads, -1).clone() for k in self.kinds]
+        if state.get("host") is not None and self.host is not None:
+            self.host = HostTier.load(state["host"], device)
+        self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s = state.get(
+            "retrieval", [int(self.order[0].max()) + 1 if self.tokens else 0, 0, 0, 0.0]
+        )
         self.scores, self._queries, self._received = here(state["scores"]), here(state["queries"]), here(state["received"])
         self._scaling = state["scaling"]
         self.evictions, self.evicted_tokens, self.evict_s, self.max_position = state["counters"]

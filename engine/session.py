@@ -9,6 +9,11 @@ Each group of `frames_per_prompt` frames is a prompt; so is each question, and e
 the markers that close its turn. The cache evicts down to the policy's budget after every
 prompt (after a question only with `evict_on_question`; h2o also after every generated token),
 so it never holds more than the budget plus one prompt plus one answer.
+
+With `recall`, what the cache evicts goes to a bounded host tier (`engine/host_tier.py`), and
+each question borrows back up to `retrieval_tokens` of it for its answer: then the cache holds
+at most the budget, the retrieval, the question and the answer, and between prompts exactly
+what it would hold without recall.
 """
 
 import io
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import attention
+from engine.host_tier import HostTier
 from engine.kv_cache import FRAME, TEXT, KVCache
 from engine.model import Model
 from engine.policies import Policy, make_policy
@@ -30,7 +36,9 @@ DEFAULT_SYSTEM_PROMPT = (
     "Answer questions about what you have seen, briefly."
 )
 EVIDENCE_WINDOW = 32  # the last queries of an answer whose attention picks its evidence
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2  # 2: with stream order and the host tier; 1 is still read
+HOST_BUDGET_MULTIPLE = 16  # host_budget_tokens when not given: this many times the budget
+MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the host tier
 MAX_SECONDS = 7 * 24 * 3600  # memory() tracks this much video; later seconds count as the last one
 
 
@@ -57,6 +65,11 @@ class SessionConfig:
     pool: int | None = None  # spatial pooling stride of each frame's patch grid; None: the model's
     prefill_chunk_tokens: int = 512  # the longest run of tokens in one forward
     evidence_top_k: int = 3  # video times returned as an answer's evidence
+    recall: bool = False  # keep what the cache evicts in a host tier; each question borrows from it
+    host_budget_tokens: int | None = None  # the host tier's bound, per layer; None: 16x the budget
+    retrieval_tokens: int | None = None  # borrowed per question, per layer; None: half the budget
+    page_tokens: int = 32  # evicted tokens per host page: the unit retrieved
+    page_keys: int = 2  # representative keys a page is scored by
 
     def __post_init__(self) -> None:
         for name in ("frames_per_prompt", "prefill_chunk_tokens"):
@@ -66,10 +79,34 @@ class SessionConfig:
             raise ValueError(f"pool must be >= 1, got {self.pool}")
         if self.evidence_top_k < 0:
             raise ValueError(f"evidence_top_k must be >= 0, got {self.evidence_top_k}")
-        self.make_policy()  # validates the policy and its options
+        policy = self.make_policy()  # validates the policy and its options
+        for name in ("host_budget_tokens", "retrieval_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.recall:
+            if not policy.evicts:
+                raise ValueError(f"recall needs a policy that evicts; {self.policy!r} keeps everything")
+            self.make_host_tier()  # validates the page options
 
     def make_policy(self) -> Policy:
         return make_policy(self.policy, budget_tokens=self.budget_tokens, **self.policy_options)
+
+    @property
+    def host_tokens(self) -> int:
+        """The host tier's bound, per layer (0 without recall)."""
+        if not self.recall:
+            return 0
+        return HOST_BUDGET_MULTIPLE * self.budget_tokens if self.host_budget_tokens is None else self.host_budget_tokens
+
+    @property
+    def borrowed_tokens(self) -> int:
+        """The most a question borrows, per layer (0 without recall)."""
+        if not self.recall:
+            return 0
+        return self.budget_tokens // 2 if self.retrieval_tokens is None else self.retrieval_tokens
+
+    def make_host_tier(self) -> HostTier | None:
+        return HostTier(self.host_tokens, self.page_tokens, self.page_keys) if self.recall else None
 
 
 @dataclass(frozen=True)
@@ -83,6 +120,12 @@ class SessionStats:
     evicted_tokens: int  # tokens evicted so far, per layer
     evict_ms: float  # time spent scoring, selecting and gathering
     max_position: int  # the highest position any token has had
+    host_tokens: int = 0  # tokens each layer of the host tier holds now
+    host_bytes: int = 0  # host memory of the host tier
+    host_index_bytes: int = 0  # device memory of its representative keys and open page
+    retrievals: int = 0  # questions that borrowed from the host tier
+    retrieved_tokens: int = 0  # tokens borrowed so far, per layer
+    retrieval_ms: float = 0.0  # time spent scoring pages and bringing them in
 
 
 @dataclass(frozen=True)
@@ -99,6 +142,8 @@ class Span:
     frame_held: float  # of those, held now (mean over layers and KV heads)
     text_seen: int  # text tokens appended while it was the latest video time
     text_held: float
+    frame_host: float = 0.0  # of the frame tokens, in the host tier now (mean over layers and KV heads)
+    text_host: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +154,8 @@ class Memory:
     frame_tokens: float  # held, mean over layers and KV heads
     text_tokens: float
     spans: list[Span]  # the stream so far, in equal spans of whole seconds
+    host_budget_tokens: int = 0  # 0: no host tier
+    host_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +183,11 @@ class Answer(Iterator[str]):
     def evidence(self) -> list[Evidence]:
         return self._result["evidence"]
 
+    @property
+    def recalled_s(self) -> list[int]:
+        """Whole seconds of video whose tokens the answer borrowed from the host tier."""
+        return self._result["recalled_s"]
+
     def __next__(self) -> str:
         return next(self._pieces)
 
@@ -154,7 +206,9 @@ class Session:
         self.model = model
         self.config = config
         self.policy = config.make_policy()
-        self.cache = KVCache(self.policy, model.rotary, model.num_layers, model.kv_heads, EVIDENCE_WINDOW)
+        self.cache = KVCache(
+            self.policy, model.rotary, model.num_layers, model.kv_heads, EVIDENCE_WINDOW, config.make_host_tier()
+        )
         self._frames = 0
         self._video_time_s = 0.0
         self._tokens_seen = 0
@@ -210,7 +264,7 @@ class Session:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         self._close_answer()
-        result = {"tokens": 0, "evidence": []}
+        result = {"tokens": 0, "evidence": [], "recalled_s": []}
         self._open_answer = self._generate(question, max_new_tokens, result)
         return Answer(self._open_answer, result)
 
@@ -223,6 +277,7 @@ class Session:
     def _generate(self, question: str, max_new_tokens: int, result: dict) -> Iterator[str]:
         model, chat, policy = self.model, self.model.chat, self.policy
         question_ids = model.tokenize(question, user=True)
+        borrowed = self.cache.begin_retrieval(self.config.borrowed_tokens)
         logits = self._run([self._part(question_ids), self._text(chat.user_to_assistant)])
         if policy.evict_on_question:
             self.cache.evict()
@@ -252,9 +307,12 @@ class Session:
         finally:
             self._run([self._part(unfed), self._text(chat.assistant_to_user)])
             self._add_evidence(evidence)
+            self.cache.give_back()
             self.cache.evict()
             self._open_answer = None
             result["evidence"] = self._top_evidence(evidence)
+            if borrowed:
+                result["recalled_s"] = sorted(self.cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
 
     def _add_evidence(self, evidence: dict[float, float]) -> None:
         for time_s, mass in self.cache.frame_attention().items():
@@ -333,6 +391,12 @@ class Session:
             evicted_tokens=cache.evicted_tokens,
             evict_ms=round(cache.evict_s * 1000, 3),
             max_position=cache.max_position,
+            host_tokens=cache.host.tokens if cache.host else 0,
+            host_bytes=cache.host.nbytes if cache.host else 0,
+            host_index_bytes=cache.host.device_bytes if cache.host else 0,
+            retrievals=cache.retrievals,
+            retrieved_tokens=cache.retrieved_tokens,
+            retrieval_ms=round(cache.retrieve_s * 1000, 3),
         )
 
     def memory(self, max_spans: int = 600) -> Memory:
@@ -350,6 +414,13 @@ class Session:
         frame_seen, text_seen = per_span(self._seen[FRAME]), per_span(self._seen[TEXT])
         frame_held = per_span(self.cache.held_per_second(FRAME, seconds))
         text_held = per_span(self.cache.held_per_second(TEXT, seconds))
+        host = self.cache.host
+        if host is not None:
+            layers, heads = self.model.num_layers, self.model.kv_heads
+            frame_host = per_span(host.per_second(FRAME, seconds, layers, heads))
+            text_host = per_span(host.per_second(TEXT, seconds, layers, heads))
+        else:
+            frame_host = text_host = [0.0] * count
         return Memory(
             policy=self.policy.name,
             budget_tokens=self.policy.budget_tokens if self.policy.evicts else None,
@@ -364,9 +435,13 @@ class Session:
                     round(frame_held[i], 2),
                     int(text_seen[i]),
                     round(text_held[i], 2),
+                    round(frame_host[i], 2),
+                    round(text_host[i], 2),
                 )
                 for i in range(count)
             ],
+            host_budget_tokens=self.config.host_tokens,
+            host_tokens=host.tokens if host is not None else 0,
         )
 
     # -- snapshot ------------------------------------------------------------------------------
@@ -391,7 +466,7 @@ class Session:
     def restore(cls, model: Model, data: bytes) -> "Session":
         """The session a `snapshot` was taken of, on `model` (the same model)."""
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        if state.get("format") != SNAPSHOT_FORMAT:
+        if state.get("format") not in (1, SNAPSHOT_FORMAT):
             raise ValueError(f"unknown snapshot format {state.get('format')!r}")
         if state["model"] != model.name:
             raise ValueError(f"the snapshot is of model {state['model']!r}, not {model.name!r}")

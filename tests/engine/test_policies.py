@@ -27,7 +27,7 @@ def _cache(policy, queries: torch.Tensor, stored: torch.Tensor) -> tuple[KVCache
     are `queries` (1, q_heads, w, d); and the keys the attention sees: `stored` rotated at their index."""
     cache = KVCache(policy, ROTARY, num_layers=1, kv_heads=KV_HEADS)
     _store(cache, stored)
-    seen = cache.attend(0, queries, stored, SCALING)
+    seen, _ = cache.attend(0, queries, stored, torch.zeros_like(stored), SCALING)
     cache.append(torch.zeros(stored.shape[2], dtype=torch.int8), torch.zeros(stored.shape[2]))
     return cache, seen
 
@@ -166,7 +166,7 @@ def test_h2o_in_the_cache_sums_every_querys_attention_and_carries_it_over():
     new_queries, new_keys = torch.randn(1, KV_HEADS * GROUP, WINDOW, HEAD_DIM), torch.randn(1, KV_HEADS, WINDOW, HEAD_DIM)
     stored_now = torch.cat([cache.hf.layers[0].keys, new_keys], dim=2)  # the kept keys, then the new
     _store(cache, stored_now)
-    seen_now = cache.attend(0, new_queries, stored_now, SCALING)
+    seen_now, _ = cache.attend(0, new_queries, stored_now, torch.zeros_like(stored_now), SCALING)
     cache.append(torch.zeros(WINDOW, dtype=torch.int8), torch.zeros(WINDOW))
     second = _received(new_queries, seen_now)
     total = [[(carried[h] + [0.0] * WINDOW)[j] + second[h][j] for j in range(45)] for h in range(KV_HEADS)]

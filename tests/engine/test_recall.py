@@ -1,0 +1,179 @@
+"""Recall: what the bounded cache evicts goes to a bounded host tier, bit for bit, and a question
+borrows it back for its answer only."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine import Session, SessionConfig, load_model
+from engine.host_tier import HostTier, Tokens
+
+BUDGET = 160
+FRAME_TOKENS = 23  # tiny-random-llava: 16 visual tokens, "[1.0s]" and "\n"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-random-llava", "cpu")
+
+
+def frames(count: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (64, 96, 3), dtype=np.uint8) for _ in range(count)]
+
+
+def config(**changes) -> SessionConfig:
+    return SessionConfig(**{"policy": "infmllm", "budget_tokens": BUDGET, "recall": True, **changes})
+
+
+def watched(model, count: int, **changes) -> Session:
+    session = Session(model, config(**changes))
+    session.append_frames(frames(count), [float(t) for t in range(count)])
+    return session
+
+
+def test_the_stream_runs_exactly_as_without_recall(model):
+    """The tier only receives: scores, the device cache and its bound are the same."""
+    plain, recalling = Session(model, config(recall=False)), Session(model, config())
+    for start in range(0, 24, 4):
+        times = [float(t) for t in range(start, start + 4)]
+        assert plain.append_frames(frames(4, start), times) == recalling.append_frames(frames(4, start), times)
+    assert recalling.stats().evictions > 3
+    assert recalling.stats().cache_tokens == plain.stats().cache_tokens == BUDGET
+    for mine, theirs in zip(recalling.cache.hf.layers, plain.cache.hf.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def test_what_the_cache_evicts_reaches_the_host_tier_bit_for_bit(model):
+    session = Session(model, config())
+    cache, seen = session.cache, {}
+    evict = cache.evict
+
+    def remember_then_evict() -> None:  # every token's keys and values as they were cached
+        for layer, cached in enumerate(cache.hf.layers):
+            for head in range(cache.kv_heads):
+                for index, place in enumerate(cache.order[layer][head].tolist()):
+                    seen[layer, head, place] = (cached.keys[0, head, index].clone(), cached.values[0, head, index].clone())
+        evict()
+
+    cache.evict = remember_then_evict
+    session.append_frames(frames(20), [float(t) for t in range(20)])
+    host = cache.host
+    assert host.tokens == session.stats().evicted_tokens == session.stats().tokens_seen - BUDGET
+    parts = [page.tokens for page in host.pages.values()] + [host.open]
+    checked = 0
+    for part in parts:
+        for layer in range(cache.num_layers):
+            for head in range(cache.kv_heads):
+                for index, place in enumerate(part.order[layer, head].tolist()):
+                    keys, values = seen[layer, head, place]
+                    assert torch.equal(part.keys[layer, head, index], keys)
+                    assert torch.equal(part.values[layer, head, index], values)
+                    checked += 1
+    assert checked == host.tokens * cache.num_layers * cache.kv_heads
+
+
+def test_borrowing_everything_evicted_answers_exactly_as_the_full_cache(model):
+    """With room for all of the host tier, the question sees every token, in stream order, at
+    the positions the full cache gives them: the same answer, token for token."""
+    full = Session(model, SessionConfig(policy="full", evidence_top_k=16))
+    full.append_frames(frames(16), [float(t) for t in range(16)])
+    recalling = watched(model, 16, retrieval_tokens=4096, evidence_top_k=16)
+    assert recalling.stats().host_tokens == full.stats().cache_tokens - BUDGET
+    expected = full.ask("What was first?", max_new_tokens=12)
+    answer = recalling.ask("What was first?", max_new_tokens=12)
+    assert "".join(answer) == "".join(expected)
+    weights = {e.time_s: e.weight for e in expected.evidence}  # near-even on a random model: compare all
+    assert {e.time_s: e.weight for e in answer.evidence} == pytest.approx(weights, abs=1e-4)
+    assert len(weights) == 16
+    assert answer.recalled_s == list(range(16))[: len(answer.recalled_s)] and len(answer.recalled_s) >= 8
+
+
+def test_after_the_answer_the_device_cache_holds_what_it_would_without_recall(model):
+    session = watched(model, 16, retrieval_tokens=64)
+    before = session.stats()
+    answer = session.ask("What was first?", max_new_tokens=6)
+    assert len(list(answer)) >= 1
+    after = session.stats()
+    assert after.cache_tokens == BUDGET  # borrowed tokens went back; the turn was evicted as usual
+    assert after.retrievals == 1 and 32 < after.retrieved_tokens <= 64  # whole pages and the open one
+    assert after.retrieval_ms > 0
+    assert all(borrowed is None for borrowed in session.cache.borrowed)
+    assert after.host_tokens >= before.host_tokens  # what was borrowed is still there
+    kept = set(session.cache.order[0][0].tolist())
+    held = [set(page.tokens.order[0, 0].tolist()) for page in session.cache.host.pages.values()]
+    assert all(not kept & tokens for tokens in held)  # nothing is both on the device and in the tier
+
+
+def test_the_host_tier_stays_within_its_budget_over_a_long_stream(model):
+    session = Session(model, config(host_budget_tokens=256, page_tokens=32))
+    sizes = []
+    for start in range(0, 80, 8):
+        session.append_frames(frames(8, start), [float(t) for t in range(start, start + 8)])
+        stats = session.stats()
+        assert stats.host_tokens <= 256
+        sizes.append(stats.host_bytes)
+    assert session.cache.host.dropped_pages > 20
+    assert max(sizes[-4:]) <= 1.05 * min(sizes[-4:])  # flat once full
+    assert session.stats().cache_tokens == BUDGET
+
+
+def test_pages_are_dropped_least_retrieved_first_then_oldest():
+    tier = HostTier(budget_tokens=4 * 8, page_tokens=8, page_keys=2)
+
+    def tokens(start: int, count: int) -> Tokens:
+        order = torch.arange(start, start + count).expand(1, 1, count)
+        keys = torch.randn(1, 1, count, 4)
+        return Tokens(keys, keys.clone(), torch.zeros(1, 1, count, dtype=torch.int8), order.float(), order.clone())
+
+    tier.add(tokens(0, 32))  # pages 0..3, the budget
+    assert sorted(p.number for p in tier.pages.values()) == [0, 1, 2, 3]
+    next(p for p in tier.pages.values() if p.number == 0).hits = 2  # the oldest was retrieved
+    tier.add(tokens(32, 16))
+    assert sorted(p.number for p in tier.pages.values()) == [0, 3, 4, 5]
+    assert tier.tokens == 32 and tier.dropped_pages == 2
+
+
+def test_a_snapshot_keeps_the_host_tier_and_the_next_answer(model):
+    session = watched(model, 16, retrieval_tokens=96)
+    list(session.ask("And now?", max_new_tokens=4))
+    restored = Session.restore(model, session.snapshot())
+    assert restored.stats() == session.stats()
+    mine, theirs = session.cache.host, restored.cache.host
+    assert sorted((p.number, p.hits) for p in mine.pages.values()) == sorted((p.number, p.hits) for p in theirs.pages.values())
+    expected, answer = session.ask("What was first?", max_new_tokens=8), restored.ask("What was first?", max_new_tokens=8)
+    assert "".join(answer) == "".join(expected)
+    assert answer.recalled_s == expected.recalled_s
+
+
+def test_the_memory_view_tells_device_host_and_dropped_apart(model):
+    session = watched(model, 40, host_budget_tokens=320)
+    memory = session.memory()
+    assert (memory.host_budget_tokens, memory.host_tokens) == (320, session.stats().host_tokens)
+    early, late = memory.spans[0], memory.spans[-1]
+    assert early.frame_host == 0 and early.frame_held < early.frame_seen  # dropped: the tier is full
+    assert late.frame_held > 0
+    in_host = sum(span.frame_host + span.text_host for span in memory.spans)
+    assert in_host == pytest.approx(memory.host_tokens, abs=1)
+    for span in memory.spans:
+        assert span.frame_held + span.frame_host <= span.frame_seen + 1e-6
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"policy": "full"}, "recall needs a policy that evicts"),
+        ({"host_budget_tokens": 16}, "host_budget_tokens"),
+        ({"page_tokens": 30, "page_keys": 4}, "page_tokens"),
+        ({"retrieval_tokens": -1}, "retrieval_tokens"),
+    ],
+)
+def test_bad_recall_options_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        config(**changes)
+
+
+def test_recall_defaults_follow_the_budget():
+    chosen = config()
+    assert (chosen.host_tokens, chosen.borrowed_tokens) == (16 * BUDGET, BUDGET // 2)
+    assert (config(recall=False).host_tokens, config(recall=False).borrowed_tokens) == (0, 0)
