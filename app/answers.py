@@ -62,6 +62,9 @@ class Answer(BaseModel):
     answer: str
     tokens: int
     evidence: list[Evidence] = Field(description="The frames the answer attended to most, strongest first.")
+    recalled_s: list[int] = Field(
+        [], description="With recall: whole seconds of video whose tokens the answer brought back from the host tier."
+    )
     video_time_s: float = Field(description="Video time of the last frame the answer could see.")
     cache_tokens: int = Field(description="KV cache tokens when the answer finished.")
     ttft_ms: float | None = Field(description="From the question reaching the gateway to the first answer token.")

@@ -59,9 +59,10 @@ async def create_session(
         if model != settings.model and model not in {w.model for w in registry}:
             raise ApiError(404, "model_not_found", f"no worker serves model {model!r}; GET /models lists the models served")
         raise ApiError(503, "no_worker", f"no worker serves model {model!r} now", retry)
-    if not any(w.fits(options.budget_tokens) for w in workers):
+    if not any(w.fits(options.budget_tokens, options.borrowed_tokens, options.host_tokens) for w in workers):
+        tier = f" and a {options.host_tokens}-token host tier" if options.recall else ""
         raise ApiError(
-            503, "no_capacity", f"no worker serving {model!r} has room for a {options.budget_tokens}-token cache now", retry
+            503, "no_capacity", f"no worker serving {model!r} has room for a {options.budget_tokens}-token cache{tier} now", retry
         )
     places = sum(w.max_sessions for w in workers)
     try:
@@ -143,8 +144,8 @@ async def upload(
 @router.get("/sessions/{session_id}/memory")
 async def memory(session: AuthorizedSession, redis: RedisDep, keys: KeysDep) -> MemoryReport:
     """What the session's bounded cache holds now: tokens per kind, and per span of video time
-    how many frame tokens were appended and how many are still held (the dashboard's memory
-    view). Updated by the worker at most once a second while it ingests, and after each answer."""
+    how many frame tokens were appended, how many are still held on the device, and (with
+    recall) how many are in the host tier; the rest were dropped (the dashboard's memory view). Updated by the worker at most once a second while it ingests, and after each answer."""
     stored = await redis.get(keys.memory(session.id))
     if stored is not None:
         return MemoryReport.model_validate_json(stored)
@@ -153,6 +154,7 @@ async def memory(session: AuthorizedSession, redis: RedisDep, keys: KeysDep) -> 
         budget_tokens=None if session.policy == "full" else session.budget_tokens,
         cache_tokens=session.cache_tokens, frame_tokens=0, text_tokens=0, evictions=0, evicted_tokens=0,
         frames=session.frames_ingested, video_time_s=session.video_time_s, spans=[], updated_at=session.created_at,
+        recall=session.recall, host_budget_tokens=session.host_budget_tokens,
     )
 
 

@@ -163,6 +163,9 @@ class SessionStore:
             fps=options.fps,
             policy_options=options.policy_options.chosen(),
             system_prompt=options.system_prompt,
+            recall=options.recall,
+            host_budget_tokens=options.host_tokens,
+            retrieval_tokens=options.borrowed_tokens,
         )
         fields = {**protocol.to_hash(**record.model_dump()), "token_sha256": _digest(token), "owner": owner}
         keys = [

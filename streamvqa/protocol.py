@@ -16,7 +16,7 @@ import time
 from enum import IntEnum, StrEnum
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 GROUP = "workers"  # the consumer group on every stream that workers read
 
@@ -36,10 +36,16 @@ MAX_ANSWER_TOKENS = 1024  # the most tokens one answer may have
 PROMPT_RESERVE_TOKENS = 2048  # the longest prompt (a question with its turn markers, or a group of frames) a cache takes at once
 
 
-def peak_cache_tokens(budget_tokens: int) -> int:
+HOST_BUDGET_MULTIPLE = 16  # with recall, the host tier holds this many times the budget unless told
+MAX_HOST_BUDGET_TOKENS = 4_000_000
+# Host bytes per token beside its keys and values, per layer and KV head: kind (1), time (4), place in the stream (8)
+HOST_TOKEN_OVERHEAD_BYTES = 13
+
+
+def peak_cache_tokens(budget_tokens: int, retrieval_tokens: int = 0) -> int:
     """The most tokens a session's cache ever holds: its budget, one prompt and one answer
-    (it evicts down to the budget after each)."""
-    return budget_tokens + PROMPT_RESERVE_TOKENS + MAX_ANSWER_TOKENS
+    (it evicts down to the budget after each), and what a question borrows from the host tier."""
+    return budget_tokens + retrieval_tokens + PROMPT_RESERVE_TOKENS + MAX_ANSWER_TOKENS
 EVENTS_MAXLEN = 1000  # a session's recent events (ingest progress, errors, state changes)
 STREAMER_TTL_S = 10  # a connection's claim on its session's media (a stream socket, an upload), renewed every third of it
 
@@ -244,6 +250,44 @@ class SessionOptions(BaseModel):
     system_prompt: str | None = Field(
         None, min_length=1, max_length=MAX_SYSTEM_PROMPT_CHARS, description="Replaces the model's default system prompt."
     )
+    recall: bool = Field(
+        False,
+        description="Keep what the cache evicts in a bounded host tier (CPU memory), and let each question "
+        "bring back the parts of the past it needs for its answer. Needs a policy that evicts.",
+    )
+    host_budget_tokens: int | None = Field(
+        None, ge=32, le=MAX_HOST_BUDGET_TOKENS,
+        description=f"With recall: evicted tokens the host tier keeps, per layer (oldest and least recalled "
+        f"pages go first); {HOST_BUDGET_MULTIPLE}x budget_tokens when absent.",
+    )
+    retrieval_tokens: int | None = Field(
+        None, ge=0, le=1_000_000,
+        description="With recall: host tokens one question brings back, per layer; half of budget_tokens when absent.",
+    )
+
+    @model_validator(mode="after")
+    def _recall_options(self) -> SessionOptions:
+        if not self.recall:
+            given = [name for name in ("host_budget_tokens", "retrieval_tokens") if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} need recall: true")
+        elif self.policy == "full":
+            raise ValueError("recall needs a policy that evicts; 'full' keeps everything")
+        return self
+
+    @property
+    def host_tokens(self) -> int:
+        """The host tier's bound, per layer (0 without recall)."""
+        if not self.recall:
+            return 0
+        return self.host_budget_tokens if self.host_budget_tokens is not None else HOST_BUDGET_MULTIPLE * self.budget_tokens
+
+    @property
+    def borrowed_tokens(self) -> int:
+        """The most one question borrows from the host tier, per layer (0 without recall)."""
+        if not self.recall:
+            return 0
+        return self.retrieval_tokens if self.retrieval_tokens is not None else self.budget_tokens // 2
 
     @field_validator("policy_options")
     @classmethod
@@ -274,6 +318,9 @@ class SessionRecord(BaseModel):
     fps: float
     policy_options: dict[str, bool | int | float | str] = Field(default_factory=dict)
     system_prompt: str | None = None
+    recall: bool = False
+    host_budget_tokens: int = Field(0, description="With recall, the host tier's bound per layer; 0 without.")
+    retrieval_tokens: int = Field(0, description="With recall, what one question may bring back per layer; 0 without.")
     state: SessionState = SessionState.PENDING
     error: str | None = None
     worker: str | None = None
@@ -332,6 +379,7 @@ class DoneEvent(BaseModel):
     answer: str
     tokens: int  # generated tokens
     evidence: list[Evidence] = []
+    recalled_s: list[int] = []
     video_time_s: float
     cache_tokens: int
     worker_ms: float  # from the worker reading the question to the last token
@@ -458,6 +506,7 @@ class AnswerDoneEvent(BaseModel):
     answer: str
     tokens: int
     evidence: list[Evidence]
+    recalled_s: list[int] = []
     video_time_s: float
     cache_tokens: int
     ttft_ms: float | None
@@ -479,6 +528,8 @@ class MemorySpan(BaseModel):
     frame_held: float = Field(description="Of those, held now (mean over layers and KV heads).")
     text_seen: int = Field(description="Text tokens (questions, answers) appended while it was the latest video time.")
     text_held: float
+    frame_host: float = Field(0.0, description="Of the frame tokens, in the host tier now (recall), and so recallable.")
+    text_host: float = 0.0
 
 
 class MemoryReport(BaseModel):
@@ -493,7 +544,15 @@ class MemoryReport(BaseModel):
     evicted_tokens: int = Field(description="Tokens evicted so far, per layer.")
     frames: int = Field(description="Frames appended so far.")
     video_time_s: float
-    spans: list[MemorySpan] = Field(description="The stream so far in at most 600 equal spans of whole seconds.")
+    spans: list[MemorySpan] = Field(
+        description="The stream so far in at most 600 equal spans of whole seconds. What was seen and is neither "
+        "held nor in the host tier was dropped."
+    )
+    recall: bool = False
+    host_budget_tokens: int = Field(0, description="The host tier's bound, per layer; 0 without recall.")
+    host_tokens: int = Field(0, description="Tokens in the host tier now, per layer.")
+    host_bytes: int = Field(0, description="Host memory the tier takes.")
+    retrievals: int = Field(0, description="Questions that brought tokens back from the host tier.")
     updated_at: float = Field(description="Unix time the worker wrote this report.")
 
 
@@ -506,17 +565,27 @@ class WorkerInfo(BaseModel):
     session_ids: list[str] = []  # the sessions it holds (at most max_sessions)
     kv_bytes_per_token: int = 0  # its model's cache bytes per token (0: unknown)
     kv_free_bytes: int = 0  # cache memory not reserved by its sessions (each reserves its peak)
+    host_bytes_per_token: int = 0  # a host tier token's bytes, over all layers (0: unknown)
+    host_free_bytes: int = 0  # host memory for host tiers not reserved by its sessions (each reserves its bound)
     # counters since the worker started, and its live sessions' ingest lag, for GET /metrics
     frames_ingested: int = 0
     evictions: int = 0
     answers: int = 0
     ingest_lag_s: float = 0.0
+    host_bytes: int = 0  # its sessions' host tiers now
+    retrieved_tokens: int = 0  # host tokens brought back per layer for questions, since it started
+    retrieval_ms: float = 0.0  # time spent choosing and bringing them back
 
-    def fits(self, budget_tokens: int) -> bool:
-        """Whether a session with this budget fits now (by count and by cache memory)."""
+    def fits(self, budget_tokens: int, retrieval_tokens: int = 0, host_tokens: int = 0) -> bool:
+        """Whether a session with this budget (and host tier) fits now: by count, by cache memory
+        and by host memory."""
         if self.sessions >= self.max_sessions:
             return False
-        return self.kv_bytes_per_token == 0 or peak_cache_tokens(budget_tokens) * self.kv_bytes_per_token <= self.kv_free_bytes
+        cache = peak_cache_tokens(budget_tokens, retrieval_tokens) * self.kv_bytes_per_token
+        host = host_tokens * self.host_bytes_per_token
+        return (self.kv_bytes_per_token == 0 or cache <= self.kv_free_bytes) and (
+            self.host_bytes_per_token == 0 or host <= self.host_free_bytes
+        )
 
     @property
     def alive(self) -> bool:

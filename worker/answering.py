@@ -15,6 +15,7 @@ class AnswerRun:
     stream: str  # the answer's stream key
     pieces: Answer  # the engine's answer: one piece of text per `next`, run on the engine's thread
     evictions_before: int  # the session's evictions when the answer started
+    retrieved_before: tuple[int, float]  # the session's retrieved tokens and retrieval ms then
     started_at: float = field(default_factory=time.monotonic)  # when the worker started it
     text: list[str] = field(default_factory=list)
     outbox: list[TokenEvent] = field(default_factory=list)  # pieces not yet in the answer stream (Redis failed)
@@ -41,6 +42,7 @@ class AnswerRun:
             answer="".join(self.text),
             tokens=self.pieces.tokens,
             evidence=[Evidence(time_s=e.time_s, weight=e.weight) for e in self.pieces.evidence],
+            recalled_s=self.pieces.recalled_s,
             video_time_s=stats.video_time_s,
             cache_tokens=stats.cache_tokens,
             worker_ms=round((time.monotonic() - self.started_at) * 1000, 1),

@@ -186,6 +186,13 @@ def available_kv_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
+def available_host_memory(device: torch.device) -> int:
+    """Host memory the sessions' host tiers may use: half the RAM available beside a GPU, a
+    quarter on a CPU (where the caches take half)."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // 2 if device.type == "cuda" else available // 4
+
+
 def prefix_folder(prefix: str) -> str:
     """A folder name for a key prefix, so that deployments sharing SPOOL_DIR or SNAPSHOT_DIR
     never touch each other's files."""
@@ -207,6 +214,7 @@ class Hosted:
     unacked: list[bytes] = field(default_factory=list)  # live media entries no snapshot covers yet
     changed: bool = False  # the cache changed since the last snapshot
     lag_s: float = 0.0  # how far behind real time its last live frame was appended
+    host_bytes: int = 0  # its host tier's bytes (recall), after its last step
     memory_at: float = 0.0  # monotonic time of its last memory report
     memory_stale: bool = False  # the cache changed after it
     snapshot_at: float = field(default_factory=time.monotonic)
@@ -289,6 +297,7 @@ class Worker:
         self._abandon_upload = redis.register_script(ABANDON_UPLOAD_LUA)
         self._claiming: set[str] = set()  # sessions being opened: advertised, not yet held
         self.frames_ingested = self.evictions = self.answers = 0  # since start, advertised for GET /metrics
+        self.retrieved_tokens, self.retrieval_ms = 0, 0.0  # brought back from host tiers for questions, since start
         self.spool_dir = settings.spool_dir / prefix_folder(settings.redis_prefix)
         self.snapshots = SnapshotStore(
             redis, self.keys, settings.snapshot_dir / prefix_folder(settings.redis_prefix),
@@ -297,6 +306,8 @@ class Worker:
         self._lease_ms = int(settings.lease_ttl_s * 1000)
         self._lease_margin_s = settings.lease_ttl_s * 0.8  # act on a lease only this long after renewing it
         self.kv_memory_bytes = settings.kv_memory_bytes or available_kv_memory(model.device)
+        self.host_memory_bytes = settings.host_memory_bytes or available_host_memory(model.device)
+        self.host_bytes_per_token = model.kv_bytes_per_token + model.num_layers * model.kv_heads * protocol.HOST_TOKEN_OVERHEAD_BYTES
         self._no_room_until = 0.0  # after a session that did not fit, the pending queue waits
         self._pending_at = 0.0  # monotonic time the pending queue was last read
         self._orphans_at = 0.0  # ... and searched for entries a dead worker read but never took
@@ -324,8 +335,8 @@ class Worker:
                 backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
         heartbeat = asyncio.create_task(self._heartbeat())
         log.info(
-            "worker %s serves %s (at most %d sessions, %d MiB for their caches)",
-            self.id, self.model.name, self.settings.max_sessions, self.kv_memory_bytes // 2**20,
+            "worker %s serves %s (at most %d sessions, %d MiB for their caches, %d MiB for host tiers)",
+            self.id, self.model.name, self.settings.max_sessions, self.kv_memory_bytes // 2**20, self.host_memory_bytes // 2**20,
         )
         backoff_s = 0.1
         try:
@@ -513,9 +524,18 @@ class Worker:
     # -- sessions ------------------------------------------------------------------------------
 
     def _kv_free_bytes(self) -> int:
-        held = [h.record.budget_tokens for h in self.sessions.values()]
-        reserved = sum(protocol.peak_cache_tokens(budget) for budget in held) * self.model.kv_bytes_per_token
-        return max(0, self.kv_memory_bytes - reserved)
+        records = [h.record for h in self.sessions.values()]
+        peaks = sum(protocol.peak_cache_tokens(r.budget_tokens, r.retrieval_tokens) for r in records)
+        return max(0, self.kv_memory_bytes - peaks * self.model.kv_bytes_per_token)
+
+    def _host_free_bytes(self) -> int:
+        reserved = sum(h.record.host_budget_tokens for h in self.sessions.values()) * self.host_bytes_per_token
+        return max(0, self.host_memory_bytes - reserved)
+
+    def _fits(self, record: SessionRecord) -> bool:
+        """Whether the session's peak cache and its host tier fit in the memory not reserved yet."""
+        cache = protocol.peak_cache_tokens(record.budget_tokens, record.retrieval_tokens) * self.model.kv_bytes_per_token
+        return cache <= self._kv_free_bytes() and record.host_budget_tokens * self.host_bytes_per_token <= self._host_free_bytes()
 
     async def _take_new_sessions(self) -> None:
         """Take up to the room left (MAX_SESSIONS, cache memory) from the pending queue of this
@@ -562,7 +582,7 @@ class Worker:
                 return
             stored.pop(b"token_sha256", None)
             record = SessionRecord.from_hash(stored)
-            if protocol.peak_cache_tokens(record.budget_tokens) * self.model.kv_bytes_per_token > self._kv_free_bytes():
+            if not self._fits(record):
                 await self._release(keys=[lease], args=[self.id])  # no room for its cache here: back in the queue
                 await self._requeue(session_id, self.id)
                 self._no_room_until = time.monotonic() + 1.0
@@ -595,6 +615,8 @@ class Worker:
                 policy=record.policy,
                 budget_tokens=record.budget_tokens,
                 policy_options=record.policy_options,
+                recall=record.recall,
+                **({"host_budget_tokens": record.host_budget_tokens, "retrieval_tokens": record.retrieval_tokens} if record.recall else {}),
                 **({"system_prompt": record.system_prompt} if record.system_prompt else {}),
             )
             hosted = Hosted(record, await self._in_engine(Session, self.model, config))
@@ -767,13 +789,14 @@ class Worker:
         if hosted.error:
             await self._refuse(session_id, entry_id, stream, ErrorEvent(code="session_error", message=hosted.error))
             return
-        evictions = hosted.engine.stats().evictions
+        before = hosted.engine.stats()
 
         def begin() -> tuple[int, AnswerRun | None, str | None]:  # on the engine's thread
             tokens = len(self.model.tokenize(question.question, user=True))
             if tokens > protocol.MAX_QUESTION_TOKENS:
                 return tokens, None, None
-            run = AnswerRun(entry_id, question, stream, hosted.engine.ask(question.question, question.max_new_tokens), evictions)
+            pieces = hosted.engine.ask(question.question, question.max_new_tokens)
+            run = AnswerRun(entry_id, question, stream, pieces, before.evictions, (before.retrieved_tokens, before.retrieval_ms))
             return tokens, run, next(run.pieces, None)
 
         try:
@@ -824,7 +847,11 @@ class Worker:
         hosted.answer = None
         hosted.changed = True
         self.answers += 1
-        self.evictions += hosted.engine.stats().evictions - run.evictions_before
+        stats = hosted.engine.stats()
+        self.evictions += stats.evictions - run.evictions_before
+        self.retrieved_tokens += stats.retrieved_tokens - run.retrieved_before[0]
+        self.retrieval_ms += stats.retrieval_ms - run.retrieved_before[1]
+        hosted.host_bytes = stats.host_bytes
         await self._consume(self.keys.questions(session_id), run.entry_id)
         await self._set(session_id, **self._progress(hosted.engine))
         await self._report_memory(session_id, hosted, force=True)
@@ -936,7 +963,9 @@ class Worker:
                 await self._in_engine(hosted.engine.append_frames, images, times)
                 hosted.changed = True
                 self.frames_ingested += len(batch.frames)
-                self.evictions += hosted.engine.stats().evictions - evictions
+                stats = hosted.engine.stats()
+                self.evictions += stats.evictions - evictions
+                hosted.host_bytes = stats.host_bytes
                 hosted.lag_s = batch.lag_s if ingest.live else 0.0
         except DecodeError as err:
             await self._fail(session_id, hosted, str(err))
@@ -1065,6 +1094,11 @@ class Worker:
             frames=stats.frames,
             video_time_s=round(stats.video_time_s, 3),
             spans=[MemorySpan(**asdict(span)) for span in memory.spans],
+            recall=hosted.record.recall,
+            host_budget_tokens=memory.host_budget_tokens,
+            host_tokens=memory.host_tokens,
+            host_bytes=stats.host_bytes,
+            retrievals=stats.retrievals,
             updated_at=time.time(),
         )
         keys = [self.keys.session(session_id), self.keys.memory(session_id)]
@@ -1126,6 +1160,11 @@ class Worker:
             session_ids=[*self.sessions, *self._claiming],
             kv_bytes_per_token=self.model.kv_bytes_per_token,
             kv_free_bytes=self._kv_free_bytes(),
+            host_bytes_per_token=self.host_bytes_per_token,
+            host_free_bytes=self._host_free_bytes(),
+            host_bytes=sum(h.host_bytes for h in self.sessions.values()),
+            retrieved_tokens=self.retrieved_tokens,
+            retrieval_ms=round(self.retrieval_ms, 3),
             frames_ingested=self.frames_ingested,
             evictions=self.evictions,
             answers=self.answers,

@@ -15,6 +15,10 @@ class WorkerSettings(CommonSettings):
         0, ge=0, description="Memory for the sessions' caches (each reserves its peak); 0: 90% of the GPU's "
         "free memory once the model is loaded, or half the available RAM on a CPU.",
     )
+    host_memory_bytes: int = Field(
+        0, ge=0, description="Host memory for the sessions' host tiers (recall; each reserves its bound); 0: a "
+        "quarter of the available RAM on a CPU, half of it beside a GPU.",
+    )
     lease_ttl_s: float = Field(15.0, ge=1.0, description="A session whose worker is silent this long is free.")
     idle_release_s: float = Field(
         120.0, ge=0, description="A session with no question, media or answer for this long leaves its worker "

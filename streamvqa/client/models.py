@@ -72,6 +72,7 @@ class Answer:
     ttft_ms: float | None = None  # question at the gateway to the first token (None where not reported)
     total_ms: float | None = None
     question: str = ""
+    recalled_s: list[int] = field(default_factory=list)  # seconds of video brought back from the host tier (recall)
 
     @classmethod
     def from_json(cls, body: dict, question: str = "") -> Answer:
@@ -85,6 +86,7 @@ class Answer:
             ttft_ms=body.get("ttft_ms"),
             total_ms=body.get("total_ms"),
             question=question,
+            recalled_s=list(body.get("recalled_s", [])),
         )
 
 

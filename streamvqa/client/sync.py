@@ -36,7 +36,8 @@ class Client:
 
     def create_session(self, **options: Any) -> Session:
         """A new session. Options (all optional): fps, model, policy, budget_tokens,
-        system_prompt, policy_options; see `POST /sessions` in the README."""
+        system_prompt, policy_options, recall, host_budget_tokens, retrieval_tokens; see
+        `POST /sessions` in docs/api.md."""
         body = self.request("POST", "/sessions", 201, json=wire.session_options(options)).json()
         return Session(self, body["id"], body["token"])
 
@@ -109,8 +110,9 @@ class Session:
         return AnswerStream(self, question, max_new_tokens)
 
     def memory(self) -> dict:
-        """The cache: policy, budget_tokens, cache_tokens, evictions, and spans of video time
-        with the tokens seen and held for each (`GET /sessions/{id}/memory`)."""
+        """The cache: policy, budget_tokens, cache_tokens, evictions, the host tier (recall), and
+        spans of video time with the tokens seen, held and in the host tier for each
+        (`GET /sessions/{id}/memory`)."""
         return self._call("GET", "/memory").json()
 
     def delete(self) -> None:

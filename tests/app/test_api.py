@@ -172,6 +172,53 @@ def test_the_memory_view_counts_what_the_cache_holds_per_second(client):
     assert sum(held) == pytest.approx(memory["frame_tokens"], abs=0.1)
 
 
+def test_recall_options_are_kept_with_their_defaults_and_checked(client):
+    assert client.create(policy="snapkv", budget_tokens=512, recall=True).status_code == 201
+    session = client.wait_for_state("ready")
+    assert (session["recall"], session["host_budget_tokens"], session["retrieval_tokens"]) == (True, 8192, 256)
+    chosen = client.http.post("/sessions", json={"recall": True, "host_budget_tokens": 1000, "retrieval_tokens": 64})
+    assert (chosen.json()["session"]["host_budget_tokens"], chosen.json()["session"]["retrieval_tokens"]) == (1000, 64)
+    httpx.delete(f"{client.http.base_url}/sessions/{chosen.json()['session']['id']}", headers={"Authorization": f"Bearer {chosen.json()['token']}"})
+    full = client.http.post("/sessions", json={"policy": "full", "recall": True})
+    assert full.status_code == 422 and "recall needs a policy that evicts" in full.json()["message"]
+    orphan = client.http.post("/sessions", json={"retrieval_tokens": 64})
+    assert orphan.status_code == 422 and "retrieval_tokens need recall: true" in orphan.json()["message"]
+    tiny = client.http.post("/sessions", json={"recall": True, "host_budget_tokens": 8})
+    assert [f["field"] for f in tiny.json()["fields"]] == ["body.host_budget_tokens"]
+
+
+def test_with_recall_the_memory_view_shows_device_host_and_dropped_and_answers_recall_the_past(stack, client):
+    # bikes.mp4 at 4 fps: 40 frames of 23 tokens; 256 stay on the device, 256 more in the host
+    # tier, the oldest are dropped
+    client.create(fps=4, policy="sliding", budget_tokens=256, recall=True, host_budget_tokens=256, retrieval_tokens=128)
+    assert client.upload(sample_video("bikes.mp4").read_bytes()).status_code == 202
+    client.wait_for_state("ingested", timeout_s=120)
+    memory = client.http.get(f"/sessions/{client.id}/memory", headers=client.auth).json()
+    assert (memory["recall"], memory["host_budget_tokens"]) == (True, 256)
+    assert 224 < memory["host_tokens"] <= 256 and memory["host_bytes"] > 0
+    spans = memory["spans"]
+    assert sum(s["frame_host"] + s["text_host"] for s in spans) == pytest.approx(memory["host_tokens"], abs=1)
+    states = ["device" if s["frame_held"] else "host" if s["frame_host"] else "dropped" for s in spans]
+    assert states[0] == "dropped" and "host" in states and states[-1] == "device"
+    assert states == sorted(states, key=["dropped", "host", "device"].index)  # sliding: oldest first out
+    reply = client.ask("What was there at the start?", max_new_tokens=4)
+    assert reply.status_code == 200
+    recalled = reply.json()["recalled_s"]
+    assert recalled and set(recalled) <= {i for i, span in enumerate(spans) if span["frame_host"] or span["text_host"]}
+    samples: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the worker advertises its counters every LEASE_TTL_S / 3
+        text = httpx.get(f"{stack.url}/metrics").text
+        samples = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l and l[0] != "#"}
+        if any(k.startswith("streamvqa_worker_retrieved_tokens_total") and v >= 1 for k, v in samples.items()):
+            break
+        time.sleep(0.5)
+    retrieved = [v for k, v in samples.items() if k.startswith("streamvqa_worker_retrieved_tokens_total")]
+    assert retrieved and retrieved[0] >= 64
+    assert [v for k, v in samples.items() if k.startswith("streamvqa_worker_host_tier_bytes")][0] > 0
+    assert [v for k, v in samples.items() if k.startswith("streamvqa_worker_retrieval_seconds_total")][0] > 0
+
+
 def test_session_events_stream_as_server_sent_events(client):
     client.create(fps=1)
     client.wait_for_state("ready")

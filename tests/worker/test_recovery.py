@@ -1,5 +1,6 @@
 """Several workers on one Redis: placement, a worker killed mid-stream, and Redis going away."""
 
+import json
 import os
 import signal
 import threading
@@ -131,6 +132,49 @@ def test_a_killed_worker_s_stream_goes_on_elsewhere_and_every_question_ends_once
         finals = _answer_finals(redis_url, stack.prefix)
         assert len(finals) == 4  # before, during, while nobody holds it, after
         assert all(ends in (["done"], ["error:session_reset"]) for ends in finals.values()), finals
+    finally:
+        stack.stop()
+        delete_prefix(redis_url, stack.prefix)
+
+
+def test_a_takeover_keeps_the_host_tier_and_recalls_from_it(redis_url, tmp_path):
+    stack = _stack(redis_url, tmp_path, MAX_SESSIONS="4")
+    stack.start("a", "worker", WORKER_ID="a")
+    stack.start("gateway", "app")
+    try:
+        stack.wait_until_serving()
+        user = Client(stack.url)
+        user.create(fps=1, policy="sliding", budget_tokens=256, recall=True)
+        assert user.wait_for_state("ready")["worker"] == "a"
+        stack.start("b", "worker", WORKER_ID="b")
+        stack.wait_until_serving(workers=2)
+        socket = StreamSocket(user, "frames")
+        for second in range(40):  # 40 frames of 23 tokens: 256 on the device, the rest in the host tier
+            socket.send(timed_jpeg(float(second), second))
+        socket.wait_for(lambda e: e["type"] == "ingest" and e["frames"] == 40)
+        ingested_at = time.time()  # the 40th frame was in the cache before its event was sent
+        store = redis.Redis.from_url(redis_url)
+        memory_key, snapshot_key = (f"{stack.prefix}session:{user.id}:{name}" for name in ("memory", "snapshot"))
+        deadline = time.monotonic() + 20
+        while True:  # a memory report and a snapshot of all 40 frames
+            report = json.loads(store.get(memory_key) or "{}")
+            if report.get("frames") == 40 and float(store.hget(snapshot_key, "taken_at") or 0) > ingested_at:
+                break
+            assert time.monotonic() < deadline, "no snapshot after the last frame"
+            time.sleep(0.1)
+        held = report["host_tokens"]
+        assert held > 500
+        os.kill(stack.processes["a"].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        while user.get().json()["worker"] != "b":
+            assert time.monotonic() - killed_at < LEASE_TTL_S + TAKEOVER_MARGIN_S, "no takeover"
+            time.sleep(0.1)
+        reply = user.ask("What came first?", max_new_tokens=4)
+        assert reply.status_code == 200 and reply.json()["recalled_s"]
+        after = user.http.get(f"/sessions/{user.id}/memory", headers=user.auth).json()
+        assert after["frames"] == 40 and after["host_tokens"] >= held  # the past came along
+        assert min(reply.json()["recalled_s"]) < 20
+        socket.end()
     finally:
         stack.stop()
         delete_prefix(redis_url, stack.prefix)

@@ -66,8 +66,13 @@ def test_the_worker_keeps_serving_after_redis_loses_its_data(small_stack):
 def test_sessions_fit_the_worker_s_cache_memory(redis_url, tmp_path):
     # tiny-random-llava: 512 bytes per cached token; a 256-token budget peaks at 256 + 2048 + 1024
     # tokens (budget, a prompt, an answer) = 1,703,936 bytes: two fit in 4 MB, a third does not
-    with running_stack(redis_url, tmp_path, KV_MEMORY_BYTES=str(4_000_000), MAX_SESSIONS="8") as stack:
+    with running_stack(
+        redis_url, tmp_path, KV_MEMORY_BYTES=str(4_000_000), HOST_MEMORY_BYTES=str(50_000_000), MAX_SESSIONS="8"
+    ) as stack:
         users = [Client(stack.url) for _ in range(3)]
+        vast = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=4_000_000)  # ~2.3 GB of host tier
+        assert (vast.status_code, vast.json()["code"]) == (503, "no_capacity")
+        assert "4000000-token host tier" in vast.json()["message"]
         for user in users[:2]:
             assert user.create(budget_tokens=256).status_code == 201
             user.wait_for_state("ready")
