@@ -119,6 +119,8 @@ def _new_session(client: Client, args: argparse.Namespace) -> Iterator[Session]:
     """A session with the command's options, deleted after unless `--keep` (then its id and
     token go to stdout, for `info`, `memory` and `delete`)."""
     options = {"fps": args.fps, "policy": args.policy, "budget_tokens": args.budget, "model": args.model}
+    if args.recall:
+        options["recall"] = True
     session = client.create_session(**options)
     print(f"session {session.id}", file=sys.stderr)
     if not args.keep:
@@ -147,7 +149,19 @@ def _print_answer_line(answer: Answer) -> None:
 
 def _evidence(answer: Answer) -> str:
     frames = ", ".join(f"{e.time_s:.1f}s ({e.weight:.2f})" for e in answer.evidence)
-    return f"evidence: {frames or 'none'}"
+    recalled = f"; recalled from the host tier: {_seconds(answer.recalled_s)}" if answer.recalled_s else ""
+    return f"evidence: {frames or 'none'}{recalled}"
+
+
+def _seconds(seconds: list[int]) -> str:
+    """Whole seconds as runs: [0, 1, 2, 5] -> "0-2 s, 5 s"."""
+    runs: list[list[int]] = []
+    for second in sorted(seconds):
+        if runs and second == runs[-1][1] + 1:
+            runs[-1][1] = second
+        else:
+            runs.append([second, second])
+    return ", ".join(f"{a}-{b} s" if a != b else f"{a} s" for a, b in runs)
 
 
 def _duration_s(text: str) -> float:
@@ -186,6 +200,9 @@ def _parser() -> argparse.ArgumentParser:
     options.add_argument("--policy", help="KV cache policy: infmllm, snapkv, h2o, sliding, full")
     options.add_argument("--budget", type=int, help="tokens each cache layer keeps (budget_tokens)")
     options.add_argument("--model", help="the model (default: the gateway's)")
+    options.add_argument(
+        "--recall", action="store_true", help="keep what the cache evicts in a host tier; questions bring back what they need"
+    )
     options.add_argument("--max-new-tokens", type=int, default=64, help="the longest answer (default %(default)s)")
     options.add_argument("--keep", action="store_true", help="keep the session and print its id and token")
 

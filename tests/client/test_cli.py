@@ -56,6 +56,16 @@ def test_ask_uploads_waits_and_answers_each_question_then_deletes_the_session(st
     assert session_is_gone(stack.url, session_id)
 
 
+def test_with_recall_an_answer_says_which_seconds_it_brought_back(stack):
+    options = ["--fps", "4", "--policy", "sliding", "--budget", "256", "--recall", "--max-new-tokens", "2"]
+    run = streamvqa("ask", str(BIKES), "-q", "What came first?", *options, url=stack.url)
+    assert run.returncode == 0, run.stderr
+    evidence = next(line for line in run.stdout.splitlines() if line.startswith("evidence: "))
+    recalled = re.search(r"; recalled from the host tier: (.+)$", evidence)[1]  # e.g. "0-6 s"
+    assert re.fullmatch(r"\d+(-\d+)? s(, \d+(-\d+)? s)*", recalled)
+    assert int(re.match(r"\d+", recalled)[0]) < 7  # sliding keeps the last ~3 s on the device
+
+
 def test_a_kept_session_can_be_listed_shown_measured_and_deleted(stack):
     run = streamvqa("--url", stack.url, "ask", str(CARPHONE), "-q", "hi", "--max-new-tokens", "2", "--keep")
     assert run.returncode == 0, run.stderr

@@ -1,0 +1,24 @@
+"""The options a client gives `POST /sessions` mean what the engine makes of them."""
+
+from dataclasses import fields
+
+import pytest
+
+from engine import SessionConfig
+from engine.policies import POLICY_CLASSES
+from streamvqa.protocol import POLICY_KNOBS, SessionOptions
+
+
+@pytest.mark.parametrize("budget", [256, 1000, 8192])
+def test_the_recall_defaults_are_the_engine_s(budget):
+    options = SessionOptions(policy="h2o", budget_tokens=budget, recall=True)
+    engine = SessionConfig(policy="h2o", budget_tokens=budget, recall=True)
+    assert (options.host_tokens, options.borrowed_tokens) == (engine.host_tokens, engine.borrowed_tokens)
+    assert (options.host_tokens, options.borrowed_tokens) == (16 * budget, budget // 2)
+
+
+def test_each_policy_takes_the_knobs_its_engine_class_has():
+    assert POLICY_KNOBS["full"] == ()  # it keeps everything: the knobs it inherits do nothing
+    for policy, knobs in POLICY_KNOBS.items():
+        if policy != "full":
+            assert set(knobs) == {f.name for f in fields(POLICY_CLASSES[policy])} - {"budget_tokens"}, policy
