@@ -28,6 +28,7 @@ const BUILT_IN_MODELS = {
   "smollm2-135m-instruct": "A real language model without vision: it answers, but cannot see the frames.",
 };
 const LIVE_MEDIA = new Set(["frames", "webm", "mp4"]);
+const HOST_BUDGET_MULTIPLE = 16; // with recall, the host tier's default size: 16 x the budget
 
 const ui = {
   connection: $("#connection"),
@@ -41,6 +42,10 @@ const ui = {
   budget: $("#budget"),
   budgetHint: $("#budget-hint"),
   fps: $("#fps"),
+  recall: $("#recall"),
+  recallHint: $("#recall-hint"),
+  hostBudget: $("#host-budget"),
+  hostBudgetField: $("#host-budget-field"),
   summary: $("#session-summary"),
   sessionLine: $("#session-line"),
   source: $("#source"),
@@ -81,6 +86,7 @@ const memory = new MemoryView({
   fields: Object.fromEntries(
     [...document.querySelectorAll("[data-memory]")].map((element) => [element.dataset.memory, element]),
   ),
+  recallParts: document.querySelectorAll("#memory [data-recall]"),
   onSeek: (time_s) => stage.seek(time_s),
 });
 const conversation = new Conversation({
@@ -88,9 +94,9 @@ const conversation = new Conversation({
   input: $("#question"),
   history: $("#history"),
   empty: $("#history-empty"),
-  onEvidence: (times, focus_s) => {
-    memory.highlight(focus_s === null ? times : [focus_s]);
-    if (focus_s !== null) stage.seek(focus_s);
+  onFocus: ({ evidence, recalled, seek_s }) => {
+    memory.highlight(evidence, recalled);
+    if (seek_s !== null) stage.seek(seek_s);
   },
 });
 stage.onTime = (time_s) => memory.setPlayhead(time_s);
@@ -151,6 +157,21 @@ function describePolicy() {
   ui.budgetHint.textContent = full
     ? "The full cache has no budget: it keeps every token."
     : "The cache keeps at most this many tokens per layer (256 – 1,000,000).";
+  describeRecall();
+}
+
+function describeRecall() {
+  const full = ui.policy.value === "full";
+  ui.recall.disabled = full;
+  if (full) ui.recall.checked = false;
+  ui.recallHint.textContent = full
+    ? "The full cache evicts nothing, so there is nothing to recall."
+    : "Keeps what the cache evicts in host memory; questions bring back what they need.";
+  ui.hostBudgetField.hidden = full || !ui.recall.checked;
+  ui.hostBudget.disabled = ui.hostBudgetField.hidden;
+  const budget = Number(ui.budget.value);
+  const multiple = `${HOST_BUDGET_MULTIPLE} × budget`;
+  ui.hostBudget.placeholder = budget > 0 ? `${count(HOST_BUDGET_MULTIPLE * budget)} (${multiple})` : multiple;
 }
 
 function describeModel(workers) {
@@ -185,11 +206,17 @@ async function loadModels() {
 function sessionOptions() {
   const options = { fps: Number(ui.fps.value), policy: ui.policy.value };
   if (options.policy !== "full") options.budget_tokens = Number(ui.budget.value);
+  if (options.policy !== "full" && ui.recall.checked) {
+    options.recall = true;
+    if (ui.hostBudget.value) options.host_budget_tokens = Number(ui.hostBudget.value);
+  }
   if (ui.model.value) options.model = ui.model.value;
   return options;
 }
 
 ui.policy.addEventListener("change", describePolicy);
+ui.recall.addEventListener("change", describeRecall);
+ui.budget.addEventListener("input", describeRecall);
 
 ui.createForm.addEventListener("submit", async (event) => {
   event.preventDefault();
@@ -344,6 +371,7 @@ function renderRecord(record) {
   setFields("policy", r.policy ? `${r.policy}` : "–");
   setFields("budget_tokens", none ? "–" : r.policy === "full" ? "none (full cache)" : `${count(r.budget_tokens)} tokens`);
   setFields("fps", none ? "–" : frameRate(r.fps));
+  setFields("recall", none ? "–" : r.recall ? `on · ${count(r.host_budget_tokens)}-token host tier` : "off");
   ui.sessionError.hidden = r.state !== "error";
   ui.sessionError.textContent = r.state === "error" ? `Session error: ${r.error}` : "";
   renderIngestProgress(r);

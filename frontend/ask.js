@@ -1,17 +1,30 @@
 // Questions and answers: the question box (Enter sends, Shift+Enter breaks the line) and the
 // history, newest first. Each answer streams in token by token, then shows the moments of video
-// it drew on as chips, and its timing. Each item's `data-state`: waiting, streaming, done, error.
+// it drew on as chips, the seconds it recalled from the host tier (with recall), and its timing.
+// Each item's `data-state`: waiting, streaming, done, error.
 
-import { milliseconds, percent, videoTime, count } from "./format.js";
+import { clock, milliseconds, percent, videoTime, count } from "./format.js";
+
+/** Whole seconds as runs of consecutive ones: [4, 5, 6, 9] -> [[4, 7], [9, 10]], each [start, end). */
+export function secondRanges(seconds) {
+  const ranges = [];
+  for (const s of [...new Set(seconds)].sort((a, b) => a - b)) {
+    const last = ranges[ranges.length - 1];
+    if (last && last[1] === s) last[1] = s + 1;
+    else ranges.push([s, s + 1]);
+  }
+  return ranges;
+}
 
 export class Conversation {
-  /** onEvidence(times, focus_s): an answer's evidence times, and the one the user chose, if any. */
-  constructor({ form, input, history, empty, onEvidence }) {
+  /** onFocus({evidence, recalled, seek_s}): an answer was finished or chosen: the evidence times
+   *  to mark (all of them, or the one chosen), the seconds it recalled, and where to seek (or null). */
+  constructor({ form, input, history, empty, onFocus }) {
     this.form = form;
     this.input = input;
     this.history = history;
     this.empty = empty;
-    this.onEvidence = onEvidence;
+    this.onFocus = onFocus;
     this.session = null;
     this.streams = new Set();
     this.asked = 0;
@@ -96,6 +109,7 @@ export class Conversation {
       <p class="answer" aria-busy="true"><span class="thinking">Thinking…</span></p>
       <p class="note" hidden></p>
       <div class="evidence" hidden><span class="evidence-label">Evidence</span><ul class="chips"></ul></div>
+      <div class="recalled" hidden><span class="evidence-label">Recalled from host</span><ul class="chips"></ul></div>
       <p class="meta" hidden></p>`;
     item.querySelector(".question").textContent = question;
     this.history.prepend(item);
@@ -110,12 +124,18 @@ export class Conversation {
     answer.removeAttribute("aria-busy");
     item.querySelector(".note").hidden = true;
     const evidence = [...(done.evidence || [])].sort((a, b) => a.time_s - b.time_s);
+    const times = evidence.map((e) => e.time_s);
+    const recalled = done.recalled_s || [];
     if (evidence.length) {
-      const chips = item.querySelector(".chips");
-      chips.replaceChildren(...evidence.map((e) => this.chip(e, evidence)));
+      item.querySelector(".evidence .chips").replaceChildren(...evidence.map((e) => this.chip(e, times, recalled)));
       item.querySelector(".evidence").hidden = false;
-      this.onEvidence(evidence.map((e) => e.time_s), null);
     }
+    if (recalled.length) {
+      const ranges = secondRanges(recalled);
+      item.querySelector(".recalled .chips").replaceChildren(...ranges.map((r) => this.recalledChip(r, times, recalled)));
+      item.querySelector(".recalled").hidden = false;
+    }
+    if (evidence.length || recalled.length) this.onFocus({ evidence: times, recalled, seek_s: null });
     const meta = item.querySelector(".meta");
     const parts = [`at ${videoTime(done.video_time_s)} of video`, `${count(done.cache_tokens)} tokens in cache`];
     if (done.ttft_ms != null) parts.push(`first token ${milliseconds(done.ttft_ms)}`);
@@ -124,7 +144,7 @@ export class Conversation {
     meta.hidden = false;
   }
 
-  chip(evidence, all) {
+  chip(evidence, times, recalled) {
     const li = document.createElement("li");
     const button = document.createElement("button");
     button.type = "button";
@@ -134,7 +154,24 @@ export class Conversation {
     button.textContent = videoTime(evidence.time_s);
     button.title = `${percent(evidence.weight)} of the answer's attention to frames`;
     button.setAttribute("aria-label", `Show ${videoTime(evidence.time_s)} (${percent(evidence.weight)} of the attention)`);
-    button.addEventListener("click", () => this.onEvidence(all.map((e) => e.time_s), evidence.time_s));
+    button.addEventListener("click", () => this.onFocus({ evidence: [evidence.time_s], recalled, seek_s: evidence.time_s }));
+    li.append(button);
+    return li;
+  }
+
+  /** A run of recalled seconds [start, end): shows them in the memory view and seeks to its start. */
+  recalledChip([start, end], times, recalled) {
+    const li = document.createElement("li");
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "chip chip-recalled";
+    button.dataset.start = String(start);
+    button.dataset.end = String(end);
+    button.textContent = `${clock(start)}–${clock(end)}`;
+    const seconds = end - start === 1 ? "1 second" : `${end - start} seconds`;
+    button.title = `The answer brought ${seconds} of video back from the host tier`;
+    button.setAttribute("aria-label", `Show ${clock(start)} to ${clock(end)}, recalled from the host tier (${seconds})`);
+    button.addEventListener("click", () => this.onFocus({ evidence: times, recalled, seek_s: start }));
     li.append(button);
     return li;
   }

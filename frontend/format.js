@@ -20,6 +20,15 @@ export function tick(seconds) {
   return `${minutes}:${String(Math.round(seconds - 60 * minutes)).padStart(2, "0")}`;
 }
 
+/** Whole seconds as a clock: "0:04", "1:05", "1:02:03". */
+export function clock(seconds) {
+  const s = Math.round(seconds);
+  const hours = Math.floor(s / 3600);
+  const minutes = Math.floor((s % 3600) / 60);
+  const mmss = `${hours ? String(minutes).padStart(2, "0") : minutes}:${String(s % 60).padStart(2, "0")}`;
+  return hours ? `${hours}:${mmss}` : mmss;
+}
+
 export function bytes(n) {
   if (n < 1024) return `${n} B`;
   if (n < 1024 * 1024) return `${(n / 1024).toFixed(0)} KB`;
