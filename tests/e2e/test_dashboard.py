@@ -8,6 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -73,7 +74,14 @@ def screenshot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / name), full_page=True)
 
 
-def create_session(page, policy: str | None = None, budget: int | None = None, fps: float | None = None) -> None:
+def create_session(
+    page,
+    policy: str | None = None,
+    budget: int | None = None,
+    fps: float | None = None,
+    recall: bool = False,
+    host_budget: int | None = None,
+) -> None:
     page.wait_for_selector("#model option[value='tiny-random-llava']", state="attached")
     if policy:
         page.select_option("#policy", policy)
@@ -81,6 +89,10 @@ def create_session(page, policy: str | None = None, budget: int | None = None, f
         page.fill("#budget", str(budget))
     if fps:
         page.fill("#fps", str(fps))
+    if recall:
+        page.get_by_label("Recall").check()
+    if host_budget:
+        page.fill("#host-budget", str(host_budget))
     page.get_by_role("button", name="Create session").click()
     page.wait_for_selector("#session-line:has-text('Session ')")
     page.wait_for_selector("#connection[data-state='live']")
@@ -110,7 +122,7 @@ def ask(page, question: str):
     answer = item.locator(".answer").text_content()
     assert answer and answer != "Thinking…"
     assert int(item.get_attribute("data-tokens")) >= 1  # it arrived token by token
-    chips = item.locator(".chip")
+    chips = item.locator(".evidence .chip")
     assert chips.count() >= 1
     for chip in chips.all_text_contents():
         assert re.fullmatch(r"\d+\.\d s", chip), chip
@@ -223,6 +235,9 @@ def test_the_memory_view_shows_evicted_seconds_apart_from_held_ones(page):
     assert page.locator(".budget-text").bounding_box()["width"] > 0
     assert "of a 256-token budget" in page.get_attribute("#budget-bar", "aria-label")
     assert re.search(r"\d+ s evicted", page.get_attribute("#timeline", "aria-label"))
+    assert page.text_content("#setup [data-field='recall']") == "off"
+    assert page.locator("#memory [data-recall='with']:visible").count() == 0  # no host tier without recall
+    assert page.locator("#timeline .lane-host").first.bounding_box()["height"] == 0
     ARTIFACTS.mkdir(exist_ok=True)
     page.locator("#memory").screenshot(path=str(ARTIFACTS / "dashboard-memory.png"))
 
@@ -232,6 +247,87 @@ def test_the_memory_view_shows_evicted_seconds_apart_from_held_ones(page):
     page.wait_for_selector(f"#session-line:text-is('{session_line}')")
     page.wait_for_function("document.querySelectorAll('#timeline .span[data-held=none]').length > 0")
     assert field(page, "frames_ingested") == "40"
+
+
+def place(span: dict) -> str:
+    """Where a span's frame tokens are, by the memory report: device, host, dropped, part, empty."""
+    dropped = span["frame_seen"] - span["frame_held"] - span["frame_host"]
+    places = [name for name, n in (("device", span["frame_held"]), ("host", span["frame_host"]), ("dropped", dropped)) if n > 0.05]
+    return "empty" if span["frame_seen"] == 0 else places[0] if len(places) == 1 else "part"
+
+
+def test_with_recall_the_memory_view_shows_device_host_and_dropped_seconds_and_what_an_answer_recalled(page, stack):
+    page.wait_for_selector("#model option[value='tiny-random-llava']", state="attached")
+    page.select_option("#policy", "full")
+    assert page.is_disabled("#recall") and not page.is_checked("#recall")  # nothing is evicted, so nothing to recall
+    page.select_option("#policy", "sliding")
+    assert page.is_hidden("#host-budget")
+    page.get_by_label("Recall").check()
+    assert page.get_attribute("#host-budget", "placeholder") == "131,072 (16 × budget)"  # of the 8,192 default
+    # 40 frames of 16 tokens (and 7 of text) in a 256-token budget: the latest seconds stay on the
+    # device, the 256 tokens evicted last wait in the host tier, the oldest are dropped
+    create_session(page, policy="sliding", budget=256, fps=4, recall=True, host_budget=256)
+    assert page.text_content("#setup [data-field='recall']") == "on · 256-token host tier"
+    upload(page, sample_video("bikes.mp4"))
+    page.wait_for_selector("#status [data-field='state']:has-text('ingested')")
+    saved = page.evaluate("JSON.parse(sessionStorage.getItem('streamvqa.session'))")
+    auth = {"Authorization": f"Bearer {saved['token']}"}
+    memory = httpx.get(f"{stack.url}/sessions/{saved['id']}/memory", headers=auth).json()  # as is until a question
+    spans = memory["spans"]
+    states = [place(span) for span in spans]
+    assert len(states) == 10 and states[0] == "dropped" and "host" in states and states[-1] == "device", states
+    order = [{"dropped": 0, "host": 1, "device": 2}[state] for state in states if state != "part"]
+    assert order == sorted(order), states  # sliding: the oldest leave first, part only at a boundary
+
+    page.wait_for_function(
+        "states => [...document.querySelectorAll('#timeline .span')].map(s => s.dataset.state).join() === states.join()",
+        arg=states,
+    )
+    columns = page.locator("#timeline .span")
+    host = states.index("host")
+    assert (
+        f"frames: {spans[host]['frame_seen']} tokens: 0 on the device, {spans[host]['frame_seen']} in the host tier, 0 dropped"
+        in columns.nth(host).get_attribute("title")
+    )
+    assert f"frames: {spans[0]['frame_seen']} tokens: 0 on the device, 0 in the host tier, {spans[0]['frame_seen']} dropped" in (
+        columns.nth(0).get_attribute("title")
+    )
+    host_fill = columns.nth(host).locator(".lane-frames .lane-host")
+    page.wait_for_function(  # the host fill covers the whole lane, once its transition ends
+        "fill => fill.offsetHeight === fill.parentElement.offsetHeight", arg=host_fill.element_handle()
+    )
+    assert "rgb(13, 148, 136)" in host_fill.evaluate("fill => getComputedStyle(fill).backgroundImage")  # striped teal
+
+    seconds = {state: states.count(state) for state in ("device", "host", "dropped", "part")}
+    summary = page.text_content("#memory-summary")
+    assert f"host tier {memory['host_tokens']} of 256 tokens, " in summary, summary
+    assert (
+        f"{seconds['device']} s on the device, {seconds['host']} s in the host tier, "
+        f"{seconds['dropped']} s dropped, {seconds['part']} s split"
+    ) in summary, summary
+    assert page.text_content("[data-memory='host_tokens']") == f"{memory['host_tokens']} / 256"
+    assert re.fullmatch(r"\d+ KB", page.text_content("[data-memory='host_bytes']"))
+    assert page.is_visible(".timeline-legend :text('Host tier')") and page.is_hidden(".timeline-legend :text('Evicted')")
+
+    page.fill("#question", "What was there at the start?")
+    page.press("#question", "Enter")
+    page.wait_for_selector("#history li.qa[data-state='done']")
+    chips = page.locator("#history li.qa .recalled .chip")
+    assert chips.count() >= 1 and page.is_visible("#history li.qa .recalled:has-text('Recalled from host')")
+    recalled = set()
+    for chip in chips.all():
+        start, end = int(chip.get_attribute("data-start")), int(chip.get_attribute("data-end"))
+        assert chip.text_content() == f"0:{start:02d}–0:{end:02d}"
+        recalled |= set(range(start, end))
+    assert recalled <= {i for i, span in enumerate(spans) if span["frame_host"] or span["text_host"]}, recalled
+    marked = page.eval_on_selector_all("#timeline .span[data-recalled]", "spans => spans.map(s => Number(s.dataset.start))")
+    assert set(marked) == recalled
+    screenshot(page, "dashboard-recall.png")
+
+    chips.first.focus()  # a recalled range is a button: it shows its start in the preview
+    page.keyboard.press("Enter")
+    page.wait_for_function(f"Math.abs(document.querySelector('#preview').currentTime - {min(recalled)}) < 0.05")
+    assert page.is_hidden("#error")
 
 
 def test_an_upload_that_is_not_a_video_shows_the_sessions_error(page, tmp_path):
