@@ -166,6 +166,7 @@ class SessionStore:
             recall=options.recall,
             host_budget_tokens=options.host_tokens,
             retrieval_tokens=options.borrowed_tokens,
+            pin_turns=options.pin_turns,
         )
         fields = {**protocol.to_hash(**record.model_dump()), "token_sha256": _digest(token), "owner": owner}
         keys = [

@@ -137,6 +137,8 @@ class KVCache:
         self.retrieve_s = 0.0
         self.recalled_seconds: set[int] = set()  # whole seconds of video the last retrieval brought back
         self.scores: list[torch.Tensor | None] = [None] * num_layers  # (kv_heads, n) for keeps_scores
+        # Stream places never evicted (`pin`): the opening's, then those of each pinned turn
+        self.pins: list[torch.Tensor] = []
         # Since the last eviction: each layer's last queries (q_heads, w, head_dim), at most
         # `_kept_queries`, and (for policies that accumulate) the attention each key received.
         self._queries: list[torch.Tensor | None] = [None] * num_layers
@@ -294,6 +296,17 @@ class KVCache:
                 self._queries[layer] = rotate(queries, cos[count:], -sin[count:])
             self.borrowed[layer] = None
 
+    def pin(self, places: torch.Tensor, turns: int, new_turn: bool = True) -> None:
+        """Never evict the tokens at these stream places: the first call's (the opening) for
+        good, later ones as turns, of which the last `turns` stay pinned; `new_turn=False` adds
+        to the last turn."""
+        if not self.pins:
+            self.pins = [places]
+        elif new_turn or len(self.pins) == 1:
+            self.pins = self.pins[:1] + (self.pins[1:] + [places])[-turns:] if turns else self.pins[:1]
+        else:
+            self.pins[-1] = torch.cat([self.pins[-1], places])
+
     # -- evict ---------------------------------------------------------------------------------
 
     def evict(self) -> None:
@@ -328,7 +341,8 @@ class KVCache:
             kept = self.scores[layer]
             previous = torch.cat([kept, kept.new_zeros(self.kv_heads, total - kept.shape[1])], dim=1)
         scores = policy.score(Observation(self.kv_heads, total, attention, previous, self._received[layer]))
-        keep = policy.select(scores)  # (kv_heads, B), ascending: the kept tokens' new positions
+        pinned = torch.isin(self.order[layer], torch.cat(self.pins)) if self.pins else None
+        keep = policy.select(scores, pinned)  # (kv_heads, B), ascending: the kept tokens' new positions
         keep_cpu = keep.cpu()
         gone = torch.ones(self.kv_heads, total, dtype=torch.bool).scatter_(1, keep_cpu, False)
         gone = gone.nonzero()[:, 1].view(self.kv_heads, -1)  # (kv_heads, removed), ascending
@@ -390,6 +404,7 @@ class KVCache:
             "order": self.order,
             "host": None if self.host is None else self.host.state(),
             "scores": self.scores,
+            "pins": self.pins,
             "queries": self._queries,
             "received": self._received,
             "scaling": self._scaling,
@@ -415,5 +430,6 @@ class KVCache:
             "retrieval", [int(self.order[0].max()) + 1 if self.tokens else 0, 0, 0, 0.0]
         )
         self.scores, self._queries, self._received = here(state["scores"]), here(state["queries"]), here(state["received"])
+        self.pins = state.get("pins", [])
         self._scaling = state["scaling"]
         self.evictions, self.evicted_tokens, self.evict_s, self.max_position = state["counters"]

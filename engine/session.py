@@ -70,6 +70,9 @@ class SessionConfig:
     retrieval_tokens: int | None = None  # borrowed per question, per layer; None: half the budget
     page_tokens: int = 32  # evicted tokens per host page: the unit retrieved
     page_keys: int = 2  # representative keys a page is scored by
+    # Never evict the opening (system prompt and its markers) nor the turn markers (those that
+    # close a question and an answer) of the last `pin_turns` questions; 0: only sinks and recent
+    pin_turns: int = 0
 
     def __post_init__(self) -> None:
         for name in ("frames_per_prompt", "prefill_chunk_tokens"):
@@ -80,6 +83,8 @@ class SessionConfig:
         if self.evidence_top_k < 0:
             raise ValueError(f"evidence_top_k must be >= 0, got {self.evidence_top_k}")
         policy = self.make_policy()  # validates the policy and its options
+        if self.pin_turns < 0:
+            raise ValueError(f"pin_turns must be >= 0, got {self.pin_turns}")
         for name in ("host_budget_tokens", "retrieval_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -199,7 +204,17 @@ class Answer(Iterator[str]):
 class Session:
     def __init__(self, model: Model, config: SessionConfig | None = None) -> None:
         self._setup(model, config or SessionConfig())
-        self._run([self._text(model.chat.open(self.config.system_prompt))])
+        opening = self._text(model.chat.open(self.config.system_prompt))
+        if self.config.pin_turns and self.policy.evicts:
+            markers = len(model.tokenize(model.chat.user_to_assistant)) + len(model.tokenize(model.chat.assistant_to_user))
+            pinned = opening.tokens + self.config.pin_turns * markers
+            if pinned + self.policy.sinks + self.policy.recent >= self.policy.budget_tokens:
+                raise ValueError(
+                    f"pin_turns ({self.config.pin_turns}) pins {pinned} tokens: with sinks and recent, "
+                    f"more than budget_tokens ({self.policy.budget_tokens}) leaves room for"
+                )
+            self.cache.pin(torch.arange(opening.tokens), self.config.pin_turns)
+        self._run([opening])
         self.cache.evict()
 
     def _setup(self, model: Model, config: SessionConfig) -> None:
@@ -278,7 +293,9 @@ class Session:
         model, chat, policy = self.model, self.model.chat, self.policy
         question_ids = model.tokenize(question, user=True)
         borrowed = self.cache.begin_retrieval(self.config.borrowed_tokens)
-        logits = self._run([self._part(question_ids), self._text(chat.user_to_assistant)])
+        closing = self._text(chat.user_to_assistant)
+        self._pin(self.cache.appended + len(question_ids), closing.tokens, new_turn=True)
+        logits = self._run([self._part(question_ids), closing])
         if policy.evict_on_question:
             self.cache.evict()
         answer_ids: list[int] = []
@@ -305,7 +322,9 @@ class Session:
                         self._add_evidence(evidence)
                         self.cache.evict()
         finally:
-            self._run([self._part(unfed), self._text(chat.assistant_to_user)])
+            closing = self._text(chat.assistant_to_user)
+            self._pin(self.cache.appended + len(unfed), closing.tokens, new_turn=False)
+            self._run([self._part(unfed), closing])
             self._add_evidence(evidence)
             self.cache.give_back()
             self.cache.evict()
@@ -313,6 +332,11 @@ class Session:
             result["evidence"] = self._top_evidence(evidence)
             if borrowed:
                 result["recalled_s"] = sorted(self.cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
+
+    def _pin(self, start: int, count: int, new_turn: bool) -> None:
+        """With `pin_turns`: never evict the `count` tokens from stream place `start` on."""
+        if self.config.pin_turns and self.policy.evicts:
+            self.cache.pin(torch.arange(start, start + count), self.config.pin_turns, new_turn)
 
     def _add_evidence(self, evidence: dict[float, float]) -> None:
         for time_s, mass in self.cache.frame_attention().items():

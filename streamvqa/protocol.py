@@ -265,6 +265,12 @@ class SessionOptions(BaseModel):
         description="With recall: host tokens one question brings back, per layer; half of budget_tokens when absent.",
     )
 
+    pin_turns: int = Field(
+        0, ge=0, le=64,
+        description="Never evict the opening (system prompt) nor the markers that close the last this many "
+        "questions and answers; 0: only the first and the latest tokens are kept for sure.",
+    )
+
     @model_validator(mode="after")
     def _recall_options(self) -> SessionOptions:
         if not self.recall:
@@ -321,6 +327,7 @@ class SessionRecord(BaseModel):
     recall: bool = False
     host_budget_tokens: int = Field(0, description="With recall, the host tier's bound per layer; 0 without.")
     retrieval_tokens: int = Field(0, description="With recall, what one question may bring back per layer; 0 without.")
+    pin_turns: int = 0
     state: SessionState = SessionState.PENDING
     error: str | None = None
     worker: str | None = None

@@ -616,6 +616,7 @@ class Worker:
                 budget_tokens=record.budget_tokens,
                 policy_options=record.policy_options,
                 recall=record.recall,
+                pin_turns=record.pin_turns,
                 **({"host_budget_tokens": record.host_budget_tokens, "retrieval_tokens": record.retrieval_tokens} if record.recall else {}),
                 **({"system_prompt": record.system_prompt} if record.system_prompt else {}),
             )

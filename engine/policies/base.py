@@ -63,14 +63,17 @@ class Policy:
         """(kv_heads, N) scores of every cached token of one layer; higher is kept."""
         raise NotImplementedError
 
-    def select(self, scores: torch.Tensor) -> torch.Tensor:
-        """Indices (kv_heads, budget_tokens), ascending, of the tokens to keep; scores (kv_heads, N)."""
+    def select(self, scores: torch.Tensor, pinned: torch.Tensor | None = None) -> torch.Tensor:
+        """Indices (kv_heads, budget_tokens), ascending, of the tokens to keep; scores (kv_heads, N);
+        `pinned` (kv_heads, N) True where a token must be kept too, like sinks and recent ones."""
         heads, total = scores.shape
         ranked = scores.float().clone()
         if self.per_layer:
             ranked = ranked.mean(dim=0, keepdim=True).expand(heads, total).clone()
         ranked[:, : self.sinks] = float("inf")
         ranked[:, total - self.recent :] = float("inf")
+        if pinned is not None:
+            ranked[pinned.to(ranked.device)] = float("inf")
         keep = ranked.topk(self.budget_tokens, dim=-1, sorted=False).indices
         return keep.sort(dim=-1).values
 

@@ -176,6 +176,7 @@ def test_recall_options_are_kept_with_their_defaults_and_checked(client):
     assert client.create(policy="snapkv", budget_tokens=512, recall=True).status_code == 201
     session = client.wait_for_state("ready")
     assert (session["recall"], session["host_budget_tokens"], session["retrieval_tokens"]) == (True, 8192, 256)
+    assert session["pin_turns"] == 0
     chosen = client.http.post("/sessions", json={"recall": True, "host_budget_tokens": 1000, "retrieval_tokens": 64})
     assert (chosen.json()["session"]["host_budget_tokens"], chosen.json()["session"]["retrieval_tokens"]) == (1000, 64)
     httpx.delete(f"{client.http.base_url}/sessions/{chosen.json()['session']['id']}", headers={"Authorization": f"Bearer {chosen.json()['token']}"})
@@ -185,6 +186,7 @@ def test_recall_options_are_kept_with_their_defaults_and_checked(client):
     assert orphan.status_code == 422 and "retrieval_tokens need recall: true" in orphan.json()["message"]
     tiny = client.http.post("/sessions", json={"recall": True, "host_budget_tokens": 8})
     assert [f["field"] for f in tiny.json()["fields"]] == ["body.host_budget_tokens"]
+    assert client.http.post("/sessions", json={"pin_turns": 65}).status_code == 422
 
 
 def test_with_recall_the_memory_view_shows_device_host_and_dropped_and_answers_recall_the_past(stack, client):
