@@ -16,10 +16,10 @@ rounding build up (measured: 9% after 150 moves, 40% after 1,000).
 
 With a host tier (`engine/host_tier.py`), what an eviction removes moves there instead of
 being dropped, and a question may borrow pages back: `begin_retrieval` reserves their places,
-and while the question's first tokens run, each layer's attention brings back the pages its
-queries want, merged among the cached tokens in stream order (the question's own tokens are
-placed after them). `give_back` removes them again once the answer's turn is over; the cache
-does not evict while it holds borrowed tokens.
+and while the question's first tokens run, each layer's attention brings back the pages that
+the question's keys match, merged among the cached tokens in stream order (the question's own
+tokens are placed after them). `give_back` removes them again once the answer's turn is over;
+the cache does not evict while it holds borrowed tokens.
 """
 
 import time
@@ -132,6 +132,7 @@ class KVCache:
         # Per layer while an answer borrows from the host: (kv_heads, n) True where a token is borrowed.
         self.borrowed: list[torch.Tensor | None] = [None] * num_layers
         self._borrowing = 0  # closed pages each layer brings back at the next question
+        self._question_tokens = 0  # the next run's first tokens whose keys choose them
         self.retrievals = 0
         self.retrieved_tokens = 0  # per layer, over every question
         self.retrieve_s = 0.0
@@ -223,12 +224,14 @@ class KVCache:
 
     # -- borrow from the host tier -------------------------------------------------------------
 
-    def begin_retrieval(self, retrieval_tokens: int) -> int:
+    def begin_retrieval(self, retrieval_tokens: int, question_tokens: int) -> int:
         """Reserve places for what the next tokens run will borrow from the host tier: the same
-        number in every layer. Returns that number (0 without a host tier or with nothing in it)."""
+        number in every layer. Its first `question_tokens` are the question, whose keys choose
+        the pages. Returns that number (0 without a host tier or with nothing in it)."""
         if self.host is None or self.host.tokens == 0 or retrieval_tokens <= 0:
             return 0
         self._borrowing = self.host.page_count(retrieval_tokens)
+        self._question_tokens = max(1, question_tokens)
         count = self._borrowing * self.host.page_tokens + (self.host.open.count if self.host.open is not None else 0)
         if count:
             for cached in self.hf.layers:
@@ -239,15 +242,15 @@ class KVCache:
         return count
 
     def _borrow(self, layer: int, queries: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bring in the pages the queries (q_heads, c, head_dim) of `layer` want, into the places
-        reserved: merged among the cached tokens in stream order, before the c new ones."""
+        """Bring in the pages of `layer` that the question's keys match, into the places reserved:
+        merged among the cached tokens in stream order, before the c new ones (whose queries
+        (q_heads, c, head_dim) are given)."""
         started = time.perf_counter()
         cached = self.hf.layers[layer]
         count, new = cached.pending, queries.shape[1]
         held = cached.keys.shape[2] - new  # cached before these tokens
-        cos, sin = self.positions.up_to(held + count + new, cached.keys)
-        bare = rotate(queries, cos[held + count :], -sin[held + count :], 1 / self.positions.scale)  # turned back
-        got = self.host.retrieve(layer, bare, scaling, self._borrowing).tokens
+        question = cached.keys[0, :, held : held + min(self._question_tokens, new)]  # (kv_heads, q, head_dim)
+        got = self.host.retrieve(layer, question, self._borrowing).tokens
         order = torch.cat([self.order[layer], got.order[0]], dim=1)  # (kv_heads, held + count)
         merge = order.argsort(dim=1, stable=True)
         index = merge.to(cached.keys.device)[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])

@@ -292,7 +292,7 @@ class Session:
     def _generate(self, question: str, max_new_tokens: int, result: dict) -> Iterator[str]:
         model, chat, policy = self.model, self.model.chat, self.policy
         question_ids = model.tokenize(question, user=True)
-        borrowed = self.cache.begin_retrieval(self.config.borrowed_tokens)
+        borrowed = self.cache.begin_retrieval(self.config.borrowed_tokens, len(question_ids))
         closing = self._text(chat.user_to_assistant)
         self._pin(self.cache.appended + len(question_ids), closing.tokens, new_turn=True)
         logits = self._run([self._part(question_ids), closing])

@@ -134,6 +134,18 @@ def test_pages_are_dropped_least_retrieved_first_then_oldest():
     assert tier.tokens == 32 and tier.dropped_pages == 2
 
 
+def test_a_question_brings_back_the_pages_whose_keys_match_its_own():
+    """Pages are chosen by the question's keys: the same words told earlier have close keys."""
+    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 64, 16)  # (layers, kv_heads, 8 pages of 8 tokens, head_dim)
+    order = torch.arange(64).expand(1, 2, 64)
+    tier.add(Tokens(keys, keys.clone(), torch.zeros(1, 2, 64, dtype=torch.int8), order.float(), order.clone()))
+    question = keys[0, :, 44:48] + 0.1 * torch.randn(2, 4, 16)  # near the second half of page 5
+    assert tier.retrieve(0, question, count=1).pages == [5]
+    assert tier.retrieve(0, keys[0, :, 8:12], count=1).pages == [1]
+
+
 def test_a_snapshot_keeps_the_host_tier_and_the_next_answer(model):
     session = watched(model, 16, retrieval_tokens=96)
     list(session.ask("And now?", max_new_tokens=4))
