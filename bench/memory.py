@@ -1,6 +1,6 @@
 """Memory and time per chunk as a stream grows: bounded policies stay flat, `full` grows.
 
-    python -m bench.memory [--tokens 1000000] [--policies ...] [--budgets 1024] [--chunk 256]
+    python -m bench.memory [--tokens 1000000] [--policies ...] [--budgets 1024] [--chunk 256] [--recall]
 
 Streams random text through the tiny text model. At every decade of tokens seen (and at the
 end) prints: policy, budget, tokens_seen, cache_tokens, cache_bytes, max_position, rss_bytes,
@@ -8,6 +8,10 @@ ms_per_chunk (mean since the previous line), evict_ms_per_chunk. `full` stops at
 tokens (its attention grows with the stream) and says so. Each policy's last line adds the
 ratios of cache_bytes and ms_per_chunk to the line at 10,000 tokens (after the cache has
 filled, so that the ratios compare like with like).
+
+--recall runs every bounded policy with recall (a host tier of 16x the budget): lines add
+host_tokens and host_bytes (the host tier's memory), and the last line host_bytes_ratio, against
+the first line at which the host tier was full.
 """
 
 import time
@@ -20,11 +24,12 @@ from engine import Session, SessionConfig, load_model
 BASELINE_TOKENS = 10_000
 
 
-def run(model, policy: str, budget: int, tokens: int, chunk: int, full_cap: int) -> None:
-    session = Session(model, SessionConfig(policy=policy, budget_tokens=budget))
+def run(model, policy: str, budget: int, tokens: int, chunk: int, full_cap: int, recall: bool = False) -> None:
+    config = SessionConfig(policy=policy, budget_tokens=budget, recall=recall and policy != "full")
+    session = Session(model, config)
     rng = np.random.default_rng(0)
     limit = min(tokens, full_cap) if policy == "full" else tokens
-    next_report, first, chunks, elapsed_s, evict_before = 1000, None, 0, 0.0, 0.0
+    next_report, first, host_full, chunks, elapsed_s, evict_before = 1000, None, None, 0, 0.0, 0.0
     while True:
         seen = session.stats().tokens_seen
         if seen >= next_report or seen >= limit:
@@ -40,10 +45,17 @@ def run(model, policy: str, budget: int, tokens: int, chunk: int, full_cap: int)
                 "ms_per_chunk": round(1000 * elapsed_s / max(chunks, 1), 3),
                 "evict_ms_per_chunk": round((stats.evict_ms - evict_before) / max(chunks, 1), 3),
             }
+            if config.recall:
+                line |= {"host_tokens": stats.host_tokens, "host_bytes": stats.host_bytes}
+                if host_full is None and stats.host_tokens + config.page_tokens > config.host_tokens:
+                    host_full = line
             if first is None and (seen >= BASELINE_TOKENS or seen >= limit):
                 first = line
             if seen >= limit:
                 line["cache_bytes_ratio"] = round(line["cache_bytes"] / first["cache_bytes"], 3)
+                if host_full is not None:
+                    line["host_bytes_ratio"] = round(line["host_bytes"] / host_full["host_bytes"], 3)
+                    line["host_full_at"] = host_full["tokens_seen"]
                 line["ms_per_chunk_ratio"] = round(line["ms_per_chunk"] / max(first["ms_per_chunk"], 1e-9), 3)
                 if limit < tokens:
                     line["stopped"] = f"full stops at --full-cap {full_cap} tokens"
@@ -65,11 +77,12 @@ def main() -> None:
     args.add_argument("--chunk", type=int, default=256, help="tokens per append")
     args.add_argument("--full-cap", type=int, default=65_536, help="tokens after which `full` stops")
     args.add_argument("--model", default="tiny-random-llama")
+    args.add_argument("--recall", action="store_true", help="bounded policies keep what they evict in a host tier")
     opts = args.parse_args()
     model = load_model(opts.model, "cpu")
     for budget in split_list(opts.budgets, int):
         for policy in split_list(opts.policies):
-            run(model, policy, budget, opts.tokens, opts.chunk, opts.full_cap)
+            run(model, policy, budget, opts.tokens, opts.chunk, opts.full_cap, opts.recall)
 
 
 if __name__ == "__main__":

