@@ -2,7 +2,7 @@
 
     python -m bench.needle [--minutes 3] [--policies full,sliding,h2o,snapkv,infmllm]
                            [--budgets 256,512] [--depths 0.1,0.5,0.9] [--trials 1]
-                           [--distractors 0] [--svg PATH]
+                           [--distractors 0] [--recall] [--svg PATH]
 
 Starts Redis (REDIS_URL, else an embedded server), one worker serving `--model` (default
 `streamvqa-demo`) and the gateway, then for every trial and needle depth builds one stream:
@@ -25,6 +25,8 @@ attention: the policies must choose among scenes, more of them than the budget h
 
 An answer is right when the first colour, shape or digit it names is the needle's (for the last
 question: the scene's shape or digit). `full` keeps every token (its budget is shown as null).
+`--recall` runs every bounded policy a second time with recall (session option `recall`: a host
+tier of 16 times the budget, half the budget borrowed per question); its cells say `recall`.
 
 Prints JSON lines: one per run (`run`: the answers) with `--verbose`, then one per cell with
 `policy`, `budget`, `depth`, `accuracy`, `questions`, `minutes`, `distractors` and accuracy by
@@ -143,8 +145,8 @@ def is_right(question: Question, answer: str) -> bool:
     return first_named(answer, CHOICES[question.names]) == question.expected
 
 
-def run_one(client: Client, stream: Stream, policy: str, budget: int | None, verbose: bool) -> list[bool]:
-    options = {"fps": 1.0, "policy": policy} | ({"budget_tokens": budget} if budget else {})
+def run_one(client: Client, stream: Stream, policy: str, budget: int | None, recall: bool, verbose: bool) -> list[bool]:
+    options = {"fps": 1.0, "policy": policy} | ({"budget_tokens": budget} if budget else {}) | ({"recall": True} if recall else {})
     with client.create_session(**options) as session:
         # paced: unpaced, a client can have more frames in flight than the gateway allows after
         # `backpressure`, and is closed with 4429 (docs/benchmarks.md, Needle)
@@ -154,7 +156,7 @@ def run_one(client: Client, stream: Stream, policy: str, budget: int | None, ver
             answer = session.ask(question.text, max_new_tokens=24).answer
             results.append(is_right(question, answer))
             if verbose:
-                emit(run=policy, budget=budget, needle_s=stream.needle_s, question=question.text,
+                emit(run=policy, budget=budget, recall=recall, needle_s=stream.needle_s, question=question.text,
                      expected=question.expected, answer=answer, right=results[-1])
         return results
 
@@ -182,7 +184,7 @@ def plot(cells: list[dict], path: Path) -> None:
             svg.append(f'<text x="{x}" y="{y0 + panel_h + 16}" text-anchor="middle">{depth:g}</text>')
         for policy in policies:
             points = sorted((c["depth"], c["accuracy"]) for c in cells
-                            if c["policy"] == policy and c["budget"] in (budget, None))
+                            if c["policy"] == policy and c["budget"] in (budget, None) and not c["recall"])
             line = " ".join(f"{x0 + panel_w * d:.1f},{y0 + panel_h * (1 - a):.1f}" for d, a in points)
             dash = ' stroke-dasharray="4 3"' if policy == "full" else ""
             svg.append(f'<polyline points="{line}" fill="none" stroke="{colours[policy]}" stroke-width="2"{dash}/>')
@@ -204,7 +206,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=1, help="streams per depth (needles alternate: digit, shape)")
     parser.add_argument("--distractors", type=int, default=0, help="other generated scenes in each stream")
     parser.add_argument("--model", default="streamvqa-demo")
-    parser.add_argument("--svg", type=Path, help="draw accuracy by depth and budget here")
+    parser.add_argument("--recall", action="store_true", help="run every bounded policy also with recall")
+    parser.add_argument("--svg", type=Path, help="draw accuracy by depth and budget here (without recall)")
     parser.add_argument("--verbose", action="store_true", help="print every answer")
     args = parser.parse_args()
     if args.distractors < 0:
@@ -228,7 +231,8 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         wait_until_serving(f"{url}/healthz", redis_url, prefix, processes, START_TIMEOUT_S)
         real = sample_videos()
-        runs = [(p, None) for p in policies if p == "full"] + [(p, b) for p in policies if p != "full" for b in budgets]
+        runs = [(p, None, False) for p in policies if p == "full"]
+        runs += [(p, b, r) for p in policies if p != "full" for b in budgets for r in ((False, True) if args.recall else (False,))]
         right: dict[tuple, list[bool]] = defaultdict(list)
         by_kind: dict[tuple, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
         started = time.monotonic()
@@ -236,15 +240,15 @@ def main() -> None:
             for depth in depths:
                 for trial in range(args.trials):
                     stream = build_stream(real, seconds, depth, trial, args.distractors)
-                    for policy, budget in runs:
-                        results = run_one(client, stream, policy, budget, args.verbose)
-                        right[policy, budget, depth] += results
+                    for policy, budget, recall in runs:
+                        results = run_one(client, stream, policy, budget, recall, args.verbose)
+                        right[policy, budget, recall, depth] += results
                         for question, ok in zip(stream.questions, results, strict=True):
-                            by_kind[policy, budget, depth][question.kind].append(ok)
+                            by_kind[policy, budget, recall, depth][question.kind].append(ok)
         cells = []
-        for (policy, budget, depth), results in right.items():
-            kinds = {k: round(sum(v) / len(v), 3) for k, v in sorted(by_kind[policy, budget, depth].items())}
-            cell = dict(policy=policy, budget=budget, depth=depth, accuracy=round(sum(results) / len(results), 3),
+        for (policy, budget, recall, depth), results in right.items():
+            kinds = {k: round(sum(v) / len(v), 3) for k, v in sorted(by_kind[policy, budget, recall, depth].items())}
+            cell = dict(policy=policy, budget=budget, recall=recall, depth=depth, accuracy=round(sum(results) / len(results), 3),
                         questions=len(results), minutes=args.minutes, distractors=args.distractors, by_kind=kinds)
             cells.append(cell)
             emit(**cell)
