@@ -12,7 +12,8 @@ A question scores the pages of each layer by its own keys (its tokens' keys, as 
 the question's words only, not the chat template's): a page matches a question key by the
 cosine similarity of its closest representative; per question key, a softmax over the pages
 (sharpened by SIMILARITY_SHARPNESS); a page's score is that share averaged over the question's
-keys and summed over the KV heads. A fact is asked about in the words it was told in, and the
+keys. Each KV head chooses its own pages (its pages hold its own tokens: a policy that scores
+per head evicts a fact from different heads at different times). A fact is asked about in the words it was told in, and the
 keys of the same words in similar contexts are close, whereas the question's queries are not
 (measured on bench.recall's streams: scoring by queries brought back 16% to 51% of an evicted
 fact's tokens to each layer, near chance at 8 pages of 48; by keys, 30% to 71%, and 76% to 90%
@@ -55,6 +56,13 @@ class Tokens:
 
     def layer(self, index: int) -> "Tokens":
         return Tokens(*(getattr(self, name)[index : index + 1] for name in self.FIELDS))
+
+    def head(self, layer: int, head: int) -> "Tokens":
+        return Tokens(*(getattr(self, name)[layer : layer + 1, head : head + 1] for name in self.FIELDS))
+
+    @classmethod
+    def concat(cls, parts: list["Tokens"], dim: int) -> "Tokens":
+        return cls(*(torch.cat([getattr(part, name) for part in parts], dim=dim) for name in cls.FIELDS))
 
     def on(self, device: torch.device) -> "Tokens":
         """Keys and values on `device` (copied without blocking from pinned memory)."""
@@ -159,23 +167,26 @@ class HostTier:
 
     def retrieve(self, layer: int, keys: torch.Tensor, count: int) -> Retrieval:
         """The `count` best closed pages of `layer` for the question's keys (kv_heads, c, head_dim)
-        (before the rotary embedding), and the open page, merged in stream order per KV head."""
-        chosen: list[int] = []
+        (before the rotary embedding), chosen for each KV head, and the open page, merged in
+        stream order per KV head."""
+        heads = keys.shape[0]
+        chosen: list[list[int]] = [[] for _ in range(heads)]
         if count:
-            slots = torch.tensor(sorted(self.pages), device=self.representatives.device)
-            scores = self.score(layer, keys, slots)  # (len(slots),)
-            best = scores.topk(count).indices.cpu()
-            chosen = [int(slots[i]) for i in best]
-        device = keys.device
-        parts = [self.pages[slot].tokens.layer(layer).on(device) for slot in chosen]
-        for slot in chosen:
+            slots = sorted(self.pages)
+            scores = self.score(layer, keys, torch.tensor(slots, device=self.representatives.device))
+            chosen = [[slots[i] for i in row] for row in scores.topk(count, dim=-1).indices.tolist()]
+        numbers = sorted({self.pages[slot].number for row in chosen for slot in row})
+        for slot in {slot for row in chosen for slot in row}:
             self.pages[slot].hits += 1
-        if self.open is not None and self.open.count:
-            parts.append(self.open.layer(layer))
-        joined = parts[0]
-        for part in parts[1:]:
-            joined = joined.join(part)
-        order = joined.order.sort(dim=-1).indices  # (1, kv_heads, k): stream order per head
+        device = keys.device
+        rows = []
+        for head, row in enumerate(chosen):
+            parts = [self.pages[slot].tokens.head(layer, head).on(device) for slot in row]
+            if self.open is not None and self.open.count:
+                parts.append(self.open.head(layer, head))
+            rows.append(Tokens.concat(parts, dim=2))
+        joined = Tokens.concat(rows, dim=1)  # (1, kv_heads, k, ...)
+        order = joined.order.sort(dim=-1).indices  # stream order per head
         index = order.to(device)[..., None].expand(-1, -1, -1, joined.keys.shape[-1])
         merged = Tokens(
             joined.keys.gather(2, index),
@@ -184,16 +195,16 @@ class HostTier:
             joined.times.gather(2, order),
             joined.order.gather(2, order),
         )
-        return Retrieval(merged, [self.pages[slot].number for slot in chosen])
+        return Retrieval(merged, numbers)
 
     def score(self, layer: int, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """(len(slots),) how much the question's keys (kv_heads, c, head_dim) want each page of
-        `layer`."""
+        """(kv_heads, len(slots)) how much the question's keys (kv_heads, c, head_dim) want each
+        page of `layer`, per KV head (each head's pages hold its own tokens)."""
         reps = self.representatives[layer][:, slots].float()  # (kv_heads, pages, page_keys, head_dim)
         reps = reps / reps.norm(dim=-1, keepdim=True).clamp_min(1e-6)
         wanted = keys.float() / keys.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)  # (kv_heads, c, head_dim)
         similarity = torch.einsum("hcd,hpkd->hcpk", wanted, reps).amax(dim=-1)  # (kv_heads, c, pages)
-        return (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).mean(dim=1).sum(dim=0)
+        return (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).mean(dim=1)
 
     # -- read ----------------------------------------------------------------------------------
 
