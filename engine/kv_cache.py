@@ -135,6 +135,7 @@ class KVCache:
         self._question_tokens = 0  # the next run's first tokens whose keys choose them
         self.retrievals = 0
         self.retrieved_tokens = 0  # per layer, over every question
+        self.retrieved_pages = 0  # closed pages each layer's KV heads brought back, over every question
         self.retrieve_s = 0.0
         self.recalled_seconds: set[int] = set()  # whole seconds of video the last retrieval brought back
         self.scores: list[torch.Tensor | None] = [None] * num_layers  # (kv_heads, n) for keeps_scores
@@ -238,6 +239,7 @@ class KVCache:
                 cached.pending = count
             self.retrievals += 1
             self.retrieved_tokens += count
+            self.retrieved_pages += self._borrowing
             self.recalled_seconds = set()
         return count
 
@@ -412,7 +414,7 @@ class KVCache:
             "received": self._received,
             "scaling": self._scaling,
             "counters": [self.evictions, self.evicted_tokens, self.evict_s, self.max_position],
-            "retrieval": [self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s],
+            "retrieval": [self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages],
         }
 
     def load(self, state: dict, device: torch.device) -> None:
@@ -429,9 +431,8 @@ class KVCache:
         self.order = state.get("order") or [torch.arange(k.shape[1]).expand(self.kv_heads, -1).clone() for k in self.kinds]
         if state.get("host") is not None and self.host is not None:
             self.host = HostTier.load(state["host"], device)
-        self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s = state.get(
-            "retrieval", [int(self.order[0].max()) + 1 if self.tokens else 0, 0, 0, 0.0]
-        )
+        retrieval = state.get("retrieval", [int(self.order[0].max()) + 1 if self.tokens else 0, 0, 0, 0.0])
+        self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages = [*retrieval, 0][:5]
         self.scores, self._queries, self._received = here(state["scores"]), here(state["queries"]), here(state["received"])
         self.pins = state.get("pins", [])
         self._scaling = state["scaling"]

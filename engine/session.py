@@ -130,6 +130,7 @@ class SessionStats:
     host_index_bytes: int = 0  # device memory of its representative keys and open page
     retrievals: int = 0  # questions that borrowed from the host tier
     retrieved_tokens: int = 0  # tokens borrowed so far, per layer
+    retrieved_pages: int = 0  # closed host pages borrowed so far, per layer (each KV head chooses its own)
     retrieval_ms: float = 0.0  # time spent scoring pages and bringing them in
 
 
@@ -420,6 +421,7 @@ class Session:
             host_index_bytes=cache.host.device_bytes if cache.host else 0,
             retrievals=cache.retrievals,
             retrieved_tokens=cache.retrieved_tokens,
+            retrieved_pages=cache.retrieved_pages,
             retrieval_ms=round(cache.retrieve_s * 1000, 3),
         )
 

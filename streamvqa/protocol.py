@@ -581,6 +581,7 @@ class WorkerInfo(BaseModel):
     ingest_lag_s: float = 0.0
     host_bytes: int = 0  # its sessions' host tiers now
     retrieved_tokens: int = 0  # host tokens brought back per layer for questions, since it started
+    retrieved_pages: int = 0  # host pages brought back per layer for questions, since it started
     retrieval_ms: float = 0.0  # time spent choosing and bringing them back
 
     def fits(self, budget_tokens: int, retrieval_tokens: int = 0, host_tokens: int = 0) -> bool:

@@ -4,7 +4,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine import Session
-from engine.session import Answer
+from engine.session import Answer, SessionStats
 from streamvqa.protocol import DoneEvent, Evidence, Question, TokenEvent
 
 
@@ -14,8 +14,7 @@ class AnswerRun:
     question: Question
     stream: str  # the answer's stream key
     pieces: Answer  # the engine's answer: one piece of text per `next`, run on the engine's thread
-    evictions_before: int  # the session's evictions when the answer started
-    retrieved_before: tuple[int, float]  # the session's retrieved tokens and retrieval ms then
+    before: SessionStats  # the session's counters when the answer started
     started_at: float = field(default_factory=time.monotonic)  # when the worker started it
     text: list[str] = field(default_factory=list)
     outbox: list[TokenEvent] = field(default_factory=list)  # pieces not yet in the answer stream (Redis failed)

@@ -297,7 +297,9 @@ class Worker:
         self._abandon_upload = redis.register_script(ABANDON_UPLOAD_LUA)
         self._claiming: set[str] = set()  # sessions being opened: advertised, not yet held
         self.frames_ingested = self.evictions = self.answers = 0  # since start, advertised for GET /metrics
-        self.retrieved_tokens, self.retrieval_ms = 0, 0.0  # brought back from host tiers for questions, since start
+        # brought back from host tiers for questions, since start
+        self.retrieved_tokens = self.retrieved_pages = 0
+        self.retrieval_ms = 0.0
         self.spool_dir = settings.spool_dir / prefix_folder(settings.redis_prefix)
         self.snapshots = SnapshotStore(
             redis, self.keys, settings.snapshot_dir / prefix_folder(settings.redis_prefix),
@@ -797,7 +799,7 @@ class Worker:
             if tokens > protocol.MAX_QUESTION_TOKENS:
                 return tokens, None, None
             pieces = hosted.engine.ask(question.question, question.max_new_tokens)
-            run = AnswerRun(entry_id, question, stream, pieces, before.evictions, (before.retrieved_tokens, before.retrieval_ms))
+            run = AnswerRun(entry_id, question, stream, pieces, before)
             return tokens, run, next(run.pieces, None)
 
         try:
@@ -849,9 +851,10 @@ class Worker:
         hosted.changed = True
         self.answers += 1
         stats = hosted.engine.stats()
-        self.evictions += stats.evictions - run.evictions_before
-        self.retrieved_tokens += stats.retrieved_tokens - run.retrieved_before[0]
-        self.retrieval_ms += stats.retrieval_ms - run.retrieved_before[1]
+        self.evictions += stats.evictions - run.before.evictions
+        self.retrieved_tokens += stats.retrieved_tokens - run.before.retrieved_tokens
+        self.retrieved_pages += stats.retrieved_pages - run.before.retrieved_pages
+        self.retrieval_ms += stats.retrieval_ms - run.before.retrieval_ms
         hosted.host_bytes = stats.host_bytes
         await self._consume(self.keys.questions(session_id), run.entry_id)
         await self._set(session_id, **self._progress(hosted.engine))
@@ -1165,6 +1168,7 @@ class Worker:
             host_free_bytes=self._host_free_bytes(),
             host_bytes=sum(h.host_bytes for h in self.sessions.values()),
             retrieved_tokens=self.retrieved_tokens,
+            retrieved_pages=self.retrieved_pages,
             retrieval_ms=round(self.retrieval_ms, 3),
             frames_ingested=self.frames_ingested,
             evictions=self.evictions,
