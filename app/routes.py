@@ -145,7 +145,8 @@ async def upload(
 async def memory(session: AuthorizedSession, redis: RedisDep, keys: KeysDep) -> MemoryReport:
     """What the session's bounded cache holds now: tokens per kind, and per span of video time
     how many frame tokens were appended, how many are still held on the device, and (with
-    recall) how many are in the host tier; the rest were dropped (the dashboard's memory view). Updated by the worker at most once a second while it ingests, and after each answer."""
+    recall) how many are in the host tier; the rest were dropped (the dashboard's memory view).
+    Updated by the worker at most once a second while it ingests, and after each answer."""
     stored = await redis.get(keys.memory(session.id))
     if stored is not None:
         return MemoryReport.model_validate_json(stored)

@@ -14,6 +14,20 @@ from streamvqa.protocol import WorkerInfo
 from tests.support import Client, Stack, sample_video, sse_events
 
 
+def metrics_once(url: str, counter: str) -> dict[str, float]:
+    """GET /metrics as {sample: value}, once `counter` (of some worker) is at least 1, or after 30 s:
+    the worker advertises its counters every LEASE_TTL_S / 3."""
+    samples: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics").text
+        samples = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l and l[0] != "#"}
+        if any(k.startswith(counter) and v >= 1 for k, v in samples.items()):
+            break
+        time.sleep(0.5)
+    return samples
+
+
 def test_healthz_answers_when_redis_is_reachable(stack):
     reply = httpx.get(f"{stack.url}/healthz")
     assert (reply.status_code, reply.json()) == (200, {"status": "ok"})
@@ -207,14 +221,7 @@ def test_with_recall_the_memory_view_shows_device_host_and_dropped_and_answers_r
     assert reply.status_code == 200
     recalled = reply.json()["recalled_s"]
     assert recalled and set(recalled) <= {i for i, span in enumerate(spans) if span["frame_host"] or span["text_host"]}
-    samples: dict[str, float] = {}
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the worker advertises its counters every LEASE_TTL_S / 3
-        text = httpx.get(f"{stack.url}/metrics").text
-        samples = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l and l[0] != "#"}
-        if any(k.startswith("streamvqa_worker_retrieved_tokens_total") and v >= 1 for k, v in samples.items()):
-            break
-        time.sleep(0.5)
+    samples = metrics_once(stack.url, "streamvqa_worker_retrieved_tokens_total")
     retrieved = [v for k, v in samples.items() if k.startswith("streamvqa_worker_retrieved_tokens_total")]
     assert retrieved and retrieved[0] >= 64
     pages = [v for k, v in samples.items() if k.startswith("streamvqa_worker_retrieved_pages_total")]
@@ -282,14 +289,7 @@ def test_readyz_needs_a_live_worker_and_metrics_count_the_work(stack, client):
     assert client.upload(sample_video("carphone_pristine.mp4").read_bytes()).status_code == 202
     client.wait_for_state("ingested")
     assert client.ask("What?", max_new_tokens=2).status_code == 200
-    samples: dict[str, float] = {}
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the worker advertises its counters every LEASE_TTL_S / 3
-        text = httpx.get(f"{stack.url}/metrics").text
-        samples = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l and l[0] != "#"}
-        if any(k.startswith("streamvqa_worker_answers_total") and v >= 1 for k, v in samples.items()):
-            break
-        time.sleep(0.5)
+    samples = metrics_once(stack.url, "streamvqa_worker_answers_total")
     assert samples['streamvqa_workers{model="tiny-random-llava"}'] == 1
     assert samples['streamvqa_gateway_questions_total{via="rest"}'] >= 1
     assert samples["streamvqa_gateway_ttft_seconds_count"] >= 1
