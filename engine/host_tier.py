@@ -30,9 +30,13 @@ to each layer, near chance at 8 pages of 48; by keys, 30% to 71%, and 76% to 90%
 page_keys = page_tokens). What comes back is bit for bit what was evicted.
 
 Bound: at most `budget_tokens // page_tokens` pages. A page that needs a place when all are
-taken takes the place of the page retrieved least often, the oldest of those; if the new page
-would be that page itself (older than every page held and never retrieved), its tokens are
-dropped instead.
+taken takes the place of the page used least recently (opened, or borrowed from by a
+question), the oldest of those: with no questions, the oldest page goes; a page a question
+needed stays as long as a new one would. Tokens that leave the device after their page was
+dropped (a head kept them longer than the rest of their span) are dropped too: the tier has
+already let that part of the stream go. (Dropping the page borrowed from least often instead
+freezes the tier once every page held has been borrowed from: each new page is then the one
+to go.)
 """
 
 from dataclasses import dataclass
@@ -77,8 +81,10 @@ class HostTier:
         self.slots = budget_tokens // page_tokens
         self.slot_of: dict[int, int] = {}  # page number -> slot
         self.page_of = torch.full((self.slots,), -1, dtype=torch.int64)  # slot -> page number, -1 when free
-        self.hits = torch.zeros(self.slots, dtype=torch.int64)  # layers that borrowed from it, over every question
-        self.dropped_pages = 0  # pages that left, or whose tokens came after it was full and were older than all
+        self.used = torch.zeros(self.slots, dtype=torch.int64)  # the clock when it was last opened or borrowed from
+        self.clock = 0  # counts openings and borrowings
+        self.dropped_pages = 0  # pages that left
+        self.dropped_through = -1  # the newest page that left: tokens of older pages not held are dropped
         # Allocated at the first add, when the model's shapes are known:
         self.keys = self.values = None  # (layers, kv_heads, slots, page_tokens, head_dim), host memory
         self.kinds = self.times = self.present = None  # (layers, kv_heads, slots, page_tokens), CPU
@@ -90,8 +96,9 @@ class HostTier:
         """The page numbers held, in stream order."""
         return sorted(self.slot_of)
 
-    def page_hits(self) -> dict[int, int]:
-        return {page: int(self.hits[slot]) for page, slot in self.slot_of.items()}
+    def page_uses(self) -> dict[int, int]:
+        """By page: the clock when it was last opened or borrowed from."""
+        return {page: int(self.used[slot]) for page, slot in self.slot_of.items()}
 
     @property
     def tokens(self) -> int:
@@ -164,24 +171,26 @@ class HostTier:
         self.key_counts = torch.zeros(layers, heads, self.slots, self.page_keys, device=device)
 
     def _open(self, number: int) -> None:
-        """A slot for page `number`: a free one, else the page retrieved least often, the oldest of
-        those, leaves; unless the new page would be that one, which then stays out."""
+        """A slot for page `number`: a free one, else that of the page used least recently, the
+        oldest of those. None for a page no newer than one that left."""
+        if number <= self.dropped_through:
+            return
         free = (self.page_of < 0).nonzero()
         if len(free):
             slot = int(free[0])
         else:
-            slot = min(self.slot_of.values(), key=lambda s: (int(self.hits[s]), int(self.page_of[s])))
+            slot = min(self.slot_of.values(), key=lambda s: (int(self.used[s]), int(self.page_of[s])))
+            self.dropped_through = max(self.dropped_through, int(self.page_of[slot]))
             self.dropped_pages += 1
-            if (0, number) < (int(self.hits[slot]), int(self.page_of[slot])):
-                return
             self._clear(slot)
         self.slot_of[number] = slot
         self.page_of[slot] = number
+        self.clock += 1
+        self.used[slot] = self.clock
 
     def _clear(self, slot: int) -> None:
         del self.slot_of[int(self.page_of[slot])]
         self.page_of[slot] = -1
-        self.hits[slot] = 0
         for tensor in (self.present, self.held, self.key_sums, self.key_counts):
             tensor[:, :, slot] = 0
 
@@ -201,7 +210,8 @@ class HostTier:
         order, by_place = order.sort(dim=-1)
         chosen, slot = chosen.gather(1, by_place), slot.gather(1, by_place)
         used = slot.unique()
-        self.hits[used] += 1
+        self.clock += 1
+        self.used[used] = self.clock
         index = chosen[:, :, None].expand(-1, -1, self.keys.shape[-1])
 
         def lend(pool: torch.Tensor) -> torch.Tensor:
@@ -264,7 +274,7 @@ class HostTier:
         pages = self.pages
         slots = torch.tensor([self.slot_of[n] for n in pages], dtype=torch.int64)
         saved = {"options": [self.budget_tokens, self.page_tokens, self.page_keys], "by_place": True, "pages": pages,
-                 "hits": self.hits[slots], "dropped": self.dropped_pages}
+                 "used": self.used[slots], "counters": [self.clock, self.dropped_pages, self.dropped_through]}
         if self.keys is not None:
             for name in ("keys", "values", "kinds", "times", "present", "key_sums", "key_counts"):
                 saved[name] = getattr(self, name)[:, :, slots.to(getattr(self, name).device)].cpu()
@@ -287,6 +297,6 @@ class HostTier:
         for slot, number in enumerate(state["pages"]):
             tier.slot_of[number] = slot
             tier.page_of[slot] = number
-        tier.hits[: len(state["pages"])] = state["hits"]
-        tier.dropped_pages = state["dropped"]
+        tier.used[: len(state["pages"])] = state["used"]
+        tier.clock, tier.dropped_pages, tier.dropped_through = state["counters"]
         return tier

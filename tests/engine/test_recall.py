@@ -118,23 +118,36 @@ def test_the_host_tier_stays_within_its_budget_over_a_long_stream(model):
     assert session.stats().cache_tokens == BUDGET
 
 
-def tokens(start: int, count: int, heads: int = 1, dim: int = 4) -> Tokens:
+def tokens(start: int, count: int, heads: int = 1, dim: int = 16) -> Tokens:
     """Tokens at stream places start..start + count of one layer, with random keys."""
     order = torch.arange(start, start + count).expand(1, heads, count).clone()
     keys = torch.randn(1, heads, count, dim)
     return Tokens(keys, keys.clone(), torch.zeros(1, heads, count, dtype=torch.int8), order.float(), order)
 
 
-def test_pages_are_dropped_least_retrieved_first_then_oldest():
+def test_pages_are_dropped_least_recently_used_first_and_late_tokens_of_a_dropped_page_with_it():
     tier = HostTier(budget_tokens=4 * 8, page_tokens=8, page_keys=2)
+    torch.manual_seed(0)
     tier.add(tokens(0, 32))  # pages 0..3, the budget
     assert tier.pages == [0, 1, 2, 3]
-    tier.hits[tier.slot_of[0]] = 2  # the oldest was retrieved
+    assert tier.retrieve(0, tier.contents(0, 0).keys[0, :, 0:4], count=8).pages == [0]  # a question needs page 0
     tier.add(tokens(32, 16))
     assert tier.pages == [0, 3, 4, 5]
     assert tier.tokens == 32 and tier.dropped_pages == 2
-    tier.add(tokens(8, 8))  # late tokens of a page that left: older than every page held, never retrieved
-    assert tier.pages == [0, 3, 4, 5] and tier.dropped_pages == 3
+    tier.add(tokens(8, 8))  # late tokens of page 1, which left
+    assert tier.pages == [0, 3, 4, 5] and tier.tokens == 32
+    for start in (48, 56, 64, 72):  # with no more questions, page 0 goes in its turn
+        tier.add(tokens(start, 8))
+    assert tier.pages == [6, 7, 8, 9] and tier.dropped_pages == 6
+
+
+def test_a_tier_that_every_question_borrowed_from_still_takes_new_pages():
+    tier = HostTier(budget_tokens=4 * 8, page_tokens=8, page_keys=2)
+    tier.add(tokens(0, 32))
+    for start in range(0, 32, 8):
+        tier.retrieve(0, tier.contents(0, 0).keys[0, :, start : start + 4], count=32)
+    tier.add(tokens(32, 8))
+    assert tier.pages == [1, 2, 3, 4]
 
 
 def test_a_page_is_a_span_of_the_stream_whatever_order_its_tokens_leave_in():
@@ -175,7 +188,7 @@ def test_a_snapshot_keeps_the_host_tier_and_the_next_answer(model):
     restored = Session.restore(model, session.snapshot())
     assert restored.stats() == session.stats()
     mine, theirs = session.cache.host, restored.cache.host
-    assert mine.page_hits() == theirs.page_hits() and mine.pages == theirs.pages
+    assert mine.page_uses() == theirs.page_uses() and mine.pages == theirs.pages
     expected, answer = session.ask("What was first?", max_new_tokens=8), restored.ask("What was first?", max_new_tokens=8)
     assert "".join(answer) == "".join(expected)
     assert answer.recalled_s == expected.recalled_s
