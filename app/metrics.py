@@ -79,7 +79,7 @@ class _WorkersCollector:
             (GaugeMetricFamily, "streamvqa_worker_host_tier_bytes", "Host memory its sessions' host tiers take (recall).", lambda w: w.host_bytes),
             (GaugeMetricFamily, "streamvqa_worker_host_free_bytes", "Host tier memory its sessions have not reserved.", lambda w: w.host_free_bytes),
             (CounterMetricFamily, "streamvqa_worker_retrieved_tokens", "Host tier tokens brought back per layer for questions.", lambda w: w.retrieved_tokens),
-            (CounterMetricFamily, "streamvqa_worker_retrieved_pages", "Host tier pages brought back per layer for questions.", lambda w: w.retrieved_pages),
+            (CounterMetricFamily, "streamvqa_worker_retrieved_pages", "Host tier pages that questions borrowed from, in the first layer.", lambda w: w.retrieved_pages),
             (CounterMetricFamily, "streamvqa_worker_retrieval_seconds", "Time spent choosing host pages and bringing them back.", lambda w: w.retrieval_ms / 1000),
         )
         for kind, name, help_text, value in families:

@@ -232,9 +232,10 @@ class HostTier:
         """(kv_heads, slots) how much the question's keys (kv_heads, c, head_dim) want each page of
         `layer`, per KV head (-inf where the head holds nothing of it)."""
         counts = self.key_counts[layer]  # (kv_heads, slots, page_keys)
-        reps = self.key_sums[layer] / counts.clamp_min(1)[..., None]
-        reps = reps / reps.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-        wanted = keys.float() / keys.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)  # (kv_heads, c, head_dim)
+        sums = self.key_sums[layer]  # a mean points where its sum does: cosine needs no division by the count
+        reps = sums / sums.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        wanted = keys.float()
+        wanted = wanted / wanted.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # (kv_heads, c, head_dim)
         similarity = torch.einsum("hcd,hskd->hcsk", wanted, reps)
         similarity = similarity.masked_fill(counts[:, None] == 0, float("-inf")).amax(dim=-1)  # (kv_heads, c, slots)
         share = (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).nan_to_num(0.0)

@@ -127,7 +127,7 @@ class SessionStats:
     max_position: int  # the highest position any token has had
     host_tokens: int = 0  # tokens each layer of the host tier holds now
     host_bytes: int = 0  # host memory of the host tier
-    host_index_bytes: int = 0  # device memory of its representative keys and open page
+    host_index_bytes: int = 0  # device memory of its representative keys and which places it holds
     retrievals: int = 0  # questions that borrowed from the host tier
     retrieved_tokens: int = 0  # tokens borrowed so far, per layer
     retrieved_pages: int = 0  # host pages borrowed from so far, in the first layer (each KV head chooses its own)
