@@ -17,17 +17,21 @@ question borrows is copied to the device without blocking). Each page keeps, whe
 cheap (on the device), `page_keys` representative keys per layer and KV head: the means of the
 keys held of equal runs of its places.
 
-A question scores the pages of each layer by its own keys (its tokens' keys, as stored, of
-the question's words only, not the chat template's): a page matches a question key by the
-cosine similarity of its closest representative; per question key, a softmax over the pages
-(sharpened by SIMILARITY_SHARPNESS); a page's score is that share averaged over the question's
-keys. Each KV head chooses its own pages and borrows the tokens it holds of them, best page
-first, up to the retrieval budget (the same count in every head; the last page may come in
-part). A fact is asked about in the words it was told in, and the keys of the same words in
-similar contexts are close, whereas the question's queries are not (measured on
-bench.recall's streams: scoring by queries brought back 16% to 51% of an evicted fact's tokens
-to each layer, near chance at 8 pages of 48; by keys, 30% to 71%, and 76% to 90% with
-page_keys = page_tokens). What comes back is bit for bit what was evicted.
+A question scores the pages in each layer's KV heads by its own keys there (its tokens' keys,
+as stored, of the question's words only, not the chat template's): a page matches a question
+key by the cosine similarity of its closest representative; per question key, a softmax over
+the pages (sharpened by SIMILARITY_SHARPNESS); a page's score is that share averaged over the
+question's keys. A page is the same span of the stream in every layer and head, so the
+scores pool: the layers run in turn, and each borrows by the mean score of every head of it
+and of the layers before it (the first layer by its own alone). Every KV head then borrows
+the tokens it holds of the best pages, best first, up to the retrieval budget (the same
+count in every head; a head that kept more of those pages on the device reaches further down
+the list; the last page may come in part). A fact is asked about in the words it was told
+in, and the keys of the same words in similar contexts are close, whereas the question's
+queries are not (measured on bench.recall's streams: scoring by queries brought back 16% to
+51% of an evicted fact's tokens to each layer, near chance at 8 pages of 48; by keys, 30% to
+71%, and 76% to 90% with page_keys = page_tokens). What comes back is bit for bit what was
+evicted.
 
 Bound: at most `budget_tokens // page_tokens` pages. A page that needs a place when all are
 taken takes the place of the page used least recently (opened, or borrowed from by a
@@ -90,6 +94,8 @@ class HostTier:
         self.kinds = self.times = self.present = None  # (layers, kv_heads, slots, page_tokens), CPU
         self.held = None  # `present` on the device, for choosing
         self.key_sums = self.key_counts = None  # (layers, kv_heads, slots, page_keys[, head_dim]) float32, device
+        self._pooled: torch.Tensor | None = None  # (slots,) the question's page scores summed over the heads so far
+        self._pooled_heads = 0
 
     @property
     def pages(self) -> list[int]:
@@ -196,12 +202,20 @@ class HostTier:
 
     # -- retrieve ------------------------------------------------------------------------------
 
+    def begin_question(self) -> None:
+        """A new question: its layers' scores pool from the first layer on."""
+        self._pooled, self._pooled_heads = None, 0
+
     def retrieve(self, layer: int, keys: torch.Tensor, count: int) -> Retrieval:
         """`count` tokens (at most `available()`) of `layer` for the question's keys (kv_heads, c,
-        head_dim) (before the rotary embedding), for each KV head from its best pages, in stream
-        order."""
+        head_dim) (before the rotary embedding): for each KV head, what it holds of the best pages
+        by the scores pooled so far, best first, in stream order."""
         heads, device = keys.shape[0], keys.device
         scores = self.score(layer, keys)  # (kv_heads, slots)
+        mine = scores.nan_to_num(0.0, neginf=0.0).sum(0)
+        self._pooled = mine if self._pooled is None else self._pooled + mine
+        self._pooled_heads += heads
+        scores = (self._pooled / self._pooled_heads).expand(heads, -1)
         wanted = scores[:, :, None].expand(-1, -1, self.page_tokens).masked_fill(~self.held[layer], float("-inf"))
         chosen = wanted.flatten(1).topk(count, dim=-1).indices  # (kv_heads, count) into slots * page_tokens
         chosen = chosen.cpu()

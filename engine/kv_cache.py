@@ -232,6 +232,7 @@ class KVCache:
             return 0
         count = min(retrieval_tokens, self.host.available())
         self._question_tokens = max(1, question_tokens)
+        self.host.begin_question()
         if count:
             for cached in self.hf.layers:
                 cached.pending = count

@@ -130,7 +130,7 @@ def test_pages_are_dropped_least_recently_used_first_and_late_tokens_of_a_droppe
     torch.manual_seed(0)
     tier.add(tokens(0, 32))  # pages 0..3, the budget
     assert tier.pages == [0, 1, 2, 3]
-    assert tier.retrieve(0, tier.contents(0, 0).keys[0, :, 0:4], count=8).pages == [0]  # a question needs page 0
+    assert asked(tier, 0, tier.contents(0, 0).keys[0, :, 0:4], count=8).pages == [0]  # a question needs page 0
     tier.add(tokens(32, 16))
     assert tier.pages == [0, 3, 4, 5]
     assert tier.tokens == 32 and tier.dropped_pages == 2
@@ -145,7 +145,7 @@ def test_a_tier_that_every_question_borrowed_from_still_takes_new_pages():
     tier = HostTier(budget_tokens=4 * 8, page_tokens=8, page_keys=2)
     tier.add(tokens(0, 32))
     for start in range(0, 32, 8):
-        tier.retrieve(0, tier.contents(0, 0).keys[0, :, start : start + 4], count=32)
+        asked(tier, 0, tier.contents(0, 0).keys[0, :, start : start + 4], count=32)
     tier.add(tokens(32, 8))
     assert tier.pages == [1, 2, 3, 4]
 
@@ -160,11 +160,17 @@ def test_a_page_is_a_span_of_the_stream_whatever_order_its_tokens_leave_in():
     for part in (odd, even):  # the odd places leave first, then the even ones
         tier.add(Tokens(*(getattr(every, name)[:, :, part] for name in Tokens.FIELDS)))
     assert tier.pages == list(range(8)) and tier.available() == 64
-    got = tier.retrieve(0, every.keys[0, :, 40:44] + 0.05 * torch.randn(2, 4, 16), count=8)
+    got = asked(tier, 0, every.keys[0, :, 40:44] + 0.05 * torch.randn(2, 4, 16), count=8)
     assert got.pages == [5]
     assert got.tokens.order[0].tolist() == [list(range(40, 48))] * 2
     assert torch.equal(got.tokens.keys[0], every.keys[0, :, 40:48])
     assert torch.equal(got.tokens.values[0], every.values[0, :, 40:48])
+
+
+def asked(tier: HostTier, layer: int, keys: torch.Tensor, count: int):
+    """A new question, borrowing in one layer."""
+    tier.begin_question()
+    return tier.retrieve(layer, keys, count)
 
 
 def test_a_question_brings_back_the_pages_whose_keys_match_its_own():
@@ -174,12 +180,24 @@ def test_a_question_brings_back_the_pages_whose_keys_match_its_own():
     every = tokens(0, 64, heads=2, dim=16)  # 8 pages of 8 tokens
     tier.add(every)
     question = every.keys[0, :, 44:48] + 0.1 * torch.randn(2, 4, 16)  # near the second half of page 5
-    assert tier.retrieve(0, question, count=8).pages == [5]
-    assert tier.retrieve(0, every.keys[0, :, 8:12], count=8).pages == [1]
-    more = tier.retrieve(0, every.keys[0, :, 8:12], count=12).tokens.order[0]  # then each head's next best page, in part
-    for head in range(2):
-        assert set(range(8, 16)) <= set(more[head].tolist()) and more[head].tolist() == sorted(more[head].tolist())
-        assert len({place // 8 for place in more[head].tolist()}) == 2
+    assert asked(tier, 0, question, count=8).pages == [5]
+    assert asked(tier, 0, every.keys[0, :, 8:12], count=8).pages == [1]
+    more = asked(tier, 0, every.keys[0, :, 8:12], count=12).tokens.order[0]  # then the next best page, in part
+    assert set(range(8, 16)) <= set(more[0].tolist()) and more[0].tolist() == sorted(more[0].tolist())
+    assert len({place // 8 for place in more[0].tolist()}) == 2
+    assert torch.equal(more[0], more[1])  # every head borrows from the same pages
+
+
+def test_later_layers_borrow_by_the_scores_of_the_layers_before_them_too():
+    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
+    torch.manual_seed(0)
+    first, second = tokens(0, 64, heads=2, dim=16), tokens(0, 64, heads=2, dim=16)
+    tier.add(Tokens(*(torch.cat([getattr(first, name), getattr(second, name)]) for name in Tokens.FIELDS)))
+    tier.begin_question()
+    assert tier.retrieve(0, first.keys[0, :, 40:48], count=8).pages == [5]  # the first layer's keys match page 5
+    vague = second.keys[0, :, 0:64].mean(dim=1, keepdim=True)  # like every page of the second layer a little
+    assert tier.retrieve(1, vague, count=8).pages == [5]
+    assert asked(tier, 1, vague, count=8).pages != [5]  # alone, the second layer would choose otherwise
 
 
 def test_a_snapshot_keeps_the_host_tier_and_the_next_answer(model):
