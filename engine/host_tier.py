@@ -75,6 +75,12 @@ class Retrieval:
     pages: list[int]  # the page numbers (spans of the stream) any head borrowed from
 
 
+def index_bytes_per_token(layers: int, kv_heads: int, head_dim: int, page_tokens: int, page_keys: int) -> float:
+    """Device bytes of a host tier's index per token of its bound, over all layers: the
+    representative keys' running sums and counts (float32), and which places are held."""
+    return layers * kv_heads * (page_keys * (head_dim + 1) * 4 / page_tokens + 1)
+
+
 class HostTier:
     def __init__(self, budget_tokens: int, page_tokens: int = 32, page_keys: int = 2) -> None:
         if page_tokens < 1 or page_keys < 1 or page_tokens % page_keys:
@@ -125,7 +131,7 @@ class HostTier:
         """Host bytes of the pages held."""
         if self.keys is None:
             return 0
-        per_slot = sum(t[:, :, 0].numel() * t.element_size() for t in (self.keys, self.values, self.kinds, self.times))
+        per_slot = sum(t[:, :, 0].numel() * t.element_size() for t in (self.keys, self.values, self.kinds, self.times, self.present))
         return per_slot * len(self.slot_of)
 
     @property

@@ -114,11 +114,14 @@ class Model:
         self.stop_ids = frozenset(i for i in [tokenizer.eos_token_id, *eos_ids] if i is not None)
 
     @property
+    def head_dim(self) -> int:
+        text = self.hf.config.get_text_config()
+        return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values that one cached token takes, over all layers."""
-        text = self.hf.config.get_text_config()
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return self.num_layers * 2 * self.kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
+        return self.num_layers * 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     @property
     def sees_frames(self) -> bool:

@@ -38,8 +38,8 @@ PROMPT_RESERVE_TOKENS = 2048  # the longest prompt (a question with its turn mar
 
 HOST_BUDGET_MULTIPLE = 16  # with recall, the host tier holds this many times the budget unless told
 MAX_HOST_BUDGET_TOKENS = 4_000_000
-# Host bytes per token beside its keys and values, per layer and KV head: kind (1), time (4), place in the stream (8)
-HOST_TOKEN_OVERHEAD_BYTES = 13
+# Host bytes per token beside its keys and values, per layer and KV head: kind (1), time (4), held (1)
+HOST_TOKEN_OVERHEAD_BYTES = 6
 
 
 def peak_cache_tokens(budget_tokens: int, retrieval_tokens: int = 0) -> int:
@@ -573,6 +573,7 @@ class WorkerInfo(BaseModel):
     kv_bytes_per_token: int = 0  # its model's cache bytes per token (0: unknown)
     kv_free_bytes: int = 0  # cache memory not reserved by its sessions (each reserves its peak)
     host_bytes_per_token: int = 0  # a host tier token's bytes, over all layers (0: unknown)
+    index_bytes_per_host_token: float = 0.0  # cache memory a host tier token's share of its index takes
     host_free_bytes: int = 0  # host memory for host tiers not reserved by its sessions (each reserves its bound)
     # counters since the worker started, and its live sessions' ingest lag, for GET /metrics
     frames_ingested: int = 0
@@ -581,7 +582,7 @@ class WorkerInfo(BaseModel):
     ingest_lag_s: float = 0.0
     host_bytes: int = 0  # its sessions' host tiers now
     retrieved_tokens: int = 0  # host tokens brought back per layer for questions, since it started
-    retrieved_pages: int = 0  # host pages brought back per layer for questions, since it started
+    retrieved_pages: int = 0  # host pages questions borrowed from (in the first layer), since it started
     retrieval_ms: float = 0.0  # time spent choosing and bringing them back
 
     def fits(self, budget_tokens: int, retrieval_tokens: int = 0, host_tokens: int = 0) -> bool:
@@ -590,6 +591,7 @@ class WorkerInfo(BaseModel):
         if self.sessions >= self.max_sessions:
             return False
         cache = peak_cache_tokens(budget_tokens, retrieval_tokens) * self.kv_bytes_per_token
+        cache += math.ceil(host_tokens * self.index_bytes_per_host_token)
         host = host_tokens * self.host_bytes_per_token
         return (self.kv_bytes_per_token == 0 or cache <= self.kv_free_bytes) and (
             self.host_bytes_per_token == 0 or host <= self.host_free_bytes

@@ -14,6 +14,7 @@ question or media, so idle sessions do not hold a worker's places.
 
 import asyncio
 import logging
+import math
 import os
 import re
 import socket
@@ -31,6 +32,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from engine import Model, Session, SessionConfig
+from engine.host_tier import index_bytes_per_token
 from streamvqa import protocol
 from streamvqa.protocol import (
     AnswerEnvelope,
@@ -310,6 +312,9 @@ class Worker:
         self.kv_memory_bytes = settings.kv_memory_bytes or available_kv_memory(model.device)
         self.host_memory_bytes = settings.host_memory_bytes or available_host_memory(model.device)
         self.host_bytes_per_token = model.kv_bytes_per_token + model.num_layers * model.kv_heads * protocol.HOST_TOKEN_OVERHEAD_BYTES
+        self.index_bytes_per_host_token = index_bytes_per_token(
+            model.num_layers, model.kv_heads, model.head_dim, SessionConfig.page_tokens, SessionConfig.page_keys
+        )
         self._no_room_until = 0.0  # after a session that did not fit, the pending queue waits
         self._pending_at = 0.0  # monotonic time the pending queue was last read
         self._orphans_at = 0.0  # ... and searched for entries a dead worker read but never took
@@ -525,10 +530,13 @@ class Worker:
 
     # -- sessions ------------------------------------------------------------------------------
 
+    def _device_bytes(self, record: SessionRecord) -> int:
+        """What a session reserves of the cache memory: its peak cache, and its host tier's index."""
+        peak = protocol.peak_cache_tokens(record.budget_tokens, record.retrieval_tokens) * self.model.kv_bytes_per_token
+        return peak + math.ceil(record.host_budget_tokens * self.index_bytes_per_host_token)
+
     def _kv_free_bytes(self) -> int:
-        records = [h.record for h in self.sessions.values()]
-        peaks = sum(protocol.peak_cache_tokens(r.budget_tokens, r.retrieval_tokens) for r in records)
-        return max(0, self.kv_memory_bytes - peaks * self.model.kv_bytes_per_token)
+        return max(0, self.kv_memory_bytes - sum(self._device_bytes(h.record) for h in self.sessions.values()))
 
     def _host_free_bytes(self) -> int:
         reserved = sum(h.record.host_budget_tokens for h in self.sessions.values()) * self.host_bytes_per_token
@@ -536,8 +544,7 @@ class Worker:
 
     def _fits(self, record: SessionRecord) -> bool:
         """Whether the session's peak cache and its host tier fit in the memory not reserved yet."""
-        cache = protocol.peak_cache_tokens(record.budget_tokens, record.retrieval_tokens) * self.model.kv_bytes_per_token
-        return cache <= self._kv_free_bytes() and record.host_budget_tokens * self.host_bytes_per_token <= self._host_free_bytes()
+        return self._device_bytes(record) <= self._kv_free_bytes() and record.host_budget_tokens * self.host_bytes_per_token <= self._host_free_bytes()
 
     async def _take_new_sessions(self) -> None:
         """Take up to the room left (MAX_SESSIONS, cache memory) from the pending queue of this
@@ -1165,6 +1172,7 @@ class Worker:
             kv_bytes_per_token=self.model.kv_bytes_per_token,
             kv_free_bytes=self._kv_free_bytes(),
             host_bytes_per_token=self.host_bytes_per_token,
+            index_bytes_per_host_token=self.index_bytes_per_host_token,
             host_free_bytes=self._host_free_bytes(),
             host_bytes=sum(h.host_bytes for h in self.sessions.values()),
             retrieved_tokens=self.retrieved_tokens,

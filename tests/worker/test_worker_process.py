@@ -67,14 +67,26 @@ def test_sessions_fit_the_worker_s_cache_memory(redis_url, tmp_path):
     # tiny-random-llava: 512 bytes per cached token; a 256-token budget peaks at 256 + 2048 + 1024
     # tokens (budget, a prompt, an answer) = 1,703,936 bytes: two fit in 4 MB, a third does not
     with running_stack(
-        redis_url, tmp_path, KV_MEMORY_BYTES=str(4_000_000), HOST_MEMORY_BYTES=str(50_000_000), MAX_SESSIONS="8"
+        redis_url, tmp_path, KV_MEMORY_BYTES=str(4_000_000), HOST_MEMORY_BYTES=str(100_000_000), MAX_SESSIONS="8"
     ) as stack:
         users = [Client(stack.url) for _ in range(3)]
-        vast = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=4_000_000)  # ~2.3 GB of host tier
+        vast = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=4_000_000)  # ~2.1 GB of host tier
         assert (vast.status_code, vast.json()["code"]) == (503, "no_capacity")
         assert "4000000-token host tier" in vast.json()["message"]
+        # 150,000 host tokens: 80 MB of host memory fit, but their index (21 bytes a token on the
+        # device: 3.15 MB) beside the peak cache (256 + 128 borrowed + 3,072: 1.77 MB) does not
+        indexed = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=150_000)
+        assert (indexed.status_code, indexed.json()["code"]) == (503, "no_capacity")
+        small = Client(stack.url)
+        assert small.create(budget_tokens=256, recall=True, host_budget_tokens=50_000).status_code == 201
+        assert small.wait_for_state("ready")["host_budget_tokens"] == 50_000
+        small.delete()
+        deadline = time.monotonic() + 10
+        while (reply := users[0].create(budget_tokens=256)).status_code != 201:  # its room is given back
+            assert time.monotonic() < deadline, reply.text
+            time.sleep(0.2)
+        assert users[1].create(budget_tokens=256).status_code == 201
         for user in users[:2]:
-            assert user.create(budget_tokens=256).status_code == 201
             user.wait_for_state("ready")
         deadline = time.monotonic() + 10
         while (reply := users[2].create(budget_tokens=256)).status_code != 503:  # the registry catches up
