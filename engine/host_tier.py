@@ -191,7 +191,8 @@ class HostTier:
         if len(free):
             slot = int(free[0])
         else:
-            slot = min(self.slot_of.values(), key=lambda s: (int(self.used[s]), int(self.page_of[s])))
+            least = self.used == self.used.min()  # every slot is taken
+            slot = int(self.page_of.masked_fill(~least, torch.iinfo(torch.int64).max).argmin())
             self.dropped_through = max(self.dropped_through, int(self.page_of[slot]))
             self.dropped_pages += 1
             self._clear(slot)

@@ -130,7 +130,7 @@ class SessionStats:
     host_index_bytes: int = 0  # device memory of its representative keys and which places it holds
     retrievals: int = 0  # questions that borrowed from the host tier
     retrieved_tokens: int = 0  # tokens borrowed so far, per layer
-    retrieved_pages: int = 0  # host pages borrowed from so far, in the first layer (each KV head chooses its own)
+    retrieved_pages: int = 0  # host pages borrowed from so far, in the first layer (by any of its KV heads)
     retrieval_ms: float = 0.0  # time spent scoring pages and bringing them in
 
 
