@@ -82,6 +82,8 @@ def index_bytes_per_token(layers: int, kv_heads: int, head_dim: int, page_tokens
 
 
 class HostTier:
+    SAVED = ("keys", "values", "kinds", "times", "present", "key_sums", "key_counts")  # per slot, in a snapshot
+
     def __init__(self, budget_tokens: int, page_tokens: int = 32, page_keys: int = 2) -> None:
         if page_tokens < 1 or page_keys < 1 or page_tokens % page_keys:
             raise ValueError(f"page_tokens ({page_tokens}) must be a positive multiple of page_keys ({page_keys})")
@@ -158,7 +160,8 @@ class HostTier:
         kept = slot >= 0
         place = order % self.page_tokens
         grid = (torch.arange(layers)[:, None, None] * heads + torch.arange(heads)[None, :, None]) * self.slots
-        flat = ((grid + slot) * self.page_tokens + place)[kept]  # into (layers * heads * slots * page_tokens)
+        cell = grid + slot  # into (layers * heads * slots)
+        flat = (cell * self.page_tokens + place)[kept]  # into (layers * heads * slots * page_tokens)
         self.keys.view(-1, dim)[flat] = evicted.keys.cpu()[kept]
         self.values.view(-1, dim)[flat] = evicted.values.cpu()[kept]
         self.kinds.view(-1)[flat] = evicted.kinds.cpu()[kept]
@@ -166,7 +169,7 @@ class HostTier:
         self.present.view(-1)[flat] = True
         device = self.held.device
         self.held.view(-1)[flat.to(device)] = True
-        run = ((grid + slot) * self.page_keys + place // (self.page_tokens // self.page_keys))[kept].to(device)
+        run = (cell * self.page_keys + place // (self.page_tokens // self.page_keys))[kept].to(device)
         self.key_sums.view(-1, dim).index_add_(0, run, evicted.keys.to(device).float()[kept.to(device)])
         self.key_counts.view(-1).index_add_(0, run, torch.ones(run.shape[0], device=device))
 
@@ -298,7 +301,7 @@ class HostTier:
         saved = {"options": [self.budget_tokens, self.page_tokens, self.page_keys], "by_place": True, "pages": pages,
                  "used": self.used[slots], "counters": [self.clock, self.dropped_pages, self.dropped_through]}
         if self.keys is not None:
-            for name in ("keys", "values", "kinds", "times", "present", "key_sums", "key_counts"):
+            for name in self.SAVED:
                 saved[name] = getattr(self, name)[:, :, slots.to(getattr(self, name).device)].cpu()
         return saved
 
@@ -313,7 +316,7 @@ class HostTier:
             layers, heads, _, _, dim = state["keys"].shape
             tier._allocate(layers, heads, dim, state["keys"].dtype, device)
             count = len(state["pages"])
-            for name in ("keys", "values", "kinds", "times", "present", "key_sums", "key_counts"):
+            for name in cls.SAVED:
                 getattr(tier, name)[:, :, :count] = state[name].to(getattr(tier, name).device)
             tier.held[:, :, :count] = state["present"].to(device)
         for slot, number in enumerate(state["pages"]):

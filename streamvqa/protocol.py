@@ -46,6 +46,15 @@ def peak_cache_tokens(budget_tokens: int, retrieval_tokens: int = 0) -> int:
     """The most tokens a session's cache ever holds: its budget, one prompt and one answer
     (it evicts down to the budget after each), and what a question borrows from the host tier."""
     return budget_tokens + retrieval_tokens + PROMPT_RESERVE_TOKENS + MAX_ANSWER_TOKENS
+
+
+def reserved_device_bytes(
+    budget_tokens: int, retrieval_tokens: int, host_tokens: int, kv_bytes_per_token: int, index_bytes_per_host_token: float
+) -> int:
+    """The cache memory a session reserves on its worker: its peak cache, and with recall its
+    host tier's index."""
+    peak = peak_cache_tokens(budget_tokens, retrieval_tokens) * kv_bytes_per_token
+    return peak + math.ceil(host_tokens * index_bytes_per_host_token)
 EVENTS_MAXLEN = 1000  # a session's recent events (ingest progress, errors, state changes)
 STREAMER_TTL_S = 10  # a connection's claim on its session's media (a stream socket, an upload), renewed every third of it
 
@@ -590,8 +599,9 @@ class WorkerInfo(BaseModel):
         and by host memory."""
         if self.sessions >= self.max_sessions:
             return False
-        cache = peak_cache_tokens(budget_tokens, retrieval_tokens) * self.kv_bytes_per_token
-        cache += math.ceil(host_tokens * self.index_bytes_per_host_token)
+        cache = reserved_device_bytes(
+            budget_tokens, retrieval_tokens, host_tokens, self.kv_bytes_per_token, self.index_bytes_per_host_token
+        )
         host = host_tokens * self.host_bytes_per_token
         return (self.kv_bytes_per_token == 0 or cache <= self.kv_free_bytes) and (
             self.host_bytes_per_token == 0 or host <= self.host_free_bytes

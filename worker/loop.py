@@ -14,7 +14,6 @@ question or media, so idle sessions do not hold a worker's places.
 
 import asyncio
 import logging
-import math
 import os
 import re
 import socket
@@ -531,9 +530,10 @@ class Worker:
     # -- sessions ------------------------------------------------------------------------------
 
     def _device_bytes(self, record: SessionRecord) -> int:
-        """What a session reserves of the cache memory: its peak cache, and its host tier's index."""
-        peak = protocol.peak_cache_tokens(record.budget_tokens, record.retrieval_tokens) * self.model.kv_bytes_per_token
-        return peak + math.ceil(record.host_budget_tokens * self.index_bytes_per_host_token)
+        return protocol.reserved_device_bytes(
+            record.budget_tokens, record.retrieval_tokens, record.host_budget_tokens,
+            self.model.kv_bytes_per_token, self.index_bytes_per_host_token,
+        )
 
     def _kv_free_bytes(self) -> int:
         return max(0, self.kv_memory_bytes - sum(self._device_bytes(h.record) for h in self.sessions.values()))
