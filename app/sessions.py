@@ -154,7 +154,7 @@ class SessionStore:
         TooManySessions when `owner` already holds `max_per_owner` live sessions; NoPlace when
         the model's workers already hold or are about to take `places` sessions (counted in one
         script, so that concurrent creates never admit more)."""
-        token = secrets.token_urlsafe(32)
+        token = secrets.token_hex(32)  # never begins with "-", so `--token <token>` works on any command line
         record = SessionRecord(
             id=uuid.uuid4().hex,
             model=model,

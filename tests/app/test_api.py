@@ -1,5 +1,6 @@
 """The REST API against a real gateway process, a real worker process and a real Redis."""
 
+import re
 import subprocess
 import sys
 import time
@@ -37,7 +38,7 @@ def test_create_session_with_defaults_names_the_builtin_random_model(client):
     reply = client.create()
     assert reply.status_code == 201
     body = reply.json()
-    assert len(body["token"]) >= 40
+    assert re.fullmatch(r"[0-9a-f]{64}", body["token"])  # a command line takes it as an option's value
     session = body["session"]
     assert (session["model"], session["policy"], session["fps"]) == ("tiny-random-llava", "infmllm", 1.0)
     assert session["state"] in ("pending", "ready")
