@@ -16,7 +16,9 @@ from redis.asyncio import Redis
 
 from app.sessions import WAKE_LUA
 from streamvqa import protocol
-from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, SessionRecord, TokenEvent
+from streamvqa.protocol import (
+    AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, Sampling, SessionRecord, TokenEvent,
+)
 
 READ_BLOCK_MS = 1000
 KEEPALIVE_S = 15  # `events` yields None after this long without an event
@@ -65,6 +67,9 @@ class Answer(BaseModel):
     recalled_s: list[int] = Field(
         [], description="With recall: whole seconds of video whose tokens the answer brought back from the host tier."
     )
+    finish_reason: Literal["stop", "length"] = Field(
+        "stop", description="stop: the model ended its answer, or a stop string came; length: it reached max_new_tokens."
+    )
     video_time_s: float = Field(description="Video time of the last frame the answer could see.")
     cache_tokens: int = Field(description="KV cache tokens when the answer finished.")
     ttft_ms: float | None = Field(description="From the question reaching the gateway to the first answer token.")
@@ -91,12 +96,15 @@ class AnswerStatus(BaseModel):
 
 
 async def submit(
-    redis: Redis, keys: Keys, session: SessionRecord, question: str, max_new_tokens: int, session_ttl_s: int
+    redis: Redis, keys: Keys, session: SessionRecord, question: str, max_new_tokens: int, sampling: Sampling,
+    session_ttl_s: int,
 ) -> str:
     """Queue a question for the session's worker; returns the answer id."""
     answer_id = uuid.uuid4().hex
     asked_at = time.time()
-    message = Question(answer_id=answer_id, question=question, max_new_tokens=max_new_tokens, asked_at=asked_at)
+    message = Question(
+        answer_id=answer_id, question=question, max_new_tokens=max_new_tokens, asked_at=asked_at, sampling=sampling
+    )
     queued = await redis.eval(
         SUBMIT_LUA, 5, keys.questions(session.id), keys.asked(session.id), keys.session(session.id),
         keys.pending(session.model), keys.admitted(session.model),

@@ -14,7 +14,7 @@ from app.deps import AuthorizedSession, KeysDep, Metrics, RedisDep, Settings
 from app.errors import ApiError
 from app.metrics import GatewayMetrics
 from streamvqa import protocol
-from streamvqa.protocol import MAX_ANSWER_TOKENS, MAX_QUESTION_CHARS, DoneEvent, ErrorEvent, SessionRecord, SessionState
+from streamvqa.protocol import MAX_QUESTION_CHARS, AskOptions, DoneEvent, ErrorEvent, SessionRecord, SessionState
 
 router = APIRouter(tags=["questions"])
 ANSWER_ID = re.compile(r"[0-9a-f]{32}")
@@ -23,7 +23,7 @@ SSE_RESPONSE = {"content": {sse.EVENT_STREAM: {}}, "description": "With `stream`
                 "`done` (the answer) or `error` (`{\"code\", \"message\"}`)."}
 
 
-class AskRequest(BaseModel):
+class AskRequest(AskOptions):
     model_config = ConfigDict(
         extra="forbid",
         json_schema_extra={
@@ -31,12 +31,12 @@ class AskRequest(BaseModel):
                 {"question": "What is the person holding?", "max_new_tokens": 64},
                 {"question": "What changed in the last minute?", "stream": True},
                 {"question": "Summarise the video so far.", "wait_s": 2},
+                {"question": "Describe the scene.", "temperature": 0.7, "top_p": 0.9, "seed": 42, "stop": ["\n"]},
             ]
         },
     )
 
     question: str = Field(min_length=1, max_length=MAX_QUESTION_CHARS)
-    max_new_tokens: int = Field(64, ge=1, le=MAX_ANSWER_TOKENS)
     stream: bool = Field(False, description="Stream the answer as Server-Sent Events.")
     wait_s: float | None = Field(
         None, ge=0, le=300,
@@ -79,7 +79,7 @@ async def ask(
     if session.state == SessionState.ERROR:
         raise ApiError(409, "session_error", f"the session failed: {session.error}")
     streaming = body.stream or sse.wants_events(request)
-    answer_id = await submit(redis, keys, session, body.question, body.max_new_tokens, settings, metrics, "sse" if streaming else "rest")
+    answer_id = await submit(redis, keys, session, body.question, body, settings, metrics, "sse" if streaming else "rest")
     if streaming:
         location = _answer_url(session.id, answer_id)
         started = sse.frame("started", {"answer_id": answer_id, "location": location})  # no id: resuming starts after it
@@ -138,12 +138,15 @@ async def _nothing():
 
 
 async def submit(
-    redis, keys, session: SessionRecord, question: str, max_new_tokens: int, settings, metrics: GatewayMetrics, via: str
+    redis, keys, session: SessionRecord, question: str, options: AskOptions, settings, metrics: GatewayMetrics, via: str
 ) -> str:
-    """Queue a question (asked via `rest`, `sse` or `socket`); its answer id. 429 when the
-    session's question backlog is full; 404 when it is gone, 409 when it failed."""
+    """Queue a question (asked via `rest`, `sse`, `socket` or `openai`) with its length and
+    sampling; its answer id. 429 when the session's question backlog is full; 404 when it is
+    gone, 409 when it failed."""
     try:
-        answer_id = await answers.submit(redis, keys, session, question, max_new_tokens, settings.session_ttl_s)
+        answer_id = await answers.submit(
+            redis, keys, session, question, options.answer_tokens, options.sampling(), settings.session_ttl_s
+        )
     except answers.QuestionsBacklogFull as err:
         raise ApiError(429, "too_many_questions", "too many unanswered questions on this session") from err
     except answers.QuestionRefused as err:

@@ -395,8 +395,7 @@ class StreamConnection:
         ref, answer_id = question.ref, None
         try:
             answer_id = await submit(
-                self.redis, self.keys, self.record, question.question, question.max_new_tokens,
-                self.settings, self.metrics, "socket",
+                self.redis, self.keys, self.record, question.question, question, self.settings, self.metrics, "socket",
             )
             await self.send(AnswerStartedEvent(answer_id=answer_id, ref=ref))
             async for item in answers.events(self.redis, self.keys, self.session_id, answer_id, self.settings.ask_timeout_s):

@@ -2,6 +2,7 @@
 
 from engine.model import BUILTIN_MODELS, Model, UnknownModelError, load_model
 from engine.policies import POLICIES
+from engine.sampling import Sampling
 from engine.session import Answer, Evidence, Memory, Session, SessionConfig, SessionStats, Span
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "Evidence",
     "Memory",
     "Model",
+    "Sampling",
     "Session",
     "SessionConfig",
     "SessionStats",

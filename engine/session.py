@@ -30,6 +30,7 @@ from engine.host_tier import HostTier
 from engine.kv_cache import FRAME, TEXT, KVCache
 from engine.model import Model
 from engine.policies import Policy, make_policy
+from engine.sampling import GREEDY, Sampling
 
 DEFAULT_SYSTEM_PROMPT = (
     "You watch a video stream. Frames arrive in order, each after its time in seconds. "
@@ -194,6 +195,17 @@ class Answer(Iterator[str]):
         """Whole seconds of video whose tokens the answer borrowed from the host tier."""
         return self._result["recalled_s"]
 
+    @property
+    def finish_reason(self) -> str:
+        """`stop`: the model ended its turn, or a stop string came; `length`: it reached its
+        `max_new_tokens`."""
+        return self._result["finish_reason"]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens the question added to the cache, with the markers of its turn."""
+        return self._result["prompt_tokens"]
+
     def __next__(self) -> str:
         return next(self._pieces)
 
@@ -275,13 +287,14 @@ class Session:
         self.cache.evict()
         return TextScore(len(ids), nll)
 
-    def ask(self, question: str, max_new_tokens: int = 64) -> Answer:
-        """Answer by greedy generation against the cache; the question and answer stay in it."""
+    def ask(self, question: str, max_new_tokens: int = 64, sampling: Sampling = GREEDY) -> Answer:
+        """Answer against the cache, greedily unless `sampling` says otherwise; the question and
+        the tokens generated stay in it (those of a stop string too, though the text ends before it)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         self._close_answer()
-        result = {"tokens": 0, "evidence": [], "recalled_s": []}
-        self._open_answer = self._generate(question, max_new_tokens, result)
+        result = {"tokens": 0, "evidence": [], "recalled_s": [], "finish_reason": "stop", "prompt_tokens": 0}
+        self._open_answer = self._generate(question, max_new_tokens, sampling, result)
         return Answer(self._open_answer, result)
 
     def _close_answer(self) -> None:
@@ -290,38 +303,48 @@ class Session:
             self._open_answer.close()
             self._open_answer = None
 
-    def _generate(self, question: str, max_new_tokens: int, result: dict) -> Iterator[str]:
+    def _generate(self, question: str, max_new_tokens: int, sampling: Sampling, result: dict) -> Iterator[str]:
         model, chat, policy = self.model, self.model.chat, self.policy
         question_ids = model.tokenize(question, user=True)
         borrowed = self.cache.begin_retrieval(self.config.borrowed_tokens, len(question_ids))
         closing = self._text(chat.user_to_assistant)
+        result["prompt_tokens"] = len(question_ids) + closing.tokens
+        generator = sampling.generator()
         self._pin(self.cache.appended + len(question_ids), closing.tokens, new_turn=True)
         logits = self._run([self._part(question_ids), closing])
         if policy.evict_on_question:
             self.cache.evict()
         answer_ids: list[int] = []
         unfed: list[int] = []  # the sampled id not yet run through the model
-        emitted = ""
+        emitted, text, stopped = "", "", False
         evidence: dict[float, float] = {}  # attention to frames, by video time
         try:
             while len(answer_ids) < max_new_tokens:
-                token = int(logits.argmax())
+                token = sampling.choose(logits, generator)
                 if token in model.stop_ids:
+                    stopped = True
                     break
                 answer_ids.append(token)
                 result["tokens"] = len(answer_ids)
                 text = model.detokenize(answer_ids)
-                complete = not text.endswith("\ufffd")  # else a UTF-8 character is still partial
-                piece = text[len(emitted) :] if complete else ""
+                shown, stopped = sampling.cut(text)  # held back: what may begin a stop string
+                complete = not shown.endswith("\ufffd")  # else a UTF-8 character is still partial
+                piece = shown[len(emitted) :] if complete else ""
                 emitted += piece
                 unfed = [token]
                 yield piece
+                if stopped:
+                    break
                 if len(answer_ids) < max_new_tokens:
                     logits = self._run([self._part(unfed)])
                     unfed = []
                     if policy.evicts_every_decode_step:
                         self._add_evidence(evidence)
                         self.cache.evict()
+            result["finish_reason"] = "stop" if stopped else "length"
+            rest = text[len(emitted) :].rstrip("\ufffd")  # held back for a stop string that never came
+            if not stopped and rest:
+                yield rest
         finally:
             closing = self._text(chat.assistant_to_user)
             self._pin(self.cache.appended + len(unfed), closing.tokens, new_turn=False)

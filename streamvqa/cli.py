@@ -56,7 +56,7 @@ def ask(client: Client, args: argparse.Namespace) -> int:
         for question in args.question:
             print(f"Q: {question}")
             print("A: ", end="", flush=True)
-            stream = session.ask_stream(question, args.max_new_tokens)
+            stream = session.ask_stream(question, args.max_new_tokens, **_sampling(args))
             for piece in stream:
                 print(piece, end="", flush=True)
             print()
@@ -73,6 +73,7 @@ def stream(client: Client, args: argparse.Namespace) -> int:
             "question": args.question,
             "every_s": args.every,
             "max_new_tokens": args.max_new_tokens,
+            "sampling": _sampling(args),
             "on_answer": _print_answer_line,
         }
         if args.camera:
@@ -131,6 +132,12 @@ def _new_session(client: Client, args: argparse.Namespace) -> Iterator[Session]:
         yield session
     finally:
         print(f"session: {session.id}\ntoken: {session.token}")
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    """The sampling options given on the command line (the rest keep the gateway's defaults)."""
+    chosen = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
+    return {name: value for name, value in chosen.items() if value is not None}
 
 
 def _bar(**options: object) -> tqdm:
@@ -204,6 +211,11 @@ def _parser() -> argparse.ArgumentParser:
         "--recall", action="store_true", help="keep what the cache evicts in a host tier; questions bring back what they need"
     )
     options.add_argument("--max-new-tokens", type=int, default=64, help="the longest answer (default %(default)s)")
+    options.add_argument("--temperature", type=float, help="0 (greedy, the default) to 2: higher draws more freely")
+    options.add_argument("--top-p", type=float, help="draw among the likeliest tokens whose probabilities reach this")
+    options.add_argument("--top-k", type=int, help="draw among the k likeliest tokens")
+    options.add_argument("--seed", type=int, help="the same seed gives the same answer on the same video")
+    options.add_argument("--stop", action="append", help="end the answer before this text (repeat for more, up to 4)")
     options.add_argument("--keep", action="store_true", help="keep the session and print its id and token")
 
     command = _command(commands, "ask", ask, "upload a video, then ask about it", [options])

@@ -373,11 +373,71 @@ def to_hash(**fields: object) -> dict[str, str]:
     return {k: text(v) for k, v in fields.items() if v is not None}
 
 
+MAX_STOP_STRINGS = 4  # the engine's bounds (engine/sampling.py; a test checks they agree)
+MAX_STOP_CHARS = 64
+MAX_TEMPERATURE = 2.0
+MAX_TOP_K = 1000
+MAX_SEED = 2**63 - 1
+
+
+class Sampling(BaseModel):
+    """How an answer's tokens are chosen: greedy by default, else drawn at `temperature`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(
+        0.0, ge=0, le=MAX_TEMPERATURE,
+        description="0: greedy, the most likely token each time (top_p, top_k and seed are then unused); "
+        "higher draws more freely.",
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Draw among the fewest most likely tokens whose probabilities reach top_p."
+    )
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Draw among the k most likely tokens; 0: no such limit.")
+    seed: int | None = Field(
+        None, ge=0, le=MAX_SEED,
+        description="The same seed, question and cache give the same answer; without one each draw is fresh.",
+    )
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        [], max_length=MAX_STOP_STRINGS,
+        description=f"Up to {MAX_STOP_STRINGS} strings (or one string): the answer ends before the first of them.",
+    )
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_string(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    def sampling(self) -> Sampling:
+        """Only the sampling options (of a request that has others too)."""
+        return Sampling.model_validate(self.model_dump(include=set(Sampling.model_fields)))
+
+
+class AskOptions(Sampling):
+    """What every way of asking takes besides the question: the answer's length and sampling."""
+
+    max_new_tokens: int = Field(64, ge=1, le=MAX_ANSWER_TOKENS, description="The most tokens the answer may have.")
+    max_tokens: int | None = Field(
+        None, ge=1, le=MAX_ANSWER_TOKENS, description="The same as max_new_tokens (the name OpenAI's API uses)."
+    )
+
+    @model_validator(mode="after")
+    def _one_length(self) -> AskOptions:
+        if self.max_tokens is not None and "max_new_tokens" in self.model_fields_set:
+            raise ValueError("give max_tokens or max_new_tokens, not both")
+        return self
+
+    @property
+    def answer_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else self.max_new_tokens
+
+
 class Question(BaseModel):
     answer_id: str
     question: str
     max_new_tokens: int
     asked_at: float | None = None  # unix time the gateway received it; answer times count from it
+    sampling: Sampling = Field(default_factory=Sampling)  # absent (older gateways): greedy
 
 
 class TokenEvent(BaseModel):
@@ -396,6 +456,8 @@ class DoneEvent(BaseModel):
     tokens: int  # generated tokens
     evidence: list[Evidence] = []
     recalled_s: list[int] = []
+    finish_reason: Literal["stop", "length"] = "stop"
+    prompt_tokens: int = 0  # tokens the question added to the cache, with its turn's markers
     video_time_s: float
     cache_tokens: int
     worker_ms: float  # from the worker reading the question to the last token
@@ -491,14 +553,11 @@ class StartMessage(BaseModel):
     )
 
 
-class AskMessage(BaseModel):
+class AskMessage(AskOptions):
     """A question asked on a stream socket; its answer comes back as `answer_*` events."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["ask"]
     question: str = Field(min_length=1, max_length=MAX_QUESTION_CHARS)
-    max_new_tokens: int = Field(64, ge=1, le=MAX_ANSWER_TOKENS)
     ref: str | None = Field(None, max_length=200, description="The client's own name for the question, echoed back.")
 
 
@@ -523,6 +582,7 @@ class AnswerDoneEvent(BaseModel):
     tokens: int
     evidence: list[Evidence]
     recalled_s: list[int] = []
+    finish_reason: Literal["stop", "length"] = "stop"
     video_time_s: float
     cache_tokens: int
     ttft_ms: float | None

@@ -3,9 +3,15 @@
 import time
 from dataclasses import dataclass, field
 
-from engine import Session
+from engine import Sampling, Session
 from engine.session import Answer, SessionStats
+from streamvqa import protocol
 from streamvqa.protocol import DoneEvent, Evidence, Question, TokenEvent
+
+
+def engine_sampling(options: protocol.Sampling) -> Sampling:
+    """A question's sampling options as the engine takes them."""
+    return Sampling(**{**options.model_dump(), "stop": tuple(options.stop)})
 
 
 @dataclass
@@ -42,6 +48,8 @@ class AnswerRun:
             tokens=self.pieces.tokens,
             evidence=[Evidence(time_s=e.time_s, weight=e.weight) for e in self.pieces.evidence],
             recalled_s=self.pieces.recalled_s,
+            finish_reason=self.pieces.finish_reason,
+            prompt_tokens=self.pieces.prompt_tokens,
             video_time_s=stats.video_time_s,
             cache_tokens=stats.cache_tokens,
             worker_ms=round((time.monotonic() - self.started_at) * 1000, 1),

@@ -51,7 +51,7 @@ from streamvqa.protocol import (
     WarningEvent,
     WorkerInfo,
 )
-from worker.answering import AnswerRun
+from worker.answering import AnswerRun, engine_sampling
 from worker.decode import DecodeError
 from worker.ingest import Batch, FramesIngest, LiveLimits, StreamIngest, UploadIngest, open_live
 from worker.scheduler import Step, entry_time, next_step
@@ -805,7 +805,7 @@ class Worker:
             tokens = len(self.model.tokenize(question.question, user=True))
             if tokens > protocol.MAX_QUESTION_TOKENS:
                 return tokens, None, None
-            pieces = hosted.engine.ask(question.question, question.max_new_tokens)
+            pieces = hosted.engine.ask(question.question, question.max_new_tokens, engine_sampling(question.sampling))
             run = AnswerRun(entry_id, question, stream, pieces, before)
             return tokens, run, next(run.pieces, None)
 

@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Unpack
 
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
@@ -94,13 +94,15 @@ class AsyncSession:
                 raise wire.not_ingested(record, timeout_s)
             await asyncio.sleep(wire.POLL_INTERVAL_S)
 
-    async def ask(self, question: str, max_new_tokens: int = 64) -> Answer:
-        reply = await self._call("POST", "/ask", json=wire.ask_body(question, max_new_tokens))
+    async def ask(self, question: str, max_new_tokens: int = 64, **sampling: Unpack[wire.SamplingOptions]) -> Answer:
+        reply = await self._call("POST", "/ask", json=wire.ask_body(question, max_new_tokens, **sampling))
         return Answer.from_json(reply.json(), question)
 
-    def ask_stream(self, question: str, max_new_tokens: int = 64) -> AsyncAnswerStream:
+    def ask_stream(
+        self, question: str, max_new_tokens: int = 64, **sampling: Unpack[wire.SamplingOptions]
+    ) -> AsyncAnswerStream:
         """`async for piece in session.ask_stream(q)`, then `.answer`."""
-        return AsyncAnswerStream(self, question, max_new_tokens)
+        return AsyncAnswerStream(self, question, wire.ask_body(question, max_new_tokens, stream=True, **sampling))
 
     async def memory(self) -> dict:
         return (await self._call("GET", "/memory")).json()
@@ -122,9 +124,10 @@ class AsyncSession:
         speed: float | None = None,
         on_event: EventHandler | None = None,
         on_answer: AnswerHandler | None = None,
+        sampling: wire.SamplingOptions | None = None,
     ) -> StreamResult:
         """See `Session.stream_frames`; `frames` may be an iterable or an async iterable."""
-        live = LiveStream(question, every_s, max_new_tokens, on_event, on_answer)
+        live = LiveStream(question, every_s, max_new_tokens, on_event, on_answer, sampling)
         pacer = Pacer(speed)
         async with await self._connect() as socket:
             channel = _Channel(socket, live, self.client.timeout_s)
@@ -177,13 +180,12 @@ class AsyncSession:
 class AsyncAnswerStream:
     """See `streamvqa.client.AnswerStream`."""
 
-    def __init__(self, session: AsyncSession, question: str, max_new_tokens: int) -> None:
-        self.session, self.question, self.max_new_tokens = session, question, max_new_tokens
+    def __init__(self, session: AsyncSession, question: str, body: dict[str, Any]) -> None:
+        self.session, self.question, self.body = session, question, body
         self.answer: Answer | None = None
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        session = self.session
-        body = wire.ask_body(self.question, self.max_new_tokens, stream=True)
+        session, body = self.session, self.body
         headers = {**wire.bearer(session.token), **wire.SSE_HEADERS}
         asking = session.client.http.stream("POST", f"{session._path}/ask", json=body, headers=headers)
         with wire.transport_errors(session.client.base_url):

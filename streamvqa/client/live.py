@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from streamvqa.client.models import CLOSE_CODES, Answer, StreamResult, StreamvqaError
 
@@ -55,6 +56,7 @@ class LiveStream:
         max_new_tokens: int = 64,
         on_event: EventHandler | None = None,
         on_answer: AnswerHandler | None = None,
+        sampling: Mapping[str, Any] | None = None,
     ) -> None:
         if every_s is not None and not every_s > 0:
             raise ValueError(f"every_s must be positive, got {every_s}")
@@ -64,6 +66,7 @@ class LiveStream:
         self._question = question
         self._every_s = every_s
         self._max_new_tokens = max_new_tokens
+        self._sampling = {name: value for name, value in (sampling or {}).items() if value is not None}
         self._on_event = on_event
         self._on_answer = on_answer
         self._answers: deque[Answer] = deque(maxlen=MAX_KEPT_ANSWERS)
@@ -149,7 +152,9 @@ class LiveStream:
         ref = f"q{self._asked}"
         self._pending[ref] = self._question
         self._cover(self.result.video_time_s)  # the answer sees at least what the cache holds now
-        return {"type": "ask", "question": self._question, "max_new_tokens": self._max_new_tokens, "ref": ref}
+        return {
+            "type": "ask", "question": self._question, "max_new_tokens": self._max_new_tokens, **self._sampling, "ref": ref,
+        }
 
     def _cover(self, time_s: float) -> None:
         """Answers see the video up to `time_s`: the next question is due at the next multiple of every_s."""

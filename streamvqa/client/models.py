@@ -73,6 +73,7 @@ class Answer:
     total_ms: float | None = None
     question: str = ""
     recalled_s: list[int] = field(default_factory=list)  # seconds of video brought back from the host tier (recall)
+    finish_reason: str = "stop"  # "stop": the answer ended (or a stop string came); "length": max_new_tokens reached
 
     @classmethod
     def from_json(cls, body: dict, question: str = "") -> Answer:
@@ -87,6 +88,7 @@ class Answer:
             total_ms=body.get("total_ms"),
             question=question,
             recalled_s=list(body.get("recalled_s", [])),
+            finish_reason=body.get("finish_reason", "stop"),
         )
 
 

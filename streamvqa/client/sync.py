@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import httpx
 from websockets.exceptions import ConnectionClosed
@@ -100,14 +100,18 @@ class Session:
                 raise wire.not_ingested(record, timeout_s)
             time.sleep(wire.POLL_INTERVAL_S)
 
-    def ask(self, question: str, max_new_tokens: int = 64) -> Answer:
-        """Ask about what the session has seen so far; waits for the whole answer."""
-        reply = self._call("POST", "/ask", json=wire.ask_body(question, max_new_tokens))
+    def ask(self, question: str, max_new_tokens: int = 64, **sampling: Unpack[wire.SamplingOptions]) -> Answer:
+        """Ask about what the session has seen so far; waits for the whole answer. Greedy unless
+        `sampling` says otherwise: `temperature`, `top_p`, `top_k`, `seed`, `stop`."""
+        reply = self._call("POST", "/ask", json=wire.ask_body(question, max_new_tokens, **sampling))
         return Answer.from_json(reply.json(), question)
 
-    def ask_stream(self, question: str, max_new_tokens: int = 64) -> AnswerStream:
-        """Ask, and iterate over the answer's text as it is generated; then `.answer` is the Answer."""
-        return AnswerStream(self, question, max_new_tokens)
+    def ask_stream(
+        self, question: str, max_new_tokens: int = 64, **sampling: Unpack[wire.SamplingOptions]
+    ) -> AnswerStream:
+        """Ask, and iterate over the answer's text as it is generated; then `.answer` is the
+        Answer. `sampling` as for `ask`."""
+        return AnswerStream(self, question, wire.ask_body(question, max_new_tokens, stream=True, **sampling))
 
     def memory(self) -> dict:
         """The cache: policy, budget_tokens, cache_tokens, evictions, the host tier (recall), and
@@ -133,6 +137,7 @@ class Session:
         speed: float | None = None,
         on_event: EventHandler | None = None,
         on_answer: AnswerHandler | None = None,
+        sampling: wire.SamplingOptions | None = None,
     ) -> StreamResult:
         """Stream (capture time in s, JPEG) frames over the session's socket, pausing while the
         gateway says so, then end the stream and wait until every frame is in the cache.
@@ -140,9 +145,10 @@ class Session:
         `speed`: None sends as fast as the gateway takes them; 1.0 paces them at their own times
         (real time), 4.0 four times faster. With a `question`, asks it on the socket every
         `every_s` seconds of video and once at the end (see `LiveStream`); `on_answer` gets each
-        answer as it comes, `on_event` every event. Returns counts and the answers.
+        answer as it comes, `on_event` every event; `sampling` (as for `ask`) applies to each
+        question. Returns counts and the answers.
         """
-        live = LiveStream(question, every_s, max_new_tokens, on_event, on_answer)
+        live = LiveStream(question, every_s, max_new_tokens, on_event, on_answer, sampling)
         pacer = Pacer(speed)
         with self._connect() as socket:
             channel = _Channel(socket, live, self.client.timeout_s)
@@ -197,13 +203,12 @@ class AnswerStream:
     is over, `answer` holds the whole Answer. A gateway that does not stream answers gives the
     whole text as one piece."""
 
-    def __init__(self, session: Session, question: str, max_new_tokens: int) -> None:
-        self.session, self.question, self.max_new_tokens = session, question, max_new_tokens
+    def __init__(self, session: Session, question: str, body: dict[str, Any]) -> None:
+        self.session, self.question, self.body = session, question, body
         self.answer: Answer | None = None
 
     def __iter__(self) -> Iterator[str]:
-        session = self.session
-        body = wire.ask_body(self.question, self.max_new_tokens, stream=True)
+        session, body = self.session, self.body
         headers = {**wire.bearer(session.token), **wire.SSE_HEADERS}
         with (
             wire.transport_errors(session.client.base_url),

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypedDict
 
 import httpx
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
@@ -49,8 +49,20 @@ def session_options(options: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in options.items() if value is not None}
 
 
-def ask_body(question: str, max_new_tokens: int, stream: bool = False) -> dict[str, Any]:
-    return {"question": question, "max_new_tokens": max_new_tokens, **({"stream": True} if stream else {})}
+class SamplingOptions(TypedDict, total=False):
+    """How an answer's tokens are chosen (docs/api.md, "Sampling"); each one left out keeps the
+    gateway's default: greedy."""
+
+    temperature: float  # 0 (greedy) to 2
+    top_p: float  # above 0, at most 1
+    top_k: int  # 0 (no limit) to 1000
+    seed: int  # the same seed, question and cache give the same answer
+    stop: list[str] | str  # up to 4 strings of 1 to 64 characters: the answer ends before the first
+
+
+def ask_body(question: str, max_new_tokens: int, stream: bool = False, **sampling: Any) -> dict[str, Any]:
+    chosen = {name: value for name, value in sampling.items() if value is not None}
+    return {"question": question, "max_new_tokens": max_new_tokens, **chosen, **({"stream": True} if stream else {})}
 
 
 def checked(response: httpx.Response, *expected: int) -> httpx.Response:

@@ -110,6 +110,10 @@ def test_gateway_errors_exit_1_with_the_message(stack, tmp_path):
     assert unknown.returncode == 1
     assert unknown.stderr.startswith("streamvqa: error: no session 000")
 
+    too_hot = streamvqa("ask", str(CARPHONE), "-q", "hi", "--temperature", "3", url=stack.url)
+    assert too_hot.returncode == 1
+    assert "body.temperature: Input should be less than or equal to 2" in too_hot.stderr
+
     not_a_video = tmp_path / "notes.mp4"
     not_a_video.write_text("not a video at all\n" * 100)
     failed = streamvqa("ask", str(not_a_video), "-q", "hi", url=stack.url)

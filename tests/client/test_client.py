@@ -89,6 +89,18 @@ def test_a_streamed_answer_comes_in_pieces_that_make_the_answer(bikes):
     assert len(pieces) > 1 or len(stream.answer.answer) <= 1  # token by token, not all at once
 
 
+def test_sampling_options_reach_the_answer_and_bad_ones_are_refused(bikes):
+    session = bikes[0]
+    answer = session.ask("Who rides?", max_new_tokens=3, temperature=1.0, top_k=40, seed=11)
+    assert answer.tokens <= 3 and answer.finish_reason == ("length" if answer.tokens == 3 else "stop")
+    stream = session.ask_stream("Who rides?", max_new_tokens=3, temperature=0.8, stop=["never"])
+    assert "".join(stream) == stream.answer.answer and stream.answer.tokens <= 3
+    with pytest.raises(StreamvqaError) as refused:
+        session.ask("Who rides?", temperature=5)
+    assert (refused.value.status, refused.value.code) == (422, "invalid_request")
+    assert "body.temperature: Input should be less than or equal to 2" in str(refused.value)
+
+
 def test_memory_shows_the_cache_by_spans_of_video(bikes):
     memory = bikes[0].memory()
     assert (memory["policy"], memory["budget_tokens"]) == ("infmllm", 8192)
