@@ -505,7 +505,8 @@ class StreamConnection:
         raise StreamClosed(CloseCode.UNDECODABLE, "the session failed")
 
     async def _relay(self, since: str) -> None:
-        """The session's events to the socket; an error about this connection closes it."""
+        """The session's events to the socket; an error about this connection closes it. A
+        streaming socket skips the state changes of other connections' streams."""
         stream = self.keys.events(self.session_id)
         while not self._stopping:
             reply = await self.redis.xread({stream: since}, block=EVENTS_BLOCK_MS, count=64)
@@ -513,6 +514,8 @@ class StreamConnection:
                 for entry_id, fields in entries:
                     since = entry_id
                     event = EventEnvelope.model_validate_json(fields[b"m"]).event
+                    if self.format and event.type == "state" and event.connection not in (None, self.id):
+                        continue  # an earlier connection's stream settled (this one has taken it over)
                     await self.send(event)
                     if event.type == "error" and _closes(event, self.id):
                         raise StreamClosed(CloseCode.UNDECODABLE, event.message)

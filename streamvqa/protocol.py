@@ -491,6 +491,11 @@ class IngestEvent(BaseModel):
 class StateEvent(BaseModel):
     type: Literal["state"] = "state"
     state: SessionState
+    connection: str | None = Field(
+        None,
+        description="For a live stream, the connection it concerns: the one that connected (`ingesting`), "
+        "or the last one that sent (`ingested`).",
+    )
 
 
 class WarningEvent(BaseModel):

@@ -175,11 +175,15 @@ class _LiveIngest:
     def state(self) -> dict:
         """What a snapshot needs to go on with this stream elsewhere: its sampling clock (and, for
         container streams, the init segment to rejoin at the next fragment)."""
-        return {"kind": "live", "format": self.format, "next_s": self.sampler.next_s, "last_s": self._last_time_s}
+        return {
+            "kind": "live", "format": self.format, "next_s": self.sampler.next_s, "last_s": self._last_time_s,
+            "connection": self.connection,
+        }
 
     def resume(self, state: dict) -> None:
         self.sampler.next_s = state["next_s"]
         self._last_time_s = state["last_s"]
+        self.connection = state.get("connection", "")  # absent from snapshots of older versions
 
     def take_errors(self) -> list[tuple[str, str, str]]:
         """(code, connection, message) of the errors since the last call: `decode_failed` ends

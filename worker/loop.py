@@ -200,6 +200,13 @@ def prefix_folder(prefix: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", prefix.rstrip(":")) or "_"
 
 
+def _live_connection(hosted: "Hosted") -> str | None:
+    """The stream connection a live session's media comes (or came last) from; None for an upload
+    or when not known (a session resumed without a snapshot)."""
+    ingest = hosted.ingest
+    return (ingest.connection or None) if ingest is not None and ingest.live else None
+
+
 @dataclass
 class Hosted:
     """A session this worker holds; `worker.scheduler.Work` for the scheduler."""
@@ -936,7 +943,7 @@ class Worker:
     async def _unsettle(self, session_id: str, hosted: Hosted) -> None:
         hosted.settled = False
         await self._set(session_id, SessionState.INGESTING)
-        await self._event(session_id, StateEvent(state=SessionState.INGESTING))
+        await self._event(session_id, StateEvent(state=SessionState.INGESTING, connection=_live_connection(hosted)))
 
     async def _received_upload(self, session_id: str, hosted: Hosted, kind: str, entry_id: bytes) -> None:
         """Record the upload's progress and acknowledge the entry in one step, so that a worker
@@ -1028,7 +1035,7 @@ class Worker:
             return
         await self._report_memory(session_id, hosted, force=True)
         await self._set(session_id, SessionState.INGESTED, SessionState.INGESTING, **self._progress(hosted.engine))
-        await self._event(session_id, StateEvent(state=SessionState.INGESTED))
+        await self._event(session_id, StateEvent(state=SessionState.INGESTED, connection=_live_connection(hosted)))
 
     # -- snapshots -----------------------------------------------------------------------------
 

@@ -84,7 +84,9 @@ def test_a_reconnecting_client_resumes_its_webm_stream(client):
     for piece in random_cuts(data[cut:], seed=4, pieces=5):
         second.send(piece)
     second.end()
-    assert _ingested(second) is not None, second.events
+    ingested = _ingested(second)
+    assert ingested is not None, second.events
+    assert ingested["connection"] == second.started["connection"]  # not the first connection's departure
     session = client.get().json()
     assert (session["frames_ingested"], session["video_time_s"]) == (SECONDS, 5.0)  # every frame, once
     assert second.frame_times() == EXPECTED_TIMES[1.0][-len(second.frame_times()) :]
