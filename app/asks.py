@@ -51,7 +51,7 @@ class AnswerPending(BaseModel):
     location: str = Field(description="Where to fetch or resume the answer.")
 
 
-REFUSAL_STATUS = {"session_error": 409, "question_too_long": 422}  # a worker's error events, as HTTP statuses
+REFUSAL_STATUS = {"session_error": 409, "no_video": 409, "question_too_long": 422}  # a worker's error events, as HTTP statuses
 
 
 def _refusal(error: ErrorEvent) -> ApiError:

@@ -375,9 +375,19 @@ function renderRecord(record) {
   ui.sessionError.hidden = r.state !== "error";
   ui.sessionError.textContent = r.state === "error" ? `Session error: ${r.error}` : "";
   renderIngestProgress(r);
-  if (r.media === "upload") stage.setIngest(r.frames_ingested ? r.video_time_s : null, r.state === "ingested", r.media_duration_s);
+  if (r.media === "upload") {
+    stage.setIngest(r.frames_ingested ? r.video_time_s : null, r.state === "ingested", r.media_duration_s, r.state === "error");
+  }
   ui.timeline.dataset.seekable = String(stage.seekable);
+  if (record) conversation.refuse(askRefusal(r));
   updateSources();
+}
+
+/** Why the session cannot be asked about now, or null: the model answers only about video it saw. */
+function askRefusal(r) {
+  if (r.state === "error") return "The session failed: it takes no questions. Start a new session.";
+  if (!r.frames_ingested) return "No video yet: upload a file or start the camera, then ask.";
+  return null;
 }
 
 function renderCache(r) {

@@ -25,6 +25,8 @@ export class Conversation {
     this.history = history;
     this.empty = empty;
     this.onFocus = onFocus;
+    this.hint = form.querySelector(".hint");
+    this.hintText = this.hint.textContent; // shown while questions may be asked
     this.session = null;
     this.streams = new Set();
     this.asked = 0;
@@ -45,12 +47,19 @@ export class Conversation {
     for (const stream of this.streams) stream.stop();
     this.streams.clear();
     this.session = session;
-    this.input.disabled = !session;
-    this.form.querySelector("button[type=submit]").disabled = !session;
+    this.refuse(session ? null : "Create a session to ask.");
     if (!session) {
       this.history.replaceChildren();
       this.empty.hidden = false;
     }
+  }
+
+  /** Why a question cannot be asked now (shown under the box, which is disabled), or null. */
+  refuse(reason) {
+    this.hint.textContent = reason || this.hintText;
+    this.hint.dataset.refused = String(Boolean(reason));
+    this.input.disabled = Boolean(reason);
+    this.form.querySelector("button[type=submit]").disabled = Boolean(reason);
   }
 
   async submit() {

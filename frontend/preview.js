@@ -72,9 +72,10 @@ export class Stage {
     this.setBadge(null);
   }
 
-  /** The model has ingested the file up to `head_s` (`done`: all of it). */
-  setIngest(head_s, done, duration_s) {
+  /** The model has ingested the file up to `head_s` (`done`: all of it; `failed`: it could not read it). */
+  setIngest(head_s, done, duration_s, failed = false) {
     if (this.kind !== "file") return;
+    if (failed) return this.setBadge("The model could not read this video", "error");
     this.head_s = head_s;
     this.ingested = done;
     if (done) this.setBadge(`Model has seen all ${videoTime(duration_s ?? head_s)}`, "done");

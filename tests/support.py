@@ -147,6 +147,20 @@ class Client:
     def ask(self, question: str, **body: object) -> httpx.Response:
         return self.http.post(f"/sessions/{self.id}/ask", json={"question": question, **body}, headers=self.auth)
 
+    def show_frames(self, seconds: int = 1) -> dict:
+        """Stream a frame a second for `seconds` seconds into the session (a question needs
+        video to be about) and wait until they are in the cache; the session record."""
+        from tests.media import timed_jpeg
+
+        socket = StreamSocket(self, "frames")
+        for second in range(seconds):
+            socket.send(timed_jpeg(float(second), second))
+        socket.end()
+        ingested = socket.wait_for(lambda e: (e["type"], e.get("state")) == ("state", "ingested"))
+        socket.close()
+        assert ingested is not None, socket.events
+        return self.wait_for_state("ingested")
+
     def wait_for_state(self, *states: str, timeout_s: float = 60) -> dict:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -807,6 +807,10 @@ class Worker:
             await self._refuse(session_id, entry_id, stream, ErrorEvent(code="session_error", message=hosted.error))
             return
         before = hosted.engine.stats()
+        if before.frames == 0 and self.model.sees_frames:
+            message = "the session has no video yet: upload a file or stream to it, then ask"
+            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="no_video", message=message))
+            return
 
         def begin() -> tuple[int, AnswerRun | None, str | None]:  # on the engine's thread
             tokens = len(self.model.tokenize(question.question, user=True))

@@ -49,6 +49,7 @@ def test_concurrent_creates_get_the_places_there_are_and_idle_sessions_give_thei
     assert {reply.json()["code"] for reply in replies if reply.status_code == 503} == {"no_capacity"}
     admitted = [user for user, reply in zip(first, replies, strict=True) if reply.status_code == 201]
     assert sorted(user.wait_for_state("ready", timeout_s=30)["worker"] for user in admitted) == ["a", "a", "b", "b"]
+    admitted[0].show_frames()  # something to ask about once it comes back
 
     second = _user(stack, "key-two")
     refused = second.create()
@@ -62,7 +63,7 @@ def test_concurrent_creates_get_the_places_there_are_and_idle_sessions_give_thei
     while (resting := admitted[0].get().json())["worker"]:
         assert time.monotonic() - full_at < IDLE_RELEASE_S + 10, "an idle session kept its place"
         time.sleep(0.2)
-    assert resting["state"] == "ready"  # kept, on no worker
+    assert resting["state"] == "ingested"  # kept, on no worker
     reply = admitted[0].ask("Are you back?", max_new_tokens=2)  # brings it back to a worker
     assert reply.status_code == 200 and reply.json()["tokens"] == 2
     assert admitted[0].get().json()["worker"] in ("a", "b")

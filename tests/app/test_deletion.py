@@ -49,6 +49,7 @@ def test_deleting_a_session_mid_upload_stops_the_upload_and_leaves_no_file_or_ke
 
 def test_a_deleted_session_s_answers_are_gone_with_it(client, stack, redis_url):
     client.create()
+    client.show_frames()
     answer_id = client.ask("What do you see?", max_new_tokens=3).json()["answer_id"]
     store = redis.Redis.from_url(redis_url)
     assert store.exists(f"{stack.prefix}session:{client.id}:answer:{answer_id}")

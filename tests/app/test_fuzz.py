@@ -46,7 +46,7 @@ EVENT_TYPES = {
 }
 ERROR_CODES = {  # of `error` and `answer_error` events; `internal_error` (a gateway bug) is not among them
     "decode_failed", "empty_stream", "bad_frame", "bad_message", "session_error",
-    "invalid_request", "too_many_questions", "session_reset", "answer_timeout",
+    "invalid_request", "too_many_questions", "session_reset", "answer_timeout", "no_video",
 }
 OVERSIZED = b"\0" * (4 * 1024 * 1024 + 1)  # over WS_MAX_MESSAGE_BYTES: closes with 1009
 
@@ -65,6 +65,7 @@ class Sessions:
     def __init__(self, url: str) -> None:
         self.url = url
         self.shared = self.create()
+        self.shared.show_frames()
         reply = self.shared.ask("What do you see?", max_new_tokens=2)
         assert reply.status_code == 200, reply.text
         self.answer_id = reply.json()["answer_id"]

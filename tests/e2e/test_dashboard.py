@@ -148,6 +148,9 @@ def test_a_file_is_uploaded_ingested_previewed_and_asked_about(page):
     create_session(page)
     assert page.text_content("#setup [data-field='model']") == "tiny-random-llava"
     assert page.text_content("#setup [data-field='policy']") == "infmllm"
+    # no question before any frame: the model would answer about nothing
+    assert page.is_disabled("#ask-form button[type=submit]") and page.is_disabled("#question")
+    assert page.text_content("#ask-hint") == "No video yet: upload a file or start the camera, then ask."
 
     upload(page, sample_video("bikes.mp4"))
     page.wait_for_function("document.querySelector('#upload-progress').value === 100")
@@ -161,6 +164,7 @@ def test_a_file_is_uploaded_ingested_previewed_and_asked_about(page):
     page.wait_for_function("document.querySelectorAll('#timeline .span').length === 10")
     assert page.locator("#timeline .span[data-held='all']").count() == 10
 
+    assert page.text_content("#ask-hint") == "Enter to send · Shift+Enter for a new line"
     item = ask(page, "What is happening?")
     assert item.locator(".meta").text_content().startswith("at 9.0 s of video")
     page.wait_for_selector("#timeline .span[data-evidence]", state="attached")
@@ -337,6 +341,9 @@ def test_an_upload_that_is_not_a_video_shows_the_sessions_error(page, tmp_path):
     upload(page, notes)
     page.wait_for_selector("#session-error:has-text('not a readable video file')")
     assert field(page, "state") == "error"
+    assert page.text_content("#stage-badge") == "The model could not read this video"  # not "Waiting for the model"
+    assert page.is_disabled("#ask-form button[type=submit]")
+    assert page.text_content("#ask-hint") == "The session failed: it takes no questions. Start a new session."
     page.get_by_role("button", name="End session").click()  # and start again
     page.wait_for_selector("#connection:text-is('No session')")
     assert page.is_visible("#create-form") and page.is_hidden("#session-error")

@@ -1,10 +1,11 @@
 """The whole path with real processes: create, upload a real video, watch it ingest, ask."""
 
+import json
 import threading
 
 import httpx
 
-from tests.support import Client, sample_video
+from tests.support import Client, StreamSocket, sample_video
 
 
 def test_bikes_at_one_fps_gives_ten_frames_then_an_answer(client):
@@ -76,12 +77,24 @@ def test_a_bad_upload_fails_its_session_only(stack):
         user.http.close()
 
 
-def test_questions_before_any_video_are_answered(client):
+NO_VIDEO = "the session has no video yet: upload a file or stream to it, then ask"
+
+
+def test_a_question_before_any_video_is_refused_until_a_frame_is_in(client):
     client.create()
+    assert client.wait_for_state("ready")["frames_ingested"] == 0
+    reply = client.ask("Is anything there?", max_new_tokens=5)
+    assert (reply.status_code, reply.json()) == (409, {"code": "no_video", "message": NO_VIDEO})
+    socket = StreamSocket(client, None)
+    socket.send(json.dumps({"type": "ask", "question": "Is anything there?", "ref": "early"}))
+    refused = socket.wait_for(lambda e: e["type"] == "answer_error")
+    assert (refused["ref"], refused["code"], refused["message"]) == ("early", "no_video", NO_VIDEO)
+    socket.close()
+
+    client.show_frames(1)
     reply = client.ask("Is anything there?", max_new_tokens=5)
     assert reply.status_code == 200
     assert reply.json()["video_time_s"] == 0.0
-    assert 1 <= reply.json()["tokens"] <= 5
 
 
 def test_unknown_routes_are_json_404(stack):

@@ -35,6 +35,7 @@ def _busy_session(stack: Stack, first_tokens: int = LONG_TOKENS) -> tuple[Client
     busy = Client(stack.url)
     busy.create()
     busy.wait_for_state("ready")
+    busy.show_frames()
     answer_ids = []
     for i in range(QUEUED):
         reply = busy.ask(f"question {i}", max_new_tokens=first_tokens if i == 0 else LONG_TOKENS, wait_s=0)
@@ -68,6 +69,7 @@ def test_a_question_is_answered_while_another_session_has_16_long_answers_queued
     other = Client(worker_stack.url)
     other.create()
     assert other.wait_for_state("ready")["worker"] == busy.get().json()["worker"]  # the same worker
+    other.show_frames()
 
     reply = other.ask("Still there?", max_new_tokens=2)
     assert reply.status_code == 200 and reply.json()["tokens"] == 2
@@ -95,6 +97,7 @@ def test_deleting_a_session_stops_its_answer_and_answers_nothing_it_had_queued(w
     # another session on the same worker is answered: the worker has moved on
     other = Client(worker_stack.url)
     other.create()
+    other.show_frames()
     assert other.ask("Next?", max_new_tokens=2).status_code == 200
     assert store.keys(f"{worker_stack.prefix}session:{busy.id}*") == []  # no answer came back after the delete
     other.delete()

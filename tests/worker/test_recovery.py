@@ -63,6 +63,7 @@ def test_six_sessions_on_two_workers_each_held_by_one_and_all_answered(two_worke
     store = redis.Redis.from_url(redis_url)
     for user, owner in zip(users, owners, strict=True):
         assert store.get(f"{two_workers.prefix}session:{user.id}:lease") == owner.encode()
+        user.show_frames()
 
     replies: dict[int, int] = {}
     threads = [
