@@ -346,7 +346,8 @@ class KVCache:
         if policy.keeps_scores and self.scores[layer] is not None:
             kept = self.scores[layer]
             previous = torch.cat([kept, kept.new_zeros(self.kv_heads, total - kept.shape[1])], dim=1)
-        scores = policy.score(Observation(self.kv_heads, total, attention, previous, self._received[layer]))
+        keys = cached.keys[0] if policy.needs_keys else None
+        scores = policy.score(Observation(self.kv_heads, total, attention, previous, self._received[layer], keys))
         pinned = torch.isin(self.order[layer], torch.cat(self.pins)) if self.pins else None
         keep = policy.select(scores, pinned)  # (kv_heads, B), ascending: the kept tokens' new positions
         keep_cpu = keep.cpu()

@@ -58,7 +58,7 @@ class Part:
 
 @dataclass(frozen=True)
 class SessionConfig:
-    policy: str = "infmllm"  # full, sliding, h2o, snapkv or infmllm
+    policy: str = "infmllm"  # full, sliding, h2o, snapkv, tova, knorm or infmllm
     budget_tokens: int = 8192  # B, per layer
     policy_options: Mapping[str, object] = field(default_factory=dict)  # the policy's other knobs
     system_prompt: str = DEFAULT_SYSTEM_PROMPT

@@ -18,6 +18,8 @@ const RECONNECTED_NOTE_MS = 3000;
 const POLICIES = {
   infmllm: "Keeps the tokens recent prompts attend to most, with a bias toward recent ones (Inf-MLLM).",
   snapkv: "Keeps what the end of each prompt attends to, pooled (SnapKV).",
+  tova: "Keeps what the newest token attends to, the same tokens in every head of a layer (TOVA).",
+  knorm: "Keeps the tokens whose keys have the lowest norm, without looking at attention (KNorm).",
   h2o: "Keeps the tokens with the most accumulated attention (H2O): a slow baseline.",
   sliding: "Keeps the first and the latest tokens only (StreamingLLM).",
   full: "Keeps everything: nothing is evicted and memory grows with the video.",

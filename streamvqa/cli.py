@@ -204,7 +204,7 @@ def _parser() -> argparse.ArgumentParser:
 
     options = argparse.ArgumentParser(add_help=False)  # the options of a new session
     options.add_argument("--fps", type=float, help="frames sampled per second of video (default: the gateway's, 1)")
-    options.add_argument("--policy", help="KV cache policy: infmllm, snapkv, h2o, sliding, full")
+    options.add_argument("--policy", help="KV cache policy: infmllm, snapkv, tova, knorm, h2o, sliding, full")
     options.add_argument("--budget", type=int, help="tokens each cache layer keeps (budget_tokens)")
     options.add_argument("--model", help="the model (default: the gateway's)")
     options.add_argument(

@@ -185,7 +185,7 @@ class SessionState(StrEnum):
     ERROR = "error"  # media failed; `error` says why
 
 
-Policy = Literal["full", "sliding", "h2o", "snapkv", "infmllm"]
+Policy = Literal["full", "sliding", "h2o", "snapkv", "tova", "knorm", "infmllm"]
 POLICIES: tuple[str, ...] = get_args(Policy)  # the engine's registry holds the same names (tested)
 
 
@@ -196,7 +196,9 @@ class PolicyOptions(BaseModel):
 
     sinks: int | None = Field(None, ge=0, le=1024, description="S: first tokens always kept (default 4).")
     recent: int | None = Field(None, ge=0, le=65_536, description="R: latest tokens always kept (default 128).")
-    per_layer: bool | None = Field(None, description="One selection per layer instead of one per KV head.")
+    per_layer: bool | None = Field(
+        None, description="One selection per layer instead of one per KV head (default false; tova: true)."
+    )
     evict_on_question: bool | None = Field(None, description="Also evict right after a question, before answering.")
     window: int | None = Field(None, ge=1, le=1024, description="infmllm, snapkv: the prompt's last queries that score the cache (default 32).")
     beta: float | None = Field(None, ge=0, le=1000, description="infmllm: weight of the recency bias (default 0.5).")
@@ -223,6 +225,8 @@ POLICY_KNOBS: dict[str, tuple[str, ...]] = {
     "sliding": _COMMON_KNOBS,
     "h2o": _COMMON_KNOBS,
     "snapkv": (*_COMMON_KNOBS, "window", "kernel"),
+    "tova": _COMMON_KNOBS,
+    "knorm": _COMMON_KNOBS,
     "infmllm": (*_COMMON_KNOBS, "window", "beta", "bias_shape", "local_sum"),
 }
 DEFAULT_SINKS, DEFAULT_RECENT = 4, 128
@@ -248,7 +252,7 @@ class SessionOptions(BaseModel):
     policy: Policy = Field(
         "infmllm",
         description="KV cache policy: infmllm (bounded, attention-scored with a recency bias), "
-        "snapkv, h2o, sliding (sinks and recent tokens), or full (no eviction: memory grows).",
+        "snapkv, tova, knorm, h2o, sliding (sinks and recent tokens), or full (no eviction: memory grows).",
     )
     budget_tokens: int = Field(
         8192, ge=256, le=1_000_000, description="Tokens each cache layer keeps after an eviction."

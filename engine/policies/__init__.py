@@ -6,10 +6,12 @@ from engine.policies.base import Observation, Policy
 from engine.policies.full import Full
 from engine.policies.h2o import H2O
 from engine.policies.infmllm import InfMLLM
+from engine.policies.knorm import KNorm
 from engine.policies.sliding import Sliding
 from engine.policies.snapkv import SnapKV
+from engine.policies.tova import TOVA
 
-POLICY_CLASSES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Sliding, H2O, SnapKV, InfMLLM)}
+POLICY_CLASSES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Sliding, H2O, SnapKV, TOVA, KNorm, InfMLLM)}
 POLICIES = tuple(POLICY_CLASSES)
 
 

@@ -29,6 +29,9 @@ class Observation:
     # eviction, summed over the queries and averaged over the query heads of its KV group.
     # None unless the policy `accumulates`.
     received: torch.Tensor | None = None
+    # (kv_heads, N, head_dim) the keys as stored (before the rotary embedding); None unless the
+    # policy `needs_keys`.
+    keys: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Policy:
     evicts: ClassVar[bool] = True  # False: the cache keeps everything (`full`)
     needs_attention: ClassVar[bool] = True  # False: `score` ignores `attention`
     accumulates: ClassVar[bool] = False  # True: `score` reads `received`, summed over every query
+    needs_keys: ClassVar[bool] = False  # True: `score` reads `keys`
     keeps_scores: ClassVar[bool] = False  # True: `previous` carries this policy's scores between evictions
     evicts_every_decode_step: ClassVar[bool] = False  # True: also evict after each generated token
 

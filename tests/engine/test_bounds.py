@@ -15,7 +15,7 @@ ANSWER_TURN = len(QUESTION) + 13 + 16 + 8
 STREAM_TOKENS = 200_000
 
 
-@pytest.mark.parametrize("policy", ["infmllm", "sliding", "h2o", "snapkv"])
+@pytest.mark.parametrize("policy", ["infmllm", "sliding", "h2o", "snapkv", "tova", "knorm"])
 def test_cache_and_positions_stay_bounded_over_a_long_stream(policy):
     session = Session(load_model("tiny-random-llama", "cpu"), SessionConfig(policy=policy, budget_tokens=BUDGET))
     rng = np.random.default_rng(0)

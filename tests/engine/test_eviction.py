@@ -12,7 +12,7 @@ from engine.kv_cache import FRAME, TEXT
 TOLERANCE = 1e-4
 
 
-@pytest.mark.parametrize("policy", ["infmllm", "h2o", "snapkv", "sliding"])
+@pytest.mark.parametrize("policy", ["infmllm", "h2o", "snapkv", "tova", "knorm", "sliding"])
 def test_kept_keys_equal_fresh_keys_at_their_new_positions(policy):
     model = load_model("tiny-random-llava", "cpu")
     config = SessionConfig(policy=policy, budget_tokens=60, policy_options={"sinks": 2, "recent": 8}, prefill_chunk_tokens=7)

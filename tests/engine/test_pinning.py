@@ -63,7 +63,7 @@ def test_pins_that_leave_no_room_are_refused(model):
 
 
 def test_pinned_tokens_are_kept_by_every_scoring_policy(model):
-    for policy in ("h2o", "snapkv", "infmllm"):
+    for policy in ("h2o", "snapkv", "tova", "knorm", "infmllm"):
         session = Session(model, config(policy, pin_turns=1))
         opening = set(range(session.cache.appended))
         session.append_frames(frames(20, 2), [float(t) for t in range(20)])

@@ -184,6 +184,58 @@ def test_snapkv_max_pools_column_means_over_neighbours():
     assert scores[0].tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0, 0]
 
 
+# The last query's attention over 10 keys, the same for the 3 query heads of each KV head.
+TOVA_ATTENTION = [
+    [0.0, 0.06, 0.30, 0.25, 0.04, 0.05, 0.05, 0.05, 0.10, 0.10],
+    [0.0, 0.05, 0.05, 0.05, 0.05, 0.30, 0.20, 0.10, 0.10, 0.10],
+]
+
+
+def test_tova_keeps_what_the_newest_token_attends_to_averaged_over_the_layers_heads():
+    attention = torch.tensor(TOVA_ATTENTION)[:, None, None, :].expand(KV_HEADS, GROUP, 1, 10)
+    # per layer (the paper's choice), by the mean over all heads: sink 0, recent 8 and 9, and of
+    # keys 1..7 the 3 best: 2 (0.175), 5 (0.175), 3 (0.15), not 6 (0.125)
+    policy = make_policy("tova", budget_tokens=6, sinks=1, recent=2)
+    assert policy.window_tokens == 1
+    assert policy.select(policy.score(Observation(KV_HEADS, 10, attention))).tolist() == [[0, 2, 3, 5, 8, 9]] * 2
+    # per head: each KV head its own best 3
+    policy = make_policy("tova", budget_tokens=6, sinks=1, recent=2, per_layer=False)
+    assert policy.select(policy.score(Observation(KV_HEADS, 10, attention))).tolist() == [[0, 1, 2, 3, 8, 9], [0, 5, 6, 7, 8, 9]]
+
+
+def test_tova_in_the_cache_scores_by_the_last_query_only():
+    queries, keys = _random(5)
+    policy = make_policy("tova", budget_tokens=24, sinks=2, recent=6)
+    cache, seen = _cache(policy, queries, keys)
+    cache.times[0] = torch.arange(TOTAL, dtype=torch.float32).expand(KV_HEADS, TOTAL).clone()
+    mean = [0.0] * TOTAL  # the last query's softmax, averaged over all 6 query heads
+    for q_head in range(KV_HEADS * GROUP):
+        logits = [float(queries[0, q_head, -1] @ seen[0, q_head // GROUP, k]) * SCALING for k in range(TOTAL)]
+        weights = [math.exp(x - max(logits)) for x in logits]
+        for j in range(TOTAL):
+            mean[j] += weights[j] / sum(weights) / (KV_HEADS * GROUP)
+    expected = _reference_keep([mean], 24, 2, 6)[0]
+    window_mean = [sum(row[j] for row in _reference_column_means(queries, seen)) / KV_HEADS for j in range(TOTAL)]
+    assert expected != _reference_keep([window_mean], 24, 2, 6)[0]  # the whole window would choose otherwise
+    cache.evict()
+    assert cache.times[0].long().tolist() == [expected, expected]
+
+
+KNORM_NORMS = [[5.0, 1.0, 4.0, 2.0, 3.0, 6.0, 7.0, 0.5, 8.0, 9.0], [5.0, 8.0, 0.2, 6.0, 0.3, 7.0, 0.4, 9.0, 10.0, 1.0]]
+
+
+def test_knorm_keeps_the_keys_of_lowest_norm_through_the_cache():
+    torch.manual_seed(6)
+    directions = torch.nn.functional.normalize(torch.randn(1, KV_HEADS, 10, HEAD_DIM), dim=-1)
+    keys = directions * torch.tensor(KNORM_NORMS)[None, :, :, None]
+    policy = make_policy("knorm", budget_tokens=5, sinks=1, recent=1)
+    cache, _ = _cache(policy, torch.randn(1, KV_HEADS * GROUP, 1, HEAD_DIM), keys)
+    cache.times[0] = torch.arange(10, dtype=torch.float32).expand(KV_HEADS, 10).clone()
+    cache.evict()
+    # sink 0 and recent 9; of keys 1..8 the 3 of lowest norm: 7, 1, 3 in head 0; 2, 4, 6 in head 1
+    assert cache.times[0].long().tolist() == [[0, 1, 3, 7, 9], [0, 2, 4, 6, 9]]
+
+
 @pytest.mark.parametrize("name", POLICIES)
 def test_every_policy_is_registered_with_validated_knobs(name):
     policy = make_policy(name, budget_tokens=512)
