@@ -54,7 +54,8 @@ class AnswerPending(BaseModel):
 REFUSAL_STATUS = {"session_error": 409, "no_video": 409, "question_too_long": 422}  # a worker's error events, as HTTP statuses
 
 
-def _refusal(error: ErrorEvent) -> ApiError:
+def refusal(error: ErrorEvent) -> ApiError:
+    """A worker's refusal of a question (or failure while answering) as an HTTP error."""
     if error.code == "session_reset":  # its worker died or stopped while answering: ask again
         return ApiError(503, error.code, error.message, {"Retry-After": "1"})
     return ApiError(REFUSAL_STATUS.get(error.code, 500), error.code, error.message)
@@ -93,7 +94,7 @@ async def ask(
             _, event = item
             if event.type == "error":
                 metrics.answers.labels("error").inc()
-                raise _refusal(event)
+                raise refusal(event)
             if event.type == "done":
                 metrics.answered(event)
                 return Answer.of(answer_id, event)

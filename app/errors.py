@@ -1,4 +1,6 @@
-"""Errors as JSON: `{"code": <stable identifier>, "message": <for humans>}`."""
+"""Errors as JSON: `{"code": <stable identifier>, "message": <for humans>}`; on the
+OpenAI-compatible routes (`/v1/...`) in OpenAI's shape, `{"error": {"message", "type", "param",
+"code"}}`, with the same codes."""
 
 import logging
 
@@ -41,45 +43,88 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 }
 
 
+class OpenAIError(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, rate_limit_error, "
+                      "server_error.")
+    param: str | None = Field(description="The request field at fault, if one is.")
+    code: str = Field(description="The same stable identifier as the rest of the API's `code`.")
+
+
+class OpenAIErrorBody(BaseModel):
+    error: OpenAIError
+
+
+OPENAI_PREFIX = "/v1/"
+OPENAI_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    409: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+}  # any other status: server_error
+OPENAI_ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": OpenAIErrorBody, "description": description}
+    for status, description in {
+        400: "A bad request: a field out of range (`param` names it), or a body that is not JSON.",
+        401: "No bearer key, or not the session's token.",
+        404: "No such session.",
+        409: "`no_video`: no frame in the session's cache yet; `session_error`: its media failed.",
+        413: "A body over the limit.",
+        429: "Over a rate or count limit; see Retry-After.",
+        503: "Redis or the workers are unavailable; see Retry-After.",
+        504: "No answer within the gateway's ASK_TIMEOUT_S.",
+    }.items()
+}
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, headers: dict[str, str] | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.code, self.message, self.headers = status, code, message, headers
+        self.status, self.code, self.message, self.headers, self.param = status, code, message, headers, param
 
 
-def _json(status: int, code: str, message: str, headers: dict[str, str] | None = None, **extra) -> JSONResponse:
+def _json(
+    request: Request, status: int, code: str, message: str, headers: dict[str, str] | None = None,
+    param: str | None = None, **extra,
+) -> JSONResponse:
+    if request.url.path.startswith(OPENAI_PREFIX):
+        error = {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": param, "code": code}
+        return JSONResponse({"error": error}, status_code=status, headers=headers)
     return JSONResponse({"code": code, "message": message, **extra}, status_code=status, headers=headers)
 
 
-async def _api_error(_: Request, err: ApiError) -> JSONResponse:
-    return _json(err.status, err.code, err.message, err.headers)
+async def _api_error(request: Request, err: ApiError) -> JSONResponse:
+    return _json(request, err.status, err.code, err.message, err.headers, err.param)
 
 
-async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
-    fields = [
-        {"field": ".".join(str(part) for part in e["loc"]), "message": e["msg"]} for e in err.errors()
-    ]
+async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+    named = {(".".join(str(part) for part in e["loc"]), e["msg"]): None for e in err.errors()}  # each once
+    fields = [{"field": field, "message": message} for field, message in named]
     message = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
-    return _json(422, "invalid_request", message, fields=fields)
+    if request.url.path.startswith(OPENAI_PREFIX):  # OpenAI answers a bad field with 400, naming it
+        loc = [str(part) for part in err.errors()[0]["loc"]] if err.errors() else []
+        param = ".".join(loc[1:]) if loc[:1] == ["body"] else None
+        return _json(request, 400, "invalid_request", message, param=param or None)
+    return _json(request, 422, "invalid_request", message, fields=fields)
 
 
-async def _http_error(_: Request, err: HTTPException) -> JSONResponse:
+async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
     code = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
     message = "the body is not valid JSON (UTF-8)" if err.status_code == 400 else str(err.detail)
-    return _json(err.status_code, code, message, err.headers)
+    return _json(request, err.status_code, code, message, err.headers)
 
 
-async def _redis_unreachable(_: Request, err: Exception) -> JSONResponse:
-    return _json(503, "redis_unreachable", f"Redis is unreachable: {err}", {"Retry-After": "5"})
+async def _redis_unreachable(request: Request, err: Exception) -> JSONResponse:
+    return _json(request, 503, "redis_unreachable", f"Redis is unreachable: {err}", {"Retry-After": "5"})
 
 
-async def _client_left(_: Request, err: ClientDisconnect) -> JSONResponse:
-    return _json(400, "client_disconnected", "the client left before sending its whole request")
+async def _client_left(request: Request, err: ClientDisconnect) -> JSONResponse:
+    return _json(request, 400, "client_disconnected", "the client left before sending its whole request")
 
 
 async def _unexpected(request: Request, err: Exception) -> JSONResponse:
     log.exception("%s %s failed", request.method, request.url.path, exc_info=err)
-    return _json(500, "internal_error", "the gateway failed; the error is in its log")
+    return _json(request, 500, "internal_error", "the gateway failed; the error is in its log")
 
 
 def install(app: FastAPI) -> None:

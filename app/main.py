@@ -7,7 +7,7 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
-from app import asks, errors, ops, routes, streams
+from app import asks, completions, errors, ops, routes, streams
 from app.deps import rate_limit
 from app.limits import BodyLimit, RateLimiter
 from app.metrics import GatewayMetrics, RequestCounter
@@ -23,6 +23,10 @@ Create a session (`POST /sessions`), send it video (`POST /sessions/{id}/upload`
 `WS /sessions/{id}/stream`), and ask (`POST /sessions/{id}/ask`). Every call on a session carries
 its token: `Authorization: Bearer <token>`. Errors are JSON: `{"code": "...", "message": "..."}`.
 The WebSocket protocol is in docs/streaming.md and docs/protocol.md.
+
+OpenAI's clients work against `/v1`: `POST /v1/chat/completions` answers the last user message
+about a session's video (its `session_id` in the body, its token as the API key), and
+`GET /v1/models` lists the models served. Errors there take OpenAI's shape.
 """
 
 
@@ -53,6 +57,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(ops.router)
     app.include_router(routes.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
     app.include_router(asks.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
+    app.include_router(completions.router, dependencies=limited)
     app.include_router(streams.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.header_timeout_s)
     if settings.cors_origin_list:

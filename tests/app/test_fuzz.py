@@ -6,7 +6,8 @@ requests on a session name a live session (and a real answer id): as its owner, 
 so that they reach past 401, 403 and 404, or as a stranger, with the generated credentials.
 The property: no 5xx, except a 503 the README
 documents for that request (`no_worker` for a model no worker serves, `no_capacity`); every
-error is JSON with a `code` and a `message`, also inside an event stream; every 2xx JSON body
+error is JSON with a `code` and a `message` (on `/v1/...`, inside OpenAI's `error` object, and
+the session is the body's `session_id` there), also inside an event stream; every 2xx JSON body
 matches the published schema; nothing hangs.
 
 WebSocket: random first messages on `WS /sessions/{id}/stream`, then, after a valid `start`
@@ -131,12 +132,22 @@ def _sse_events(response: requests.Response, first_only: bool) -> list[tuple[str
     return events
 
 
-def _error_body(text: str, where: str) -> dict:
+OPENAI_ERROR_TYPES = {
+    "invalid_request_error", "authentication_error", "permission_error", "not_found_error", "rate_limit_error", "server_error",
+}
+
+
+def _error_body(text: str, where: str, openai: bool = False) -> dict:
+    """The error's `code` and `message` (on `/v1/...`, inside OpenAI's `error` object)."""
     try:
         body = json.loads(text)
     except ValueError:
         raise AssertionError(f"an error that is not JSON: {where}") from None
     assert isinstance(body, dict), where
+    if openai:
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, where
+        body = body["error"]
+        assert body["type"] in OPENAI_ERROR_TYPES, where
     assert isinstance(body.get("code"), str) and body["code"], f"an error without a code: {where}"
     assert isinstance(body.get("message"), str), f"an error without a message: {where}"
     return body
@@ -180,6 +191,11 @@ def _request(case, identity: str, upload: tuple[bytes, str | None], url: str, se
             case.headers = {**(case.headers or {}), **user.auth}
         if "answer_id" in case.path_parameters:
             case.path_parameters["answer_id"] = sessions.answer_id
+    if identity != "generated" and case.path == "/v1/chat/completions" and isinstance(case.body, dict):
+        user = sessions.shared  # named in the body: as its owner (its token as the API key) or a stranger
+        case.body["session_id"] = user.id
+        if identity == "owner":
+            case.headers = {**(case.headers or {}), **user.auth}
     kwargs = case.as_transport_kwargs(base_url=url)
     if case.path.endswith("/upload"):  # its own bodies: real video bytes among the random ones
         for generated in ("files", "json", "data"):
@@ -205,7 +221,7 @@ def _request(case, identity: str, upload: tuple[bytes, str | None], url: str, se
         created = json.loads(text)
         requests.delete(f"{url}/sessions/{created['id']}", headers={"Authorization": f"Bearer {created['token']}"})
     if status >= 400:
-        body = _error_body(text, where)
+        body = _error_body(text, where, openai=case.path.startswith("/v1/"))
         if status >= 500:
             assert status == 503 and body["code"] in _allowed_503(case), f"a server error: {where}"
     elif not event_stream and response.headers.get("content-type", "").startswith("application/json"):
