@@ -44,8 +44,8 @@ class TextPart(BaseModel):
 
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[Annotated[TextPart, Field()]] | None = Field(
-        None, max_length=MAX_CONTENT_PARTS, description="Text, or text parts; the video comes from the session."
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = Field(
+        None, description="Text, or text parts; the video comes from the session."
     )
     name: str | None = None
 

@@ -11,6 +11,7 @@ from tests.support import Client, running_stack, sample_video
 QUESTION = "What is in the video?"
 PROMPT_TOKENS = len(QUESTION) + 13  # the tiny model reads a character a token; "<|im_end|>\n<|im_start|>assistant\n"
 MODEL = "tiny-random-llava"
+SYSTEM = "Not sent again: the session's own system prompt, set when it was created, is already in its cache."
 
 
 def watching(url: str, **headers: str) -> Client:
@@ -57,7 +58,7 @@ def test_a_completion_answers_about_the_sessions_video(stack, session):
 def test_a_streamed_completion_is_chunks_with_a_finish_reason_usage_and_done(stack, session):
     client = openai_client(stack.url, session)
     chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "system", "content": "ignored"}, {"role": "user", "content": QUESTION}],
+        model=MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
         max_tokens=5, stream=True, stream_options={"include_usage": True}, extra_body={"session_id": session.id},
     ))
     assert {chunk.object for chunk in chunks} == {"chat.completion.chunk"}
@@ -117,6 +118,12 @@ def test_a_bad_request_is_400_in_openais_shape(stack, session):
         )
     assert (last.value.body["param"], last.value.body["code"]) == ("messages", "invalid_request")
     assert "the last message is the question: its role must be 'user', not 'assistant'" in last.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as parts:
+        client.chat.completions.create(
+            model=MODEL, extra_body={"session_id": session.id},
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+        )
+    assert parts.value.body["param"].startswith("messages.0.content")
     with pytest.raises(openai.BadRequestError) as missing:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}])
     assert (missing.value.body["param"], missing.value.body["message"]) == ("session_id", "body.session_id: Field required")
