@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app import answers, sse
 from app.answers import Answer, AnswerStatus
 from app.deps import AuthorizedSession, KeysDep, Metrics, RedisDep, Settings
-from app.errors import ApiError
+from app.errors import ApiError, ErrorBody
 from app.metrics import GatewayMetrics
 from streamvqa import protocol
 from streamvqa.protocol import MAX_QUESTION_CHARS, AskOptions, DoneEvent, ErrorEvent, SessionRecord, SessionState
@@ -70,6 +70,9 @@ def _answer_url(session_id: str, answer_id: str) -> str:
     responses={
         200: SSE_RESPONSE,
         202: {"model": AnswerPending, "description": "`wait_s` passed before the answer was done."},
+        409: {"model": ErrorBody, "description": "`no_video`: no frame in the session's cache yet; `session_error`: "
+              "the session's media failed."},
+        504: {"model": ErrorBody, "description": "`answer_timeout`: no answer within ASK_TIMEOUT_S."},
     },
 )
 async def ask(
@@ -108,7 +111,10 @@ async def ask(
     raise ApiError(500, "answer_incomplete", "the answer stream ended without a final record")
 
 
-@router.get("/sessions/{session_id}/answers/{answer_id}", responses={200: SSE_RESPONSE})
+@router.get(
+    "/sessions/{session_id}/answers/{answer_id}",
+    responses={200: SSE_RESPONSE, 410: {"model": ErrorBody, "description": "`answer_expired`: older than an hour."}},
+)
 async def get_answer(
     session: AuthorizedSession, answer_id: str, request: Request, redis: RedisDep, keys: KeysDep,
     settings: Settings, metrics: Metrics,

@@ -22,7 +22,7 @@ from app import answers
 from app.answers import AnswerTimeout
 from app.asks import refusal, submit
 from app.deps import SESSION_ID, KeysDep, Metrics, RedisDep, Settings, Store
-from app.errors import OPENAI_ERROR_RESPONSES, ApiError
+from app.errors import ApiError, openai_responses
 from app.metrics import GatewayMetrics
 from streamvqa.protocol import (
     MAX_QUESTION_CHARS, AskOptions, DoneEvent, ErrorEvent, Evidence, SessionRecord, SessionState,
@@ -179,7 +179,20 @@ async def completion_session(
 CompletionSession = Annotated[SessionRecord, Depends(completion_session)]
 
 
-@router.get("/models", responses=OPENAI_ERROR_RESPONSES)
+UNAVAILABLE = {429: "Over the rate limit; see Retry-After.", 503: "Redis is unreachable; see Retry-After."}
+COMPLETION_ERRORS = openai_responses({
+    400: "A bad request: an option out of range (`invalid_value`, `param` names it), or a body that does not parse.",
+    401: "No bearer key, or not the session's token (`invalid_api_key`).",
+    404: "No such session (`session_not_found`).",
+    409: "`no_video`: no frame in the session's cache yet; `session_error`: its media failed.",
+    413: "A body over the limit.",
+    500: "A bug (`internal_error`); the gateway's log has the details.",
+    **UNAVAILABLE,
+    504: "`answer_timeout`: no answer within the gateway's ASK_TIMEOUT_S.",
+})
+
+
+@router.get("/models", responses=openai_responses(UNAVAILABLE))
 async def list_models(store: Store, settings: Settings) -> ModelCards:
     """The models live workers serve now (a completion is answered by its session's model)."""
     served = sorted({worker.model for worker in await store.live_workers(None)} | {settings.model})
@@ -189,7 +202,8 @@ async def list_models(store: Store, settings: Settings) -> ModelCards:
 @router.post(
     "/chat/completions",
     responses={
-        **OPENAI_ERROR_RESPONSES,
+        **COMPLETION_ERRORS,
+        422: {"description": "Not sent here: a bad body is a 400, as OpenAI answers it."},
         200: {"content": {"text/event-stream": {}}, "description": "With `stream`: `chat.completion.chunk` events, then `[DONE]`."},
     },
 )

@@ -36,9 +36,11 @@ ERROR_RESPONSES: dict[int | str, dict] = {
     401: {"model": ErrorBody, "description": "No session token (or no API key where one is needed)."},
     403: {"model": ErrorBody, "description": "Not this session's token (or an unknown API key)."},
     404: {"model": ErrorBody, "description": "No such session (or answer)."},
+    408: {"model": ErrorBody, "description": "A body not in within HEADER_TIMEOUT_S (`body_timeout`)."},
     413: {"model": ErrorBody, "description": "A body over the limit."},
     422: {"model": ValidationErrorBody, "description": "Invalid fields, each named."},
     429: {"model": ErrorBody, "description": "Over a rate or count limit; see Retry-After."},
+    500: {"model": ErrorBody, "description": "A bug (`internal_error`); the gateway's log has the details."},
     503: {"model": ErrorBody, "description": "Redis or the workers are unavailable; see Retry-After."},
 }
 
@@ -60,19 +62,9 @@ OPENAI_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
     409: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
 }  # any other status: server_error
-OPENAI_ERROR_RESPONSES: dict[int | str, dict] = {
-    status: {"model": OpenAIErrorBody, "description": description}
-    for status, description in {
-        400: "A bad request: a field out of range (`param` names it), or a body that is not JSON.",
-        401: "No bearer key, or not the session's token.",
-        404: "No such session.",
-        409: "`no_video`: no frame in the session's cache yet; `session_error`: its media failed.",
-        413: "A body over the limit.",
-        429: "Over a rate or count limit; see Retry-After.",
-        503: "Redis or the workers are unavailable; see Retry-After.",
-        504: "No answer within the gateway's ASK_TIMEOUT_S.",
-    }.items()
-}
+def openai_responses(descriptions: dict[int, str]) -> dict[int | str, dict]:
+    """The OpenAPI entries of errors in OpenAI's shape."""
+    return {status: {"model": OpenAIErrorBody, "description": text} for status, text in descriptions.items()}
 
 
 class ApiError(Exception):

@@ -4,6 +4,7 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
+from fastapi_offline import FastAPIOffline
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
@@ -51,7 +52,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await redis.aclose()
             await redis.connection_pool.aclose()
 
-    app = FastAPI(title="streamvqa", description=DESCRIPTION, version="0.1.0", lifespan=lifespan)
+    # /docs (Swagger UI) and /redoc with the assets fastapi-offline ships: no CDN, so they work offline
+    app = FastAPIOffline(title="streamvqa", description=DESCRIPTION, version="0.1.0", lifespan=lifespan)
     errors.install(app)
     limited = [Depends(rate_limit)]
     app.include_router(ops.router)

@@ -5,12 +5,15 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.deps import Metrics, RedisDep, Store
-from app.errors import ApiError
+from app.errors import ApiError, ErrorBody
 
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/healthz")
+UNAVAILABLE = {503: {"model": ErrorBody, "description": "`redis_unreachable` (and for readiness, `no_worker`)."}}
+
+
+@router.get("/healthz", responses=UNAVAILABLE)
 async def healthz(redis: RedisDep) -> dict[str, str]:
     """200 while the gateway reaches Redis."""
     try:
@@ -20,7 +23,7 @@ async def healthz(redis: RedisDep) -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses=UNAVAILABLE)
 async def readyz(store: Store) -> dict[str, str | int]:
     """200 when the gateway reaches Redis and at least one worker is alive; 503 otherwise."""
     try:

@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 
 from app import sse
 from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, RedisDep, Settings, Store
-from app.errors import ApiError
+from app.errors import ApiError, ErrorBody
 from app.sessions import NoPlace, TooManySessions, UploadRefused
 from app.uploads import file_chunks
 from streamvqa.protocol import EventEnvelope, MemoryReport, SessionOptions, SessionRecord
@@ -123,7 +123,13 @@ UPLOAD_BODY = {
 }
 
 
-@router.post("/sessions/{session_id}/upload", status_code=status.HTTP_202_ACCEPTED, openapi_extra=UPLOAD_BODY)
+@router.post(
+    "/sessions/{session_id}/upload", status_code=status.HTTP_202_ACCEPTED, openapi_extra=UPLOAD_BODY,
+    responses={
+        408: {"model": ErrorBody, "description": "`upload_too_slow`: under UPLOAD_MIN_BYTES_PER_S."},
+        409: {"model": ErrorBody, "description": "`media_exists`: a second upload; `session_error`: the session failed."},
+    },
+)
 async def upload(
     session: AuthorizedSession, request: Request, store: Store, settings: Settings, metrics: Metrics
 ) -> UploadReceipt:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -313,3 +314,16 @@ def test_a_gateway_without_workers_is_live_but_not_ready(redis_url, tmp_path):
         assert (created.status_code, created.json()["code"]) == (503, "no_worker")
     finally:
         gateway.stop()
+
+
+def test_the_openapi_schema_lists_every_error_status_the_readme_names(stack):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    named = {int(status) for status in re.findall(r"^\| (\d{3}) \| `", readme, re.M)}
+    assert named == {400, 401, 403, 404, 408, 409, 410, 413, 422, 429, 500, 503, 504}
+    operations = httpx.get(f"{stack.url}/openapi.json").json()["paths"]
+    listed = {int(status) for path in operations.values() for op in path.values() for status in op["responses"]}
+    assert named <= listed, named - listed
+    ask = operations["/sessions/{session_id}/ask"]["post"]["responses"]
+    assert {"409", "504"} <= set(ask) and "no_video" in ask["409"]["description"]
+    assert "410" in operations["/sessions/{session_id}/answers/{answer_id}"]["get"]["responses"]
+    assert "409" in operations["/sessions/{session_id}/upload"]["post"]["responses"]

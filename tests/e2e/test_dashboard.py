@@ -394,3 +394,25 @@ def test_a_lost_connection_reconnects_and_says_so(page, stack):
     page.wait_for_selector("#status [data-field='state']:has-text('ingested')")
     assert field(page, "frames_ingested") == "4"
     ask(page, "Still there?")
+
+
+def test_the_api_pages_render_every_operation_with_no_network(page, stack):
+    operations = sum(len(methods) for methods in httpx.get(f"{stack.url}/openapi.json").json()["paths"].values())
+    elsewhere = []
+
+    def local_only(route):
+        if route.request.url.startswith(stack.url):
+            route.continue_()
+        else:  # a CDN: there is none to reach
+            elsewhere.append((route.request.resource_type, route.request.url))
+            route.abort()
+
+    page.route("**/*", local_only)
+    page.goto(f"{stack.url}/docs")
+    page.wait_for_function(f"document.querySelectorAll('.opblock').length === {operations}")
+    assert page.locator(".opblock-summary-path", has_text="/v1/chat/completions").count() == 1
+    page.goto(f"{stack.url}/redoc")
+    page.wait_for_function(f"document.querySelectorAll('[data-section-id^=\"operation/\"]').length === {operations}")
+    # every script and style sheet is the gateway's; only ReDoc's footer asks for its maker's logo
+    assert [url for kind, url in elsewhere if kind != "image"] == []
+    screenshot(page, "api-docs.png")
