@@ -112,7 +112,7 @@ def test_a_question_submitted_twice_is_answered_once(stack, redis_url):
 
     user = Client(stack.url)
     user.create()
-    user.wait_for_state("ready")
+    user.show_frames()
     store = redis.Redis.from_url(redis_url)
     answer_id = uuid.uuid4().hex
     message = Question(answer_id=answer_id, question="twice?", max_new_tokens=4).model_dump_json()
