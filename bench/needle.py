@@ -1,6 +1,6 @@
 """A visual needle in a stream: what each KV cache policy still remembers as the stream outgrows it.
 
-    python -m bench.needle [--minutes 3] [--policies full,sliding,h2o,snapkv,infmllm]
+    python -m bench.needle [--minutes 3] [--policies full,sliding,h2o,snapkv,tova,knorm,infmllm]
                            [--budgets 256,512] [--depths 0.1,0.5,0.9] [--trials 1]
                            [--distractors 0] [--recall] [--svg PATH]
 
@@ -165,7 +165,8 @@ def plot(cells: list[dict], path: Path) -> None:
     """Accuracy by needle depth: one panel per budget, one line per policy (full in every panel)."""
     budgets = sorted({c["budget"] for c in cells if c["budget"] is not None})
     policies = [p for p in POLICIES if any(c["policy"] == p for c in cells)]
-    colours = {"full": "#444444", "sliding": "#1f77b4", "h2o": "#ff7f0e", "snapkv": "#2ca02c", "infmllm": "#d62728"}
+    colours = {"full": "#444444", "sliding": "#1f77b4", "h2o": "#ff7f0e", "snapkv": "#2ca02c", "tova": "#9467bd",
+               "knorm": "#8c564b", "infmllm": "#d62728"}
     panel_w, panel_h, pad = 300, 220, 50
     width = pad + len(budgets) * (panel_w + pad)
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{panel_h + 2 * pad + 30}" '

@@ -1,6 +1,6 @@
 """Multi-key recall: facts planted in a long stream of real prose, asked after it, with and without recall.
 
-    python -m bench.recall [--policies sliding,h2o,snapkv,infmllm] [--budgets 512,1024]
+    python -m bench.recall [--policies sliding,h2o,snapkv,tova,knorm,infmllm] [--budgets 512,1024]
                            [--ratios 2,8,32] [--facts 6] [--trials 1] [--chunk 256] [--page-keys 2]
                            [--host-multiple 16] [--pin-turns 0] [--sequential] [--quick]
 
@@ -169,7 +169,7 @@ def cell(policy: str, recall: bool, budget: int | None, ratio: float | None, str
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0], policies="sliding,h2o,snapkv,infmllm", budgets="512,1024")
+    args = parser(__doc__.splitlines()[0], policies="sliding,h2o,snapkv,tova,knorm,infmllm", budgets="512,1024")
     args.add_argument("--ratios", default="2,8,32", help="stream lengths, as multiples of the budget")
     args.add_argument("--facts", type=int, default=6, help="facts planted in each stream")
     args.add_argument("--trials", type=int, default=1, help="streams per length (each from another offset)")

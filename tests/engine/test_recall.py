@@ -260,3 +260,20 @@ def test_a_host_tier_saved_in_pages_of_eviction_order_is_read_by_place():
         held = tier.contents(0, head)
         assert held.order[0, 0].tolist() == list(range(24))
         assert torch.equal(held.keys[0, 0], every.keys[0, head]) and torch.equal(held.values[0, 0], every.values[0, head])
+
+
+def test_a_host_tier_saved_with_float32_representatives_chooses_the_same_pages():
+    """Snapshot format 3 kept the representatives' sums in float32 beside their counts; the
+    index is now bfloat16 and reads emptiness from the places held."""
+    torch.manual_seed(0)
+    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
+    every = tokens(0, 64, heads=2, dim=16)
+    tier.add(every)
+    state = tier.state()
+    state["key_sums"] = every.keys.view(1, 2, 8, 2, 4, 16).sum(-2)  # what format 3 saved, in float32
+    state["key_counts"] = torch.full((1, 2, 8, 2), 4.0)
+    older = HostTier.load(state, torch.device("cpu"))
+    assert older.key_sums.dtype == torch.bfloat16
+    assert torch.allclose(older.key_sums.float(), tier.key_sums.float(), rtol=1e-2, atol=1e-2)
+    for question, page in [(every.keys[0, :, 44:48], 5), (every.keys[0, :, 8:12], 1)]:
+        assert asked(older, 0, question, count=8).pages == asked(tier, 0, question, count=8).pages == [page]

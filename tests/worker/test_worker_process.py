@@ -73,8 +73,8 @@ def test_sessions_fit_the_worker_s_cache_memory(redis_url, tmp_path):
         vast = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=4_000_000)  # ~2.1 GB of host tier
         assert (vast.status_code, vast.json()["code"]) == (503, "no_capacity")
         assert "4000000-token host tier" in vast.json()["message"]
-        # 150,000 host tokens: 80 MB of host memory fit, but their index (21 bytes a token on the
-        # device: 3.15 MB) beside the peak cache (256 + 128 borrowed + 3,072: 1.77 MB) does not
+        # 150,000 host tokens: 80 MB of host memory fit, but their index (20 bytes a token on the
+        # device: 3 MB) beside the peak cache (256 + 128 borrowed + 3,072: 1.77 MB) does not
         indexed = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=150_000)
         assert (indexed.status_code, indexed.json()["code"]) == (503, "no_capacity")
         small = Client(stack.url)
