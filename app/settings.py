@@ -14,6 +14,9 @@ def _items(text: str) -> tuple[str, ...]:
 class GatewaySettings(CommonSettings):
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(8000, ge=1, le=65535, description="Port the gateway listens on.")
+    access_log_polling: bool = Field(
+        False, description="Log the successful GETs clients repeat (session status and memory, health, metrics) too.",
+    )
     ask_timeout_s: float = Field(300.0, gt=0, description="How long `ask` waits for an answer.")
     upload_stall_s: float = Field(60.0, gt=0, description="How long an upload waits for a stalled worker.")
     upload_min_bytes_per_s: int = Field(

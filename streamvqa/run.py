@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from subprocess import Popen
 
@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from streamvqa import children
 from streamvqa.protocol import Keys, WorkerInfo
 from streamvqa.redis_server import EmbeddedRedis
+from streamvqa.settings import DEFAULT_MODEL
 
 log = logging.getLogger("streamvqa.run")
 
@@ -33,6 +34,7 @@ class LauncherSettings(BaseSettings):
     port: int = 8000
     run_dir: Path = Field(Path("run"), description="Embedded Redis files and the upload spool.")
     startup_timeout_s: float = Field(1800, description="How long to wait for the worker's model to load.")
+    model: str = DEFAULT_MODEL
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -44,20 +46,33 @@ def _local_host(host: str) -> str:
 
 
 def wait_until_serving(
-    health_url: str, redis_url: str, prefix: str, processes: Sequence[Popen], timeout_s: float, workers: int = 1
+    health_url: str,
+    redis_url: str,
+    prefix: str,
+    processes: Sequence[Popen],
+    timeout_s: float,
+    workers: int = 1,
+    report: Callable[[str], None] | None = None,
 ) -> None:
-    """Until the gateway's /healthz answers 200 and `workers` live workers are registered.
+    """Until the gateway's /healthz answers 200 and `workers` live workers are registered; `report`
+    hears "gateway" and "workers" once each, as each part is up.
 
     Raises RuntimeError when one of `processes` exits first or after `timeout_s`.
     """
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
+    up: set[str] = set()
     try:
         while time.monotonic() < deadline:
             if any(process.poll() is not None for process in processes):
-                raise RuntimeError("a process exited during start-up; see its log")
+                raise RuntimeError("a process exited during start-up; its reason is above")
             infos = [WorkerInfo.model_validate_json(raw) for raw in client.hvals(Keys(prefix).workers())]
-            if sum(info.alive for info in infos) >= workers and _answers(health_url):
+            parts = {"workers": sum(info.alive for info in infos) >= workers, "gateway": _answers(health_url)}
+            for part in sorted(name for name, ready in parts.items() if ready and name not in up):
+                up.add(part)
+                if report:
+                    report(part)
+            if len(up) == len(parts):
                 return
             time.sleep(0.2)
     finally:
@@ -83,6 +98,7 @@ def main() -> int:
     try:
         redis_url = settings.redis_url
         if not redis_url:
+            log.info("starting Redis…")
             embedded = EmbeddedRedis(settings.run_dir.resolve() / "redis")
             redis_url = embedded.start()
         env = {
@@ -90,9 +106,14 @@ def main() -> int:
             "REDIS_URL": redis_url,
             "SPOOL_DIR": os.environ.get("SPOOL_DIR", str(settings.run_dir.resolve() / "spool")),
         }
+        log.info("starting the gateway, and a worker: loading %s…", settings.model)
         processes = [children.spawn([sys.executable, "-m", module], env) for module in ("worker", "app")]
         health_url = f"http://{_local_host(settings.host)}:{settings.port}/healthz"
-        wait_until_serving(health_url, redis_url, settings.redis_prefix, processes, settings.startup_timeout_s)
+        stages = {"gateway": "the gateway is up", "workers": f"the worker serves {settings.model}"}
+        wait_until_serving(
+            health_url, redis_url, settings.redis_prefix, processes, settings.startup_timeout_s,
+            report=lambda part: log.info("%s", stages[part]),
+        )
         where = f"embedded, files in {embedded.directory}" if embedded else "from REDIS_URL"
         log.info(
             "\nstreamvqa is running\n  dashboard: http://%s:%d/\n  redis:     %s (%s)\nPress Ctrl-C to stop.\n",

@@ -3,19 +3,31 @@
 import asyncio
 import logging
 import signal
+import time
 
 import torch
 
-from engine import load_model
+from engine import Model, load_model
 from streamvqa.redis_client import connect
 from worker.loop import Worker
 from worker.settings import WorkerSettings
+
+log = logging.getLogger("worker")
+
+
+def load(settings: WorkerSettings) -> Model:
+    """The worker's model, with a line before and after."""
+    log.info("loading %s…", settings.model)
+    started_s = time.monotonic()
+    model = load_model(settings.model, settings.torch_device, settings.model_cache_dir)
+    log.info("%s loaded in %.1f s", settings.model, time.monotonic() - started_s)
+    return model
 
 
 async def serve(settings: WorkerSettings) -> None:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    model = load_model(settings.model, settings.torch_device)
+    model = load(settings)
     redis, reader = connect(settings.redis_url), connect(settings.redis_url, retry=False)
     worker = Worker(settings, model, redis, reader)
     loop = asyncio.get_running_loop()

@@ -9,6 +9,11 @@ from streamvqa.settings import CommonSettings
 class WorkerSettings(CommonSettings):
     worker_id: str = Field("", description="This worker's name in Redis; hostname-pid when empty.")
     torch_device: str = Field("auto", description="`auto` (CUDA when available), `cpu`, `cuda`, `cuda:1`, ...")
+    model_cache_dir: Path = Field(
+        Path.home() / ".cache" / "streamvqa" / "models",
+        description="Built-in models converted from GGUF (SmolLM2), kept after their first load; one copy per "
+        "model, replaced when its package or transformers changes.",
+    )
     torch_threads: int = Field(0, ge=0, description="CPU threads for torch; 0 keeps torch's default.")
     max_sessions: int = Field(8, ge=1, description="Sessions this worker holds at once, at most.")
     kv_memory_bytes: int = Field(

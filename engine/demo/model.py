@@ -21,6 +21,7 @@ from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 from engine.demo import NAME, REQUIREMENTS, WEIGHTS, package_folder
 from engine.demo.scenes import COLOURS as PALETTE
 from engine.frames import to_pixels
+from engine.converted import ConvertedWeights
 from engine.model import FAMILIES, Model, UnknownModelError, Vision, _pool, _smollm2
 
 IMAGE_SIZE = 224
@@ -134,10 +135,11 @@ def new_projector(text_config) -> LlavaMultiModalProjector:
     return LlavaMultiModalProjector(llava_config(text_config, 0))
 
 
-def assemble(device: str, projector_weights: Path | None = WEIGHTS) -> Model:
-    """The demo model on `device`; a fresh projector (for training) when `projector_weights` is None."""
+def assemble(device: str, projector_weights: Path | None = WEIGHTS, converted: ConvertedWeights | None = None) -> Model:
+    """The demo model on `device`; a fresh projector (for training) when `projector_weights` is None;
+    SmolLM2 read from `converted` (engine/converted.py) when given."""
     tower = load_encoder()
-    smollm2 = _smollm2("cpu")
+    smollm2 = _smollm2("cpu", converted)
     lm = smollm2.hf
     config = llava_config(lm.config, smollm2.tokenizer.unk_token_id or 0)
     with torch.device("meta"):
@@ -157,8 +159,8 @@ def assemble(device: str, projector_weights: Path | None = WEIGHTS) -> Model:
     return Model(NAME, hf, smollm2.tokenizer, smollm2.chat, VISION, device)
 
 
-def load_demo(device: str) -> Model:
-    return assemble(device)
+def load_demo(device: str, converted: ConvertedWeights | None = None) -> Model:
+    return assemble(device, converted=converted)
 
 
 @torch.inference_mode()

@@ -1,4 +1,5 @@
-"""What `make run` starts: embedded Redis, gateway and worker, a printed address, a clean Ctrl-C."""
+"""What `make run` starts: embedded Redis, gateway and worker, a printed address, a clean Ctrl-C;
+a second start that reads the converted weights, says what it waits for, and keeps polling quiet."""
 
 import os
 import re
@@ -8,11 +9,15 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+import pytest
 
 from streamvqa.redis_server import free_port
-from tests.support import Client, sample_video
+from tests.support import Client, running_stack, sample_video
 
 READY_TIMEOUT_S = 120
+SECOND_START_S = 15  # README: about 8 s on 2 busy CPU cores; the bound leaves room for a slower machine
 
 
 def _accepts(port: int) -> bool:
@@ -23,28 +28,51 @@ def _accepts(port: int) -> bool:
         return False
 
 
-def test_run_serves_the_dashboard_and_the_whole_path_then_stops_cleanly(tmp_path):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the embedded Redis
-    env |= {"PORT": str(port), "RUN_DIR": str(tmp_path / "run"), "TORCH_THREADS": "1"}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "streamvqa.run"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(launcher.stdout.readline, "")), daemon=True)
-    reader.start()
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+class Launcher:
+    """`python -m streamvqa.run` with its output (stdout and stderr) gathered line by line."""
+
+    def __init__(self, run_dir: Path, model_cache: Path) -> None:
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the embedded Redis
+        env |= {"PORT": str(self.port), "RUN_DIR": str(run_dir), "TORCH_THREADS": "1", "MODEL_CACHE_DIR": str(model_cache)}
+        self.started_s = time.monotonic()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "streamvqa.run"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(iter(self.process.stdout.readline, "")), daemon=True).start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output:
+            assert self.process.poll() is None, self.output
+            assert time.monotonic() < deadline, self.output
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        return self.process.wait(timeout=60)
+
+
+def test_run_serves_the_dashboard_and_the_whole_path_then_stops_cleanly(tmp_path, model_cache):
+    launcher = Launcher(tmp_path / "run", model_cache)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not any("dashboard:" in line for line in lines):
-            assert launcher.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.2)
-        output = "".join(lines)
-        assert f"dashboard: http://127.0.0.1:{port}/" in output
+        launcher.wait_for("dashboard:")
+        output = launcher.output
+        assert f"dashboard: http://127.0.0.1:{launcher.port}/" in output
         redis_port = int(re.search(r"redis:\s+redis://127\.0\.0\.1:(\d+)/0 \(embedded", output).group(1))
         assert (tmp_path / "run" / "redis" / "redis.log").is_file()
 
-        user = Client(f"http://127.0.0.1:{port}")
+        user = Client(f"http://127.0.0.1:{launcher.port}")
         assert "<title>streamvqa</title>" in user.http.get("/").text
         assert user.create(fps=1).status_code == 201
         assert user.upload(sample_video("bikes.mp4").read_bytes()).status_code == 202
@@ -54,8 +82,54 @@ def test_run_serves_the_dashboard_and_the_whole_path_then_stops_cleanly(tmp_path
         assert user.ask("What moves?", max_new_tokens=8).status_code == 200
         user.http.close()
     finally:
-        launcher.send_signal(signal.SIGINT)  # what Ctrl-C sends
-        code = launcher.wait(timeout=60)
-    assert code == 0, "".join(lines)
-    assert not _accepts(port)
+        code = launcher.stop()
+    assert code == 0, launcher.output
+    assert not _accepts(launcher.port)
     assert not _accepts(redis_port)
+
+
+def test_a_second_start_is_fast_says_what_it_waits_for_and_keeps_polling_out_of_the_log(tmp_path, model_cache):
+    first = Launcher(tmp_path / "run", model_cache)  # converts SmolLM2's weights unless the test above did
+    first.wait_for("streamvqa is running")
+    assert first.stop() == 0, first.output
+
+    second = Launcher(tmp_path / "run", model_cache)
+    try:
+        second.wait_for("streamvqa is running")
+        elapsed_s = time.monotonic() - second.started_s
+        user = Client(f"http://127.0.0.1:{second.port}")
+        assert user.create(fps=1).status_code == 201
+        for _ in range(3):  # what the dashboard does every second
+            assert user.get().status_code == 200
+            assert user.http.get(f"/sessions/{user.id}/memory", headers=user.auth).status_code == 200
+        assert user.http.get(f"/sessions/{'0' * 32}", headers=user.auth).status_code == 404
+        second.wait_for(" 404")
+        user.http.close()
+    finally:
+        assert second.stop() == 0, second.output
+    output = second.output
+    assert elapsed_s < SECOND_START_S, output
+    lines = [line.strip() for line in second.lines]
+    order = ["starting Redis…", "starting the gateway, and a worker: loading streamvqa-demo…",
+             "the worker serves streamvqa-demo", "streamvqa is running"]
+    assert [lines.index(line) for line in order] == sorted(lines.index(line) for line in order), output
+    assert "Converting and de-quantizing" not in output  # read back, not converted again
+    assert re.search(r"INFO worker: streamvqa-demo loaded in \d+\.\d s", output)
+    assert "Uvicorn running on" not in output
+    assert f"gateway listening on http://127.0.0.1:{second.port} (questions are answered once a worker serves" in output
+    assert '"POST /sessions HTTP/1.1" 201' in output
+    assert f'"GET /sessions/{"0" * 32} HTTP/1.1" 404' in output  # failures are still logged
+    assert f"GET /sessions/{user.id} " not in output and "/memory" not in output and "/healthz" not in output
+
+
+def test_access_log_polling_logs_the_polling_routes_too(redis_url, tmp_path):
+    with running_stack(redis_url, tmp_path, ACCESS_LOG_POLLING="true") as stack:
+        user = Client(stack.url)
+        assert user.create(fps=1).status_code == 201
+        assert user.get().status_code == 200
+        deadline = time.monotonic() + 10
+        while f'"GET /sessions/{user.id} HTTP/1.1" 200' not in stack.log("gateway"):
+            assert time.monotonic() < deadline, stack.log("gateway")
+            time.sleep(0.1)
+        assert '"GET /healthz HTTP/1.1" 200' in stack.log("gateway")  # the stack's own wait for it
+        user.http.close()
