@@ -319,8 +319,9 @@ class SessionOptions(BaseModel):
             takes = ", ".join(POLICY_KNOBS[policy]) or "none"
             raise ValueError(f"policy {policy!r} has no option {', '.join(foreign)} (it takes: {takes})")
         if budget is not None and policy != "full":
+            default_recent = budget // 2 if policy == "h2o" else DEFAULT_RECENT  # h2o: half the budget
             kept = (options.sinks if options.sinks is not None else DEFAULT_SINKS) + (
-                options.recent if options.recent is not None else DEFAULT_RECENT
+                options.recent if options.recent is not None else default_recent
             )
             if budget <= kept:
                 raise ValueError(f"budget_tokens ({budget}) must exceed sinks + recent ({kept})")

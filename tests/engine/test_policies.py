@@ -144,6 +144,16 @@ def test_h2o_accumulates_attention_across_evictions():
     assert {5, 9} <= set(policy.select(scores)[0].tolist())
 
 
+def test_h2o_splits_its_budget_between_heavy_hitters_and_recent_tokens_as_the_paper_does():
+    policy = make_policy("h2o", budget_tokens=8, sinks=1)
+    assert policy.recent == 4  # half the budget, unless given
+    received = torch.tensor([[0.0, 0.9, 0.1, 2.0, 0.3, 0.2, 1.5, 0.1, 0.0, 0.0, 0.0, 0.0]] * KV_HEADS)
+    previous = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]] * KV_HEADS)
+    # sink 0, recent 8..11, and of 1..7 the 3 heaviest by accumulated attention: 3 (2.0), 6 (1.5), 4 (0.3 + 1.0)
+    scores = policy.score(Observation(KV_HEADS, 12, previous=previous, received=received))
+    assert policy.select(scores).tolist() == [[0, 3, 4, 6, 8, 9, 10, 11]] * KV_HEADS
+
+
 def _received(queries, keys) -> list[list[float]]:
     """Each key's attention summed over the window queries that see it, GQA-averaged."""
     total = keys.shape[2]
