@@ -15,6 +15,8 @@ from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
+REDIS_UNREACHABLE = "Redis is unreachable (the gateway's log has the cause)"
+
 
 class ErrorBody(BaseModel):
     code: str = Field(description="A stable identifier of the error (README, 'Errors').")
@@ -107,7 +109,8 @@ async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
 
 
 async def _redis_unreachable(request: Request, err: Exception) -> JSONResponse:
-    return _json(request, 503, "redis_unreachable", f"Redis is unreachable: {err}", {"Retry-After": "5"})
+    log.warning("Redis is unreachable: %s", err)
+    return _json(request, 503, "redis_unreachable", REDIS_UNREACHABLE, {"Retry-After": "5"})
 
 
 async def _client_left(request: Request, err: ClientDisconnect) -> JSONResponse:

@@ -1,12 +1,15 @@
 """Operations: liveness, readiness and Prometheus metrics (no session, no token)."""
 
+import logging
+
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.deps import Metrics, RedisDep, Store
-from app.errors import ApiError, ErrorBody
+from app.errors import REDIS_UNREACHABLE, ApiError, ErrorBody
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["operations"])
 
 
@@ -19,7 +22,8 @@ async def healthz(redis: RedisDep) -> dict[str, str]:
     try:
         await redis.ping()
     except Exception as err:
-        raise ApiError(503, "redis_unreachable", f"Redis is unreachable: {err}") from err
+        log.warning("Redis is unreachable: %s", err)
+        raise ApiError(503, "redis_unreachable", REDIS_UNREACHABLE) from err
     return {"status": "ok"}
 
 
@@ -29,7 +33,8 @@ async def readyz(store: Store) -> dict[str, str | int]:
     try:
         alive = await store.live_workers(None)
     except Exception as err:
-        raise ApiError(503, "redis_unreachable", f"Redis is unreachable: {err}", {"Retry-After": "5"}) from err
+        log.warning("Redis is unreachable: %s", err)
+        raise ApiError(503, "redis_unreachable", REDIS_UNREACHABLE, {"Retry-After": "5"}) from err
     if not alive:
         raise ApiError(503, "no_worker", "no worker is alive", {"Retry-After": "5"})
     return {"status": "ready", "workers": len(alive)}

@@ -316,10 +316,9 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = 
     try:
         config = AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError) as err:
+        cause = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else type(err).__name__
         known = ", ".join(sorted(BUILTIN_MODELS))
-        raise UnknownModelError(
-            f"cannot load model {name_or_path!r} (built-in models: {known}): {err}"
-        ) from err
+        raise UnknownModelError(f"cannot load model {name_or_path!r}: {cause} (built-in models: {known})") from err
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     template = _optional_json(name_or_path, "chat_template.json").get("chat_template") or _optional_text(

@@ -15,11 +15,26 @@ from worker.settings import WorkerSettings
 log = logging.getLogger("worker")
 
 
+ADVICE = (
+    "Set MODEL to a built-in model, a local checkpoint folder, or a hub id that this machine can download "
+    "or already has in the Hugging Face cache (HF_HOME)."
+)
+
+
 def load(settings: WorkerSettings) -> Model:
-    """The worker's model, with a line before and after."""
+    """The worker's model, with a line before and after; SystemExit(1) and one line naming the model,
+    the cause and what to do when it cannot load (the traceback only at LOG_LEVEL=DEBUG)."""
     log.info("loading %s…", settings.model)
     started_s = time.monotonic()
-    model = load_model(settings.model, settings.torch_device, settings.model_cache_dir)
+    try:
+        model = load_model(settings.model, settings.torch_device, settings.model_cache_dir)
+    except Exception as err:
+        log.debug("loading %s failed", settings.model, exc_info=True)
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if settings.model not in reason:
+            reason = f"cannot load model {settings.model!r}: {reason}"
+        log.error("%s. %s", reason.rstrip("."), ADVICE)
+        raise SystemExit(1) from None
     log.info("%s loaded in %.1f s", settings.model, time.monotonic() - started_s)
     return model
 

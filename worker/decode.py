@@ -168,10 +168,15 @@ def decode_image(data: bytes, max_side: int) -> np.ndarray:
     except DecodeError:
         raise
     except (OSError, ValueError) as err:
-        raise DecodeError(f"not a readable JPEG, PNG or WebP image ({err})") from err
+        raise DecodeError("not a readable JPEG, PNG or WebP image") from err
 
 
 # -- shared --------------------------------------------------------------------------------------
+
+
+def _cause(err: av.FFmpegError) -> str:
+    """FFmpeg's reason, readable by whoever sent the media: no error number, no file on this machine."""
+    return (err.strerror or "unknown error").rstrip(".").lower()
 
 
 def _open_container(source: str | BinaryIO, demuxer: str | None = None, **options: object) -> av.container.InputContainer:
@@ -179,9 +184,9 @@ def _open_container(source: str | BinaryIO, demuxer: str | None = None, **option
         return av.open(source, format=demuxer, options={"format_whitelist": CONTAINERS}, **options)
     except av.FFmpegError as err:
         if demuxer:
-            raise DecodeError(f"the stream is not {demuxer} video ({err})") from err
+            raise DecodeError(f"the stream is not {demuxer} video ({_cause(err)})") from err
         raise DecodeError(
-            f"not a readable video file; supported containers: mp4, mov, mkv, webm, avi, ts, flv, ogg ({err})"
+            f"not a readable video file; supported containers: mp4, mov, mkv, webm, avi, ts, flv, ogg ({_cause(err)})"
         ) from err
 
 
@@ -200,7 +205,7 @@ def _decoded(container: av.container.InputContainer, stream: av.VideoStream) -> 
             if frame.time is not None:
                 yield frame, frame.time
     except av.FFmpegError as err:
-        raise DecodeError(f"the video is corrupt: {err}") from err
+        raise DecodeError(f"the video is corrupt: {_cause(err)}") from err
 
 
 def _to_rgb(frame: av.VideoFrame, max_side: int) -> np.ndarray:

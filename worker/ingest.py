@@ -407,7 +407,7 @@ class StreamIngest(_LiveIngest):
                 if not isinstance(err, DecodeError):
                     log.exception("decoding a live stream failed")
                 stream.failed = True
-                message = str(err) if isinstance(err, DecodeError) else f"decoding failed: {err}"
+                message = str(err) if isinstance(err, DecodeError) else "decoding failed (a fault of the worker; its log has the details)"
                 self._errors.append(("decode_failed", stream.connection, message))
             finally:
                 stream.feed.abort()

@@ -59,6 +59,8 @@ from worker.settings import WorkerSettings
 from worker.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
+
+INTERNAL = "(a fault of the worker; its log has the details)"  # what clients read of an unexpected error
 T = TypeVar("T")
 
 READ_COUNT = 8  # entries per stream per turn
@@ -606,9 +608,9 @@ class Worker:
             hosted = await self._open(session_id, record)
         except RedisError:
             raise
-        except Exception as err:
+        except Exception:
             await self._release(keys=[lease], args=[self.id])
-            await self._set(session_id, SessionState.ERROR, error=f"the worker could not open it: {err}")
+            await self._set(session_id, SessionState.ERROR, error=f"the worker could not open it {INTERNAL}")
             raise
         finally:
             self._claiming.discard(session_id)
@@ -822,9 +824,9 @@ class Worker:
 
         try:
             tokens, run, piece = await self._in_engine(begin)
-        except Exception as err:
+        except Exception:
             log.exception("session %s: answering failed", session_id)
-            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="internal_error", message=f"answering failed: {err}"))
+            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
             return
         if run is None:
             message = f"the question is {tokens} tokens long; at most {protocol.MAX_QUESTION_TOKENS} are taken"
@@ -841,9 +843,9 @@ class Worker:
             return
         try:
             piece = await self._in_engine(next, run.pieces, None)
-        except Exception as err:
+        except Exception:
             log.exception("session %s: answering failed", session_id)
-            await self._cancel_answer(session_id, hosted, ErrorEvent(code="internal_error", message=f"answering failed: {err}"))
+            await self._cancel_answer(session_id, hosted, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
             return
         await self._answer_piece(session_id, hosted, piece)
 
@@ -931,10 +933,10 @@ class Worker:
             await self._fail(session_id, hosted, str(err))
         except RedisError:
             raise
-        except Exception as err:
+        except Exception:
             log.exception("session %s: receiving media failed", session_id)
             await self._consume(media, entry_id)
-            await self._fail(session_id, hosted, f"receiving media failed: {err}")
+            await self._fail(session_id, hosted, f"receiving media failed {INTERNAL}")
 
     async def _connect(self, session_id: str, hosted: Hosted, media_format: str) -> None:
         """A stream socket connected: keep the session's live ingest (a reconnection) or open one."""
@@ -992,9 +994,9 @@ class Worker:
         except DecodeError as err:
             await self._fail(session_id, hosted, str(err))
             return
-        except Exception as err:
+        except Exception:
             log.exception("session %s: ingest failed", session_id)
-            await self._fail(session_id, hosted, f"ingest failed: {err}")
+            await self._fail(session_id, hosted, f"ingest failed {INTERNAL}")
             return
         for message in batch.warnings:
             await self._event(session_id, WarningEvent(code="frame_skipped", message=message))

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from streamvqa.protocol import WorkerInfo
+from streamvqa.redis_server import free_port
 
 from tests.support import Client, Stack, sample_video, sse_events
 
@@ -327,3 +328,25 @@ def test_the_openapi_schema_lists_every_error_status_the_readme_names(stack):
     assert {"409", "504"} <= set(ask) and "no_video" in ask["409"]["description"]
     assert "410" in operations["/sessions/{session_id}/answers/{answer_id}"]["get"]["responses"]
     assert "409" in operations["/sessions/{session_id}/upload"]["post"]["responses"]
+
+
+def test_redis_down_is_a_503_that_names_no_address_or_error_number(tmp_path):
+    closed_port = free_port()
+    stack = Stack(f"redis://127.0.0.1:{closed_port}/0", "svqa-test-down:", tmp_path)
+    stack.start("gateway", "app")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                reply = httpx.get(f"{stack.url}/healthz", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, stack.log("gateway")
+                time.sleep(0.2)
+        assert reply.status_code == 503
+        assert reply.json() == {"code": "redis_unreachable", "message": "Redis is unreachable (the gateway's log has the cause)"}
+        reply = httpx.get(f"{stack.url}/sessions", timeout=5)
+        assert (reply.status_code, reply.json()["message"]) == (503, "Redis is unreachable (the gateway's log has the cause)")
+    finally:
+        stack.stop()
+    assert f"127.0.0.1:{closed_port}" in stack.log("gateway")  # the cause, for whoever runs the gateway

@@ -39,3 +39,16 @@ def test_a_broken_upload_fails_its_session_with_a_reason(client, data, message):
     session = client.wait_for_state("error", "ingested")
     assert session["state"] == "error"
     assert message in session["error"]
+
+
+NOT_A_VIDEO = (
+    "not a readable video file; supported containers: mp4, mov, mkv, webm, avi, ts, flv, ogg "
+    "(invalid data found when processing input)"
+)
+
+
+def test_an_upload_that_is_not_a_video_says_so_without_the_servers_paths_or_error_numbers(client):
+    client.create()
+    assert client.upload(b"these are not the frames you are looking for\n" * 100).status_code == 202
+    session = client.wait_for_state("error", "ingested")
+    assert (session["state"], session["error"]) == ("error", NOT_A_VIDEO)

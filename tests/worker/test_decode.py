@@ -34,8 +34,11 @@ def test_frames_are_rgb_and_scaled_down_to_the_longest_side():
 def test_a_file_that_is_not_a_video_is_a_decode_error(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("these are not the frames you are looking for\n" * 100)
-    with pytest.raises(DecodeError, match="not a readable video file"):
+    with pytest.raises(DecodeError) as raised:
         list(sample_file(path, 1.0, max_side=768))
+    assert str(raised.value) == (  # what the client reads: no path of this machine, no error number
+        "not a readable video file; supported containers: mp4, mov, mkv, webm, avi, ts, flv, ogg (invalid argument)"
+    )
 
 
 def test_sampler_keeps_the_first_frame_at_or_after_each_grid_point():

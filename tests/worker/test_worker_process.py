@@ -1,5 +1,8 @@
 """A real worker process: its session capacity, freeing deleted sessions, and Redis losing its data."""
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -126,3 +129,20 @@ def test_a_question_submitted_twice_is_answered_once(stack, redis_url):
     events = [AnswerEnvelope.model_validate_json(f[b"m"]).event.type for _, f in store.xrange(f"{stack.prefix}session:{user.id}:answer:{answer_id}")]
     assert events.count("done") == 1 and events[-1] == "done"
     user.delete()
+
+
+def test_a_model_that_cannot_load_ends_the_worker_with_one_line_that_says_what_to_do(redis_url):
+    hub_id = "llava-hf/llava-onevision-qwen2-0.5b-ov-hf"  # not in this machine's cache, and no hub reachable
+    env = {**os.environ, "REDIS_URL": redis_url, "MODEL": hub_id, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "worker"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr and len(lines) == 2, done.stderr
+    assert lines[0].endswith(f"INFO worker: loading {hub_id}…")
+    assert lines[1].endswith(
+        f"ERROR worker: cannot load model '{hub_id}': We couldn't connect to 'https://huggingface.co' to load the "
+        "files, and couldn't find them in the cached files (built-in models: smollm2-135m-instruct, streamvqa-demo, "
+        "tiny-random-llama, tiny-random-llava, tiny-random-llava-next-video, tiny-random-llava-onevision). Set MODEL "
+        "to a built-in model, a local checkpoint folder, or a hub id that this machine can download or already has "
+        "in the Hugging Face cache (HF_HOME)."
+    ), lines[1]
