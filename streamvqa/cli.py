@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from streamvqa.client import Answer, Client, Session, StreamvqaError
-from streamvqa.client.wire import DEFAULT_URL
+from streamvqa.client.wire import gateway_api_key, gateway_url
 
 DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)?")
 DURATION_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -194,11 +193,9 @@ def _check_media(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamvqa", description="Ask questions about a video, uploaded or live.")
+    parser.add_argument("--url", default=gateway_url(None), help="the gateway (env STREAMVQA_URL)")
     parser.add_argument(
-        "--url", default=os.environ.get("STREAMVQA_URL") or DEFAULT_URL, help="the gateway (env STREAMVQA_URL)"
-    )
-    parser.add_argument(
-        "--api-key", default=os.environ.get("STREAMVQA_API_KEY") or None, help="the gateway's API key (env STREAMVQA_API_KEY)"
+        "--api-key", default=gateway_api_key(None), help="the gateway's API key (env STREAMVQA_API_KEY)"
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -28,12 +28,14 @@ class AsyncClient:
     """A gateway at `base_url`; see `streamvqa.client.Client`."""
 
     def __init__(
-        self, base_url: str = wire.DEFAULT_URL, api_key: str | None = None, timeout_s: float = wire.DEFAULT_TIMEOUT_S
+        self, base_url: str | None = None, api_key: str | None = None, timeout_s: float = wire.DEFAULT_TIMEOUT_S
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = wire.gateway_url(base_url)
         self.timeout_s = timeout_s
         self.http = httpx.AsyncClient(
-            base_url=self.base_url, headers=wire.client_headers(api_key), timeout=wire.http_timeout(timeout_s)
+            base_url=self.base_url,
+            headers=wire.client_headers(wire.gateway_api_key(api_key)),
+            timeout=wire.http_timeout(timeout_s),
         )
 
     async def create_session(self, **options: Any) -> AsyncSession:

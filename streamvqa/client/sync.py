@@ -21,17 +21,20 @@ from streamvqa.protocol import frame_message
 
 
 class Client:
-    """A gateway at `base_url`. `api_key` goes with every request (the gateway wants it on
-    `POST /sessions` and `GET /sessions` when it has one configured); `timeout_s` bounds each
-    wait for the gateway: a reply, an event, an answer."""
+    """A gateway at `base_url` (None: $STREAMVQA_URL, else http://127.0.0.1:8000). `api_key` (None:
+    $STREAMVQA_API_KEY, else none) goes with every request (the gateway wants it on `POST /sessions`
+    and `GET /sessions` when it has one configured); `timeout_s` bounds each wait for the gateway:
+    a reply, an event, an answer."""
 
     def __init__(
-        self, base_url: str = wire.DEFAULT_URL, api_key: str | None = None, timeout_s: float = wire.DEFAULT_TIMEOUT_S
+        self, base_url: str | None = None, api_key: str | None = None, timeout_s: float = wire.DEFAULT_TIMEOUT_S
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = wire.gateway_url(base_url)
         self.timeout_s = timeout_s
         self.http = httpx.Client(
-            base_url=self.base_url, headers=wire.client_headers(api_key), timeout=wire.http_timeout(timeout_s)
+            base_url=self.base_url,
+            headers=wire.client_headers(wire.gateway_api_key(api_key)),
+            timeout=wire.http_timeout(timeout_s),
         )
 
     def create_session(self, **options: Any) -> Session:

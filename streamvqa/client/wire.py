@@ -26,6 +26,16 @@ UploadProgress = Callable[[int, int | None], None]  # (bytes sent, total bytes o
 RecordProgress = Callable[[dict], None]  # the session record, at each look
 
 
+def gateway_url(base_url: str | None) -> str:
+    """`base_url`, else $STREAMVQA_URL, else DEFAULT_URL (the command's `--url` alike)."""
+    return (base_url or os.environ.get("STREAMVQA_URL") or DEFAULT_URL).rstrip("/")
+
+
+def gateway_api_key(api_key: str | None) -> str | None:
+    """`api_key`, else $STREAMVQA_API_KEY, else none (the command's `--api-key` alike)."""
+    return api_key or os.environ.get("STREAMVQA_API_KEY") or None
+
+
 def http_timeout(timeout_s: float) -> httpx.Timeout:
     return httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
 

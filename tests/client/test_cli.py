@@ -1,5 +1,6 @@
 """The `streamvqa` command as a user runs it: a real process against a real gateway and worker."""
 
+import asyncio
 import json
 import os
 import re
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streamvqa.client import Client, StreamvqaError
+from streamvqa.client import AsyncClient, Client, StreamvqaError
 from streamvqa.redis_server import free_port
 from tests.support import Stack, delete_prefix, sample_video
 
@@ -159,3 +160,24 @@ def test_the_api_key_comes_from_the_option_or_the_environment(keyed_gateway):
     assert (listed.returncode, listed.stdout) == (0, "")
     let_in = streamvqa("--api-key", API_KEY, "ask", str(CARPHONE), "-q", "hi", url=keyed_gateway)
     assert (let_in.returncode, "(no_worker)" in let_in.stderr) == (1, True), let_in.stderr
+
+
+def test_the_python_client_finds_the_gateway_and_its_key_in_the_environment_as_the_command_does(keyed_gateway, monkeypatch):
+    monkeypatch.delenv("STREAMVQA_API_KEY", raising=False)
+    monkeypatch.setenv("STREAMVQA_URL", keyed_gateway + "/")
+    with Client() as client, pytest.raises(StreamvqaError) as refused:
+        client.sessions()
+    assert (client.base_url, refused.value.code) == (keyed_gateway, "api_key_required")  # reached, and wants a key
+
+    monkeypatch.setenv("STREAMVQA_API_KEY", API_KEY)
+    with Client() as client:
+        assert client.sessions() == []
+    with Client(api_key="guessed") as client, pytest.raises(StreamvqaError) as refused:  # an argument wins
+        client.sessions()
+    assert refused.value.code == "api_key_invalid"
+
+    async def listed_async() -> list:
+        async with AsyncClient() as client:
+            return await client.sessions()
+
+    assert asyncio.run(listed_async()) == []
