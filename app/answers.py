@@ -2,8 +2,8 @@
 
 Each answer is a bounded Redis stream of token events ending with one `done` or `error` event
 (written by the worker). A session keeps the ids of its latest ASKED_MAXLEN questions with the
-time they were asked, so that an answer can be looked up, resumed and told apart from an
-unknown id.
+time they were asked, and their text, so that an answer can be looked up, resumed and told
+apart from an unknown id, and the conversation listed.
 """
 
 import time
@@ -25,8 +25,9 @@ KEEPALIVE_S = 15  # `events` yields None after this long without an event
 
 # Queues a question unless ARGV[1] already wait, records its id, and brings the session back to
 # a worker if it left its worker idle. KEYS = the question stream, the session's asked ids, its
-# hash, its model's pending queue and admitted set; ARGV = backlog, the message, the answer id,
-# the time, the asked ids' bound, TTL (s), the session id, the pending MAXLEN. Returns 1 when
+# hash, its model's pending queue and admitted set, the asked questions' text; ARGV = backlog, the
+# message, the answer id, the time, the asked ids' bound, TTL (s), the session id, the pending
+# MAXLEN, the question. Returns 1 when
 # queued (or found queued: a call retried after its reply was lost), 0 when the backlog is
 # full, -1 when the session is gone, -2 when it failed.
 SUBMIT_LUA = WAKE_LUA + """
@@ -36,8 +37,14 @@ if redis.call('HGET', KEYS[3], 'state') == 'error' then return -2 end
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
 redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
-redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[5]) - 1)
+redis.call('HSET', KEYS[6], ARGV[3], ARGV[9])
+local forgotten = redis.call('ZRANGE', KEYS[2], 0, -tonumber(ARGV[5]) - 1)
+if #forgotten > 0 then
+  redis.call('ZREM', KEYS[2], unpack(forgotten))
+  redis.call('HDEL', KEYS[6], unpack(forgotten))
+end
 redis.call('EXPIRE', KEYS[2], ARGV[6])
+redis.call('EXPIRE', KEYS[6], ARGV[6])
 wake(KEYS[3], KEYS[4], KEYS[5], ARGV[7], ARGV[8], ARGV[4])
 return 1
 """
@@ -106,16 +113,40 @@ async def submit(
         answer_id=answer_id, question=question, max_new_tokens=max_new_tokens, asked_at=asked_at, sampling=sampling
     )
     queued = await redis.eval(
-        SUBMIT_LUA, 5, keys.questions(session.id), keys.asked(session.id), keys.session(session.id),
-        keys.pending(session.model), keys.admitted(session.model),
+        SUBMIT_LUA, 6, keys.questions(session.id), keys.asked(session.id), keys.session(session.id),
+        keys.pending(session.model), keys.admitted(session.model), keys.asked_questions(session.id),
         protocol.QUESTIONS_BACKLOG, message.model_dump_json(), answer_id, asked_at, protocol.ASKED_MAXLEN, session_ttl_s,
-        session.id, protocol.PENDING_MAXLEN,
+        session.id, protocol.PENDING_MAXLEN, question,
     )
     if queued == 0:
         raise QuestionsBacklogFull()
     if queued < 0:
         raise QuestionRefused("session_not_found" if queued == -1 else "session_error")
     return answer_id
+
+
+class AskedAnswer(AnswerStatus):
+    """An answer of the session's conversation, with its question."""
+
+    question: str
+    asked_at: float = Field(description="Unix time the question was asked.")
+
+
+async def conversation(redis: Redis, keys: Keys, session_id: str, limit: int) -> list[AskedAnswer]:
+    """The latest `limit` questions of the session and their answers, oldest first; answers
+    forgotten after ANSWER_TTL_S are left out."""
+    asked = await redis.zrange(keys.asked(session_id), -limit, -1, withscores=True)
+    if not asked:
+        return []
+    ids = [answer_id.decode() for answer_id, _ in asked]
+    texts = await redis.hmget(keys.asked_questions(session_id), ids)
+    now, listed = time.time(), []
+    for (answer_id, at), text in zip(zip(ids, (score for _, score in asked)), texts, strict=True):
+        found = await status(redis, keys, session_id, answer_id)
+        if found.status == "pending" and now - at > protocol.ANSWER_TTL_S:
+            continue  # its stream expired
+        listed.append(AskedAnswer(**found.model_dump(), question=(text or b"").decode(), asked_at=at))
+    return listed
 
 
 async def asked_at(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> float | None:

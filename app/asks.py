@@ -1,15 +1,16 @@
 """Questions and answers: `POST /sessions/{id}/ask` (a JSON answer, Server-Sent Events, or 202
-and an answer id) and `GET /sessions/{id}/answers/{answer_id}` (look up or resume)."""
+and an answer id), `GET /sessions/{id}/answers` (the conversation) and
+`GET /sessions/{id}/answers/{answer_id}` (look up or resume)."""
 
 import re
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from app import answers, sse
-from app.answers import Answer, AnswerStatus
+from app.answers import Answer, AnswerStatus, AskedAnswer
 from app.deps import AuthorizedSession, KeysDep, Metrics, RedisDep, Settings
 from app.errors import ApiError, ErrorBody
 from app.metrics import GatewayMetrics
@@ -109,6 +110,23 @@ async def ask(
         pending = AnswerPending(answer_id=answer_id, status=found.status, location=location)
         return JSONResponse(pending.model_dump(), status_code=202, headers={"Location": location})
     raise ApiError(500, "answer_incomplete", "the answer stream ended without a final record")
+
+
+CONVERSATION_LIMIT = 100  # answers one GET /sessions/{id}/answers returns, at most
+
+
+class Conversation(BaseModel):
+    answers: list[AskedAnswer] = Field(description="Oldest first: the order the questions were asked in.")
+
+
+@router.get("/sessions/{session_id}/answers")
+async def list_answers(
+    session: AuthorizedSession, redis: RedisDep, keys: KeysDep,
+    limit: int = Query(20, ge=1, le=CONVERSATION_LIMIT, description="The latest this many questions."),
+) -> Conversation:
+    """The session's latest questions with their answers as far as they have come, oldest first
+    (answers are kept an hour; the session keeps its latest 1024 questions)."""
+    return Conversation(answers=await answers.conversation(redis, keys, session.id, limit))
 
 
 @router.get(

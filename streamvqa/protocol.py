@@ -139,12 +139,15 @@ class Keys:
     def asked(self, session_id: str) -> str:
         return f"{self.prefix}session:{session_id}:asked"
 
+    def asked_questions(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}:asked_questions"
+
     def sockets(self, session_id: str) -> str:
         return f"{self.prefix}session:{session_id}:sockets"
 
     def session_data(self, session_id: str) -> tuple[str, ...]:
         """The keys that live and expire with a session: hash, media, questions, events, snapshot,
-        memory report, asked questions, open sockets."""
+        memory report, asked ids, open sockets, asked questions' text."""
         return (
             self.session(session_id),
             self.media(session_id),
@@ -154,6 +157,7 @@ class Keys:
             self.memory(session_id),
             self.asked(session_id),
             self.sockets(session_id),
+            self.asked_questions(session_id),
         )
 
     def answer(self, session_id: str, answer_id: str) -> str:

@@ -128,3 +128,29 @@ def test_a_question_over_the_token_limit_is_refused_and_leaves_the_cache_alone(i
     assert "at most 1024" in reply.json()["message"]
     assert ingested.get().json()["cache_tokens"] == before
     assert ingested.ask("x" * 1000, max_new_tokens=2).status_code == 200  # within it
+
+
+def test_the_conversation_lists_each_question_with_its_answer_oldest_first_and_is_bounded(stack, ingested):
+    assert ingested.http.get(f"/sessions/{ingested.id}/answers", headers=ingested.auth).json() == {"answers": []}
+    questions = ["What is first?", "What is second?", "What is third?"]
+    given = [ingested.ask(question, max_new_tokens=3).json() for question in questions]
+    reply = ingested.http.get(f"/sessions/{ingested.id}/answers", headers=ingested.auth)
+    assert reply.status_code == 200
+    listed = reply.json()["answers"]
+    assert [item["question"] for item in listed] == questions
+    assert [item["answer_id"] for item in listed] == [answer["answer_id"] for answer in given]
+    assert [item["status"] for item in listed] == ["done", "done", "done"]
+    assert [item["answer"] for item in listed] == [answer["answer"] for answer in given]
+    assert listed[0]["asked_at"] < listed[1]["asked_at"] < listed[2]["asked_at"]
+
+    latest = ingested.http.get(f"/sessions/{ingested.id}/answers", params={"limit": 2}, headers=ingested.auth).json()
+    assert [item["question"] for item in latest["answers"]] == questions[1:]
+    for limit in (0, 101):
+        reply = ingested.http.get(f"/sessions/{ingested.id}/answers", params={"limit": limit}, headers=ingested.auth)
+        assert (reply.status_code, reply.json()["code"]) == (422, "invalid_request")
+    other = Client(stack.url)
+    other.create()
+    try:
+        assert other.http.get(f"/sessions/{ingested.id}/answers", headers=other.auth).status_code == 403
+    finally:
+        other.delete()
