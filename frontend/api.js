@@ -75,6 +75,11 @@ export class Session {
     return (await call(`${this.path}/memory`, { token: this.token })).json();
   }
 
+  /** The conversation the API keeps: {answers: [...]}, the latest `limit` questions, oldest first. */
+  async answers(limit = 100) {
+    return (await call(`${this.path}/answers?limit=${limit}`, { token: this.token })).json();
+  }
+
   async remove() {
     await call(this.path, { method: "DELETE", token: this.token });
   }

@@ -96,6 +96,7 @@ const conversation = new Conversation({
   input: $("#question"),
   history: $("#history"),
   empty: $("#history-empty"),
+  order: $("#history-order"),
   onFocus: ({ evidence, recalled, seek_s }) => {
     memory.highlight(evidence, recalled);
     if (seek_s !== null) stage.seek(seek_s);
@@ -259,6 +260,11 @@ function attach(session, record, restored = false) {
   ui.sessionLine.textContent = `Session ${session.id.slice(0, 8)}`;
   ui.sessionLine.title = session.id;
   conversation.use(session);
+  if (restored) {
+    conversation.restore(session).catch((err) => {
+      if (session === state.session) showError(`The conversation could not be loaded: ${err.message}.`);
+    });
+  }
   memory.clear();
   resetMeters();
   ui.sourceStatus.textContent = "";

@@ -1,5 +1,5 @@
 // Questions and answers: the question box (Enter sends, Shift+Enter breaks the line) and the
-// history, newest first. Each answer streams in token by token, then shows the moments of video
+// history, newest first (the page says so), shown again after a reload from what the API keeps. Each answer streams in token by token, then shows the moments of video
 // it drew on as chips, the seconds it recalled from the host tier (with recall), and its timing.
 // Each item's `data-state`: waiting, streaming, done, error.
 
@@ -19,11 +19,12 @@ export function secondRanges(seconds) {
 export class Conversation {
   /** onFocus({evidence, recalled, seek_s}): an answer was finished or chosen: the evidence times
    *  to mark (all of them, or the one chosen), the seconds it recalled, and where to seek (or null). */
-  constructor({ form, input, history, empty, onFocus }) {
+  constructor({ form, input, history, empty, order, onFocus }) {
     this.form = form;
     this.input = input;
     this.history = history;
     this.empty = empty;
+    this.order = order;
     this.onFocus = onFocus;
     this.hint = form.querySelector(".hint");
     this.hintText = this.hint.textContent; // shown while questions may be asked
@@ -51,6 +52,20 @@ export class Conversation {
     if (!session) {
       this.history.replaceChildren();
       this.empty.hidden = false;
+      this.order.hidden = true;
+    }
+  }
+
+  /** Show the session's conversation as the API keeps it (after a reload): each question with its
+   *  answer, its error, or its tokens followed while it is still being answered. */
+  async restore(session) {
+    const { answers } = await session.answers();
+    if (session !== this.session) return;
+    for (const asked of answers) { // oldest first: each goes on top of the one before
+      const item = this.addItem(asked.question);
+      if (asked.status === "done") this.finish(item, asked.result);
+      else if (asked.status === "error") this.fail(item, asked.message);
+      else this.follow(session, item, asked.answer_id);
     }
   }
 
@@ -123,6 +138,7 @@ export class Conversation {
     item.querySelector(".question").textContent = question;
     this.history.prepend(item);
     this.empty.hidden = true;
+    this.order.hidden = false;
     return item;
   }
 

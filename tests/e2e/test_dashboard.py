@@ -253,6 +253,31 @@ def test_the_memory_view_shows_evicted_seconds_apart_from_held_ones(page):
     assert field(page, "frames_ingested") == "40"
 
 
+def test_the_conversation_survives_a_reload_newest_first(page):
+    create_session(page)
+    assert page.is_hidden("#history-order")  # no answers, no order to tell
+    upload(page, sample_video("carphone_pristine.mp4"))
+    page.wait_for_selector("#status [data-field='state']:has-text('ingested')")
+    first = ask(page, "What is first?")
+    first_answer = first.locator(".answer").text_content()
+    page.fill("#question", "What is second?")
+    page.press("#question", "Enter")
+    page.wait_for_function("document.querySelectorAll(\"#history li.qa[data-state='done']\").length === 2")
+    second_answer = page.locator("#history li.qa").first.locator(".answer").text_content()
+    assert page.text_content("#history-order") == "Newest first"
+
+    page.reload()
+    page.wait_for_function("document.querySelectorAll(\"#history li.qa[data-state='done']\").length === 2")
+    items = page.locator("#history li.qa")
+    assert items.locator(".question").all_text_contents() == ["What is second?", "What is first?"]
+    assert items.locator(".answer").all_text_contents() == [second_answer, first_answer]
+    assert items.nth(1).locator(".evidence .chip").count() >= 1
+    assert items.nth(1).locator(".meta").text_content().startswith("at 3.0 s of video")
+    assert page.is_visible("#history-order") and page.is_hidden("#history-empty")
+    assert page.is_hidden("#error")
+    screenshot(page, "dashboard-reloaded-conversation.png")
+
+
 def place(span: dict) -> str:
     """Where a span's frame tokens are, by the memory report: device, host, dropped, part, empty."""
     dropped = span["frame_seen"] - span["frame_held"] - span["frame_host"]
