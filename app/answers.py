@@ -138,14 +138,13 @@ async def conversation(redis: Redis, keys: Keys, session_id: str, limit: int) ->
     asked = await redis.zrange(keys.asked(session_id), -limit, -1, withscores=True)
     if not asked:
         return []
-    ids = [answer_id.decode() for answer_id, _ in asked]
-    texts = await redis.hmget(keys.asked_questions(session_id), ids)
+    texts = await redis.hmget(keys.asked_questions(session_id), [answer_id for answer_id, _ in asked])
     now, listed = time.time(), []
-    for (answer_id, at), text in zip(zip(ids, (score for _, score in asked)), texts, strict=True):
-        found = await status(redis, keys, session_id, answer_id)
-        if found.status == "pending" and now - at > protocol.ANSWER_TTL_S:
+    for (answer_id, asked_at_s), text in zip(asked, texts, strict=True):
+        found = await status(redis, keys, session_id, answer_id.decode())
+        if found.status == "pending" and now - asked_at_s > protocol.ANSWER_TTL_S:
             continue  # its stream expired
-        listed.append(AskedAnswer(**found.model_dump(), question=(text or b"").decode(), asked_at=at))
+        listed.append(AskedAnswer(**found.model_dump(), question=(text or b"").decode(), asked_at=asked_at_s))
     return listed
 
 

@@ -8,8 +8,8 @@ package's and transformers' versions: a new wheel or a new transformers converts
 
 Bound: one entry per model name. Storing an entry removes the name's other versions (and what a
 process that died while writing left behind), so the folder holds at most the built-in GGUF models
-once each (SmolLM2-135M: 540 MB). An entry is written beside
-its final name and renamed into place, so workers sharing the folder never read half of one.
+once each (SmolLM2-135M: 540 MB). An entry is written beside its final name and renamed into
+place, so workers sharing the folder never read half of one.
 """
 
 import logging
