@@ -915,7 +915,7 @@ class Worker:
                 await self._consume(media, entry_id)
                 return
             if kind == "connect":
-                await self._connect(session_id, hosted, fields[b"format"].decode())
+                await self._connect(session_id, hosted, fields[b"format"].decode(), fields[b"connection"].decode())
             elif hosted.ingest is None:
                 hosted.ingest = UploadIngest(
                     self._spool(session_id), hosted.record.fps, self.settings.max_frame_side,
@@ -938,18 +938,21 @@ class Worker:
             await self._consume(media, entry_id)
             await self._fail(session_id, hosted, f"receiving media failed {INTERNAL}")
 
-    async def _connect(self, session_id: str, hosted: Hosted, media_format: str) -> None:
+    async def _connect(self, session_id: str, hosted: Hosted, media_format: str, connection: str) -> None:
         """A stream socket connected: keep the session's live ingest (a reconnection) or open one."""
         ingest = hosted.ingest
         if ingest is None or not ingest.live or ingest.format != media_format:
             await self._close_ingest(hosted)
             hosted.ingest = open_live(media_format, hosted.record.fps, self.settings.max_frame_side, self._live_limits)
-        await self._unsettle(session_id, hosted)
+        await self._unsettle(session_id, hosted, connection)
 
-    async def _unsettle(self, session_id: str, hosted: Hosted) -> None:
+    async def _unsettle(self, session_id: str, hosted: Hosted, connection: str | None = None) -> None:
+        """Ingesting again: the stream socket `connection` connected (by default, media came
+        again from the connection that sent last)."""
         hosted.settled = False
         await self._set(session_id, SessionState.INGESTING)
-        await self._event(session_id, StateEvent(state=SessionState.INGESTING, connection=_live_connection(hosted)))
+        connection = connection or _live_connection(hosted)
+        await self._event(session_id, StateEvent(state=SessionState.INGESTING, connection=connection))
 
     async def _received_upload(self, session_id: str, hosted: Hosted, kind: str, entry_id: bytes) -> None:
         """Record the upload's progress and acknowledge the entry in one step, so that a worker

@@ -53,6 +53,9 @@ def test_thirty_jpeg_frames_give_thirty_frames_at_their_times(client):
     assert _ingested(socket) is not None, socket.events
     assert socket.frame_times() == [float(second) for second in range(30)]
     assert client.get().json()["frames_ingested"] == 30
+    mine = socket.started["connection"]
+    states = [(e["state"], e["connection"]) for e in socket.events if e["type"] == "state"]
+    assert states == [("ingesting", mine), ("ingested", mine)]  # each names the connection it is about
     socket.close()
 
 
