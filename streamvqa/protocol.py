@@ -199,7 +199,7 @@ class PolicyOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sinks: int | None = Field(None, ge=0, le=1024, description="S: first tokens always kept (default 4).")
-    recent: int | None = Field(None, ge=0, le=65_536, description="R: latest tokens always kept (default 128).")
+    recent: int | None = Field(None, ge=0, le=65_536, description="R: latest tokens always kept (default 128; h2o: half the budget).")
     per_layer: bool | None = Field(
         None, description="One selection per layer instead of one per KV head (default false; tova: true)."
     )
