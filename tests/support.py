@@ -216,6 +216,15 @@ class StreamSocket:
     def end(self) -> bool:
         return self.send(json.dumps({"type": "end"}))
 
+    def send_frames(self, count: int) -> dict | None:
+        """Send a timed JPEG a second for `count` seconds into a new session's stream and wait
+        until all of them are in the cache; that `ingest` event."""
+        from tests.media import timed_jpeg
+
+        for second in range(count):
+            self.send(timed_jpeg(float(second), second))
+        return self.wait_for(lambda e: e["type"] == "ingest" and e["frames"] == count)
+
     def next_event(self, timeout_s: float = 30) -> dict | None:
         """The next event, or None once the server closed the socket (see `close_code`)."""
         try:

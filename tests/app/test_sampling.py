@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from tests.media import timed_jpeg
 from tests.support import Client, StreamSocket, sample_video
 
 QUESTION = "What is in the video?"
@@ -82,9 +81,7 @@ def test_sampling_out_of_bounds_is_422_naming_the_field(client, options, field, 
 def test_a_socket_question_takes_the_same_options(client):
     client.create(fps=1)
     socket = StreamSocket(client, "frames")
-    for second in range(3):
-        socket.send(timed_jpeg(float(second), second))
-    assert socket.wait_for(lambda e: e["type"] == "ingest" and e["frames"] == 3) is not None
+    assert socket.send_frames(3) is not None
     socket.send(json.dumps({"type": "ask", "question": QUESTION, "max_tokens": 3, "temperature": 1.0, "seed": 7, "ref": "s"}))
     done = socket.wait_for(lambda e: e["type"] in ("answer_done", "answer_error"))
     assert (done["type"], done["tokens"], done["finish_reason"]) == ("answer_done", 3, "length"), done

@@ -270,9 +270,7 @@ def test_deleting_a_session_mid_stream_closes_its_socket_and_leaves_no_keys(clie
 def test_a_question_on_the_stream_socket_is_answered_there(client):
     client.create(fps=1)
     socket = StreamSocket(client, "frames")
-    for second in range(3):
-        socket.send(timed_jpeg(float(second), second))
-    assert socket.wait_for(lambda e: e["type"] == "ingest" and e["frames"] == 3) is not None
+    assert socket.send_frames(3) is not None
     socket.send(json.dumps({"type": "ask", "question": "What do you see?", "max_new_tokens": 5, "ref": "q1"}))
     done = socket.wait_for(lambda e: e["type"] in ("answer_done", "answer_error"))
     assert done["type"] == "answer_done", done
