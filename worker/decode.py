@@ -30,6 +30,7 @@ Image.MAX_IMAGE_PIXELS = None  # `decode_image` checks sizes itself (MAX_SOURCE_
 CONTAINERS = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,mpeg,flv,ogg,asf,gif,ivf,h264,hevc,m4v"
 STREAM_DEMUXERS = {"webm": "matroska", "mp4": "mp4"}  # live formats a client may declare
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP")  # what `frames` messages may carry
+INTERNAL = "(a fault of the worker; its log has the details)"  # what clients read of an unexpected error
 
 
 class DecodeError(Exception):

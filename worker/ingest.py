@@ -25,7 +25,7 @@ from streamvqa.protocol import FRAME_HEADER_BYTES, parse_frame_header
 from streamvqa.sampling import FrameSampler
 from worker import containers
 from worker.buffers import ByteFeed, FeedAborted, FrameQueue
-from worker.decode import DecodeError, Frame, VideoInfo, decode_image, decode_stream, probe, sample_file
+from worker.decode import INTERNAL, DecodeError, Frame, VideoInfo, decode_image, decode_stream, probe, sample_file
 
 log = logging.getLogger(__name__)
 
@@ -407,7 +407,7 @@ class StreamIngest(_LiveIngest):
                 if not isinstance(err, DecodeError):
                     log.exception("decoding a live stream failed")
                 stream.failed = True
-                message = str(err) if isinstance(err, DecodeError) else "decoding failed (a fault of the worker; its log has the details)"
+                message = str(err) if isinstance(err, DecodeError) else f"decoding failed {INTERNAL}"
                 self._errors.append(("decode_failed", stream.connection, message))
             finally:
                 stream.feed.abort()

@@ -52,15 +52,13 @@ from streamvqa.protocol import (
     WorkerInfo,
 )
 from worker.answering import AnswerRun, engine_sampling
-from worker.decode import DecodeError
+from worker.decode import INTERNAL, DecodeError
 from worker.ingest import Batch, FramesIngest, LiveLimits, StreamIngest, UploadIngest, open_live
 from worker.scheduler import Step, entry_time, next_step
 from worker.settings import WorkerSettings
 from worker.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
-
-INTERNAL = "(a fault of the worker; its log has the details)"  # what clients read of an unexpected error
 T = TypeVar("T")
 
 READ_COUNT = 8  # entries per stream per turn
