@@ -52,7 +52,7 @@ class AnswerPending(BaseModel):
     location: str = Field(description="Where to fetch or resume the answer.")
 
 
-REFUSAL_STATUS = {"session_error": 409, "no_video": 409, "question_too_long": 422}  # a worker's error events, as HTTP statuses
+REFUSAL_STATUS = {"session_error": 409, "no_video": 409, "context_full": 409, "question_too_long": 422}  # a worker's error events, as HTTP statuses
 
 
 def refusal(error: ErrorEvent) -> ApiError:
@@ -72,7 +72,7 @@ def _answer_url(session_id: str, answer_id: str) -> str:
         200: SSE_RESPONSE,
         202: {"model": AnswerPending, "description": "`wait_s` passed before the answer was done."},
         409: {"model": ErrorBody, "description": "`no_video`: no frame in the session's cache yet; `session_error`: "
-              "the session's media failed."},
+              "the session's media failed; `context_full`: the question does not fit in what is left of the model's context."},
         504: {"model": ErrorBody, "description": "`answer_timeout`: no answer within ASK_TIMEOUT_S."},
     },
 )

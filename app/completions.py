@@ -184,7 +184,8 @@ COMPLETION_ERRORS = openai_responses({
     400: "A bad request: an option out of range (`invalid_value`, `param` names it), or a body that does not parse.",
     401: "No bearer key, or not the session's token (`invalid_api_key`).",
     404: "No such session (`session_not_found`).",
-    409: "`no_video`: no frame in the session's cache yet; `session_error`: its media failed.",
+    409: "`no_video`: no frame in the session's cache yet; `session_error`: its media failed; `context_full`: the "
+    "question does not fit in what is left of the model's context.",
     413: "A body over the limit.",
     500: "A bug (`internal_error`); the gateway's log has the details.",
     **UNAVAILABLE,

@@ -4,7 +4,8 @@ calls a service, and answers."""
 import asyncio
 
 from fastapi import APIRouter, Request, status
-from pydantic import BaseModel, Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from app import sse
 from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, RedisDep, Settings, Store
@@ -45,6 +46,12 @@ class ModelList(BaseModel):
     models: list[ServedModel] = Field(description="The models live workers serve now, by name.")
 
 
+def _reason(err: ValueError) -> str:
+    if isinstance(err, ValidationError):  # the options checked again with the budget chosen
+        return "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in err.errors())
+    return str(err)
+
+
 @router.post("/sessions", status_code=status.HTTP_201_CREATED)
 async def create_session(
     store: Store, settings: Settings, caller: Caller, metrics: Metrics, options: SessionOptions | None = None
@@ -59,14 +66,21 @@ async def create_session(
         if model != settings.model and model not in {w.model for w in registry}:
             raise ApiError(404, "model_not_found", f"no worker serves model {model!r}; GET /models lists the models served")
         raise ApiError(503, "no_worker", f"no worker serves model {model!r} now", retry)
-    if not any(w.fits(options.budget_tokens, options.borrowed_tokens, options.host_tokens) for w in workers):
+    context_tokens = min((w.context_tokens for w in workers if w.context_tokens), default=0)
+    try:
+        options = options.within(context_tokens)
+    except ValueError as err:  # a 422 like any invalid field, naming the model's limit
+        where = ("body", "budget_tokens" if options.budget_tokens is not None else "policy")
+        raise RequestValidationError([{"loc": where, "msg": f"{model}: {_reason(err)}", "type": "value_error"}]) from err
+    peak_tokens = options.peak_tokens(context_tokens)
+    if not any(w.fits(peak_tokens, options.host_tokens) for w in workers):
         tier = f" and a {options.host_tokens}-token host tier" if options.recall else ""
         raise ApiError(
-            503, "no_capacity", f"no worker serving {model!r} has room for a {options.budget_tokens}-token cache{tier} now", retry
+            503, "no_capacity", f"no worker serving {model!r} has room now for a cache of {peak_tokens} tokens at its peak{tier}", retry
         )
     places = sum(w.max_sessions for w in workers)
     try:
-        record, token = await store.create(options, model, caller, settings.max_sessions_per_key, places)
+        record, token = await store.create(options, model, context_tokens, caller, settings.max_sessions_per_key, places)
     except TooManySessions as err:
         raise ApiError(
             429, "too_many_sessions", f"this caller holds {settings.max_sessions_per_key} sessions; delete one first"

@@ -148,7 +148,7 @@ class SessionStore:
         return [w for w in await self.workers() if w.alive and model in (None, w.model)]
 
     async def create(
-        self, options: SessionOptions, model: str, owner: str, max_per_owner: int, places: int
+        self, options: SessionOptions, model: str, context_tokens: int, owner: str, max_per_owner: int, places: int
     ) -> tuple[SessionRecord, str]:
         """Store a new session and queue it for a worker serving `model`; returns it and its token.
         TooManySessions when `owner` already holds `max_per_owner` live sessions; NoPlace when
@@ -167,6 +167,7 @@ class SessionStore:
             host_budget_tokens=options.host_tokens,
             retrieval_tokens=options.borrowed_tokens,
             pin_turns=options.pin_turns,
+            context_tokens=context_tokens,
         )
         fields = {**protocol.to_hash(**record.model_dump()), "token_sha256": _digest(token), "owner": owner}
         keys = [

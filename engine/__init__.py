@@ -3,12 +3,13 @@
 from engine.model import BUILTIN_MODELS, Model, UnknownModelError, load_model
 from engine.policies import POLICIES
 from engine.sampling import Sampling
-from engine.session import Answer, Evidence, Memory, Session, SessionConfig, SessionStats, Span
+from engine.session import Answer, ContextFull, Evidence, Memory, Session, SessionConfig, SessionStats, Span
 
 __all__ = [
     "BUILTIN_MODELS",
     "POLICIES",
     "Answer",
+    "ContextFull",
     "Evidence",
     "Memory",
     "Model",

@@ -126,6 +126,12 @@ class Model:
         return self.num_layers * 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     @property
+    def context_tokens(self) -> int:
+        """The most positions the language model was trained for: its cache's hard limit."""
+        text = self.hf.config.get_text_config()
+        return getattr(text, "max_position_embeddings", None) or 1 << 30
+
+    @property
     def sees_frames(self) -> bool:
         return self.vision is not None
 

@@ -43,6 +43,20 @@ MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the 
 MAX_SECONDS = 7 * 24 * 3600  # memory() tracks this much video; later seconds count as the last one
 
 
+class ContextFull(ValueError):
+    """A prompt that would take the cache past the model's context: nothing of it was run."""
+
+    def __init__(self, what: str, needed_tokens: int, cache_tokens: int, context_tokens: int, kept_tokens: int = 0) -> None:
+        kept = f" ({kept_tokens} of it kept for questions)" if kept_tokens else ""
+        super().__init__(
+            f"{what} needs {needed_tokens} more tokens, but the cache holds {cache_tokens} of the model's "
+            f"{context_tokens}-token context{kept}"
+        )
+        self.needed_tokens = needed_tokens
+        self.cache_tokens = cache_tokens
+        self.context_tokens = context_tokens
+
+
 @dataclass(frozen=True)
 class Part:
     """A run of tokens of one kind, from one moment of the video."""
@@ -74,11 +88,18 @@ class SessionConfig:
     # Never evict the opening (system prompt and its markers) nor the turn markers (those that
     # close a question and an answer) of the last `pin_turns` questions; 0: only sinks and recent
     pin_turns: int = 0
+    # The most tokens the cache may hold at once (every position below it); None: the model's
+    # context. A prompt that would pass it is refused (`ContextFull`), an answer ends at it.
+    context_tokens: int | None = None
+    # Frames and text stop this many tokens short of the context, so that questions still fit
+    question_room_tokens: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("frames_per_prompt", "prefill_chunk_tokens"):
-            if getattr(self, name) < 1:
+        for name in ("frames_per_prompt", "prefill_chunk_tokens", "context_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.question_room_tokens < 0:
+            raise ValueError(f"question_room_tokens must be >= 0, got {self.question_room_tokens}")
         if self.pool is not None and self.pool < 1:
             raise ValueError(f"pool must be >= 1, got {self.pool}")
         if self.evidence_top_k < 0:
@@ -198,7 +219,7 @@ class Answer(Iterator[str]):
     @property
     def finish_reason(self) -> str:
         """`stop`: the model ended its turn, or a stop string came; `length`: it reached its
-        `max_new_tokens`."""
+        `max_new_tokens`, or the model's context."""
         return self._result["finish_reason"]
 
     @property
@@ -227,6 +248,7 @@ class Session:
                     f"more than budget_tokens ({self.policy.budget_tokens}) leaves room for"
                 )
             self.cache.pin(torch.arange(opening.tokens), self.config.pin_turns)
+        self._make_room("the system prompt", opening.tokens)
         self._run([opening])
         self.cache.evict()
 
@@ -246,6 +268,7 @@ class Session:
         self._seen = torch.zeros(2, 64, dtype=torch.int64)
         self._seconds = 0  # seconds of video seen so far
         self._open_answer: Iterator[str] | None = None
+        self.context_tokens = min(model.context_tokens, config.context_tokens or model.context_tokens)
 
     # -- the stream ----------------------------------------------------------------------------
 
@@ -271,6 +294,7 @@ class Session:
             for tokens, t in group:
                 t = float(t)
                 parts += [self._text(f"[{t:.1f}s]", t), Part(tokens[None], FRAME, t), self._text("\n", t)]
+            self._make_room(f"the frame at {group[0][1]:.1f}s", sum(p.tokens for p in parts), self.config.question_room_tokens)
             self._run(parts)
             self.cache.evict()
             self._frames += len(group)
@@ -283,6 +307,7 @@ class Session:
         ids = self.model.tokenize(text, user=True)
         if not ids:
             return TextScore(0, 0.0)
+        self._make_room("the text", len(ids), self.config.question_room_tokens)
         nll = self._run([self._part(ids)], targets=torch.tensor(ids))
         self.cache.evict()
         return TextScore(len(ids), nll)
@@ -293,9 +318,26 @@ class Session:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         self._close_answer()
+        chat = self.model.chat
+        question_ids = self.model.tokenize(question, user=True)
+        turn = self._text(chat.user_to_assistant), self._text(chat.assistant_to_user)  # closing the question, the answer
+        borrowable = min(self.config.borrowed_tokens, self.cache.host.available()) if self.cache.host else 0
+        prompt = len(question_ids) + turn[0].tokens + borrowable
+        self._make_room("the question", prompt + 1 + turn[1].tokens)  # with room for a one-token answer
+        max_new_tokens = min(max_new_tokens, self._room() - prompt - turn[1].tokens)
         result = {"tokens": 0, "evidence": [], "recalled_s": [], "finish_reason": "stop", "prompt_tokens": 0}
-        self._open_answer = self._generate(question, max_new_tokens, sampling, result)
+        self._open_answer = self._generate(question_ids, turn, max_new_tokens, sampling, result)
         return Answer(self._open_answer, result)
+
+    def _room(self) -> int:
+        """Tokens the cache may still take before it reaches the context."""
+        return self.context_tokens - self.cache.tokens
+
+    def _make_room(self, what: str, tokens: int, kept_tokens: int = 0) -> None:
+        """Refuse a prompt of `tokens` that would take the cache past the context, or into the
+        `kept_tokens` before its end."""
+        if tokens > self._room() - kept_tokens:
+            raise ContextFull(what, tokens, self.cache.tokens, self.context_tokens, kept_tokens)
 
     def _close_answer(self) -> None:
         """End the turn of an answer left unfinished, before anything else enters the cache."""
@@ -303,11 +345,12 @@ class Session:
             self._open_answer.close()
             self._open_answer = None
 
-    def _generate(self, question: str, max_new_tokens: int, sampling: Sampling, result: dict) -> Iterator[str]:
-        model, chat, policy = self.model, self.model.chat, self.policy
-        question_ids = model.tokenize(question, user=True)
+    def _generate(
+        self, question_ids: list[int], turn: tuple[Part, Part], max_new_tokens: int, sampling: Sampling, result: dict
+    ) -> Iterator[str]:
+        model, policy = self.model, self.policy
         borrowed = self.cache.begin_retrieval(self.config.borrowed_tokens, len(question_ids))
-        closing = self._text(chat.user_to_assistant)
+        closing = turn[0]
         result["prompt_tokens"] = len(question_ids) + closing.tokens
         generator = sampling.generator()
         self._pin(self.cache.appended + len(question_ids), closing.tokens, new_turn=True)
@@ -346,7 +389,7 @@ class Session:
             if not stopped and rest:
                 yield rest
         finally:
-            closing = self._text(chat.assistant_to_user)
+            closing = turn[1]
             self._pin(self.cache.appended + len(unfed), closing.tokens, new_turn=False)
             self._run([self._part(unfed), closing])
             self._add_evidence(evidence)

@@ -3,7 +3,8 @@
 They run every path of the real model families in milliseconds and need no download. Weights
 are random but fixed by a seed, so answers are meaningless yet reproducible. Each family's
 frames become 16 visual tokens: 64x64 pixels in 16x16 patches (LLaVA), or in 8x8 patches pooled
-2x2 (LLaVA-NeXT-Video, average; LLaVA-OneVision, bilinear).
+2x2 (LLaVA-NeXT-Video, average; LLaVA-OneVision, bilinear). Their context is 32,768 tokens, as
+Qwen2's.
 """
 
 from collections.abc import Callable
@@ -56,7 +57,7 @@ def _text_config(cls: type, tokenizer: PreTrainedTokenizerFast, **extra: object)
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1 << 20,
+        max_position_embeddings=32768,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **extra,

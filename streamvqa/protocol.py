@@ -42,19 +42,29 @@ MAX_HOST_BUDGET_TOKENS = 4_000_000
 HOST_TOKEN_OVERHEAD_BYTES = 6
 
 
+DEFAULT_BUDGET_TOKENS = 8192  # a bounded session's budget when none is given, unless its model's context leaves less
+
+
 def peak_cache_tokens(budget_tokens: int, retrieval_tokens: int = 0) -> int:
-    """The most tokens a session's cache ever holds: its budget, one prompt and one answer
-    (it evicts down to the budget after each), and what a question borrows from the host tier."""
+    """The most tokens a bounded session's cache ever holds: its budget, one prompt and one
+    answer (it evicts down to the budget after each), and what a question borrows from the host tier."""
     return budget_tokens + retrieval_tokens + PROMPT_RESERVE_TOKENS + MAX_ANSWER_TOKENS
 
 
+def session_peak_tokens(policy: str, budget_tokens: int, retrieval_tokens: int, context_tokens: int) -> int:
+    """The most tokens a session's cache holds: a bounded one's peak, a `full` one's whole
+    context (where it stops; 0: the context is not known, and the bounded peak is counted)."""
+    if policy == "full" and context_tokens:
+        return context_tokens
+    return peak_cache_tokens(budget_tokens, retrieval_tokens)
+
+
 def reserved_device_bytes(
-    budget_tokens: int, retrieval_tokens: int, host_tokens: int, kv_bytes_per_token: int, index_bytes_per_host_token: float
+    peak_tokens: int, host_tokens: int, kv_bytes_per_token: int, index_bytes_per_host_token: float
 ) -> int:
     """The cache memory a session reserves on its worker: its peak cache, and with recall its
     host tier's index."""
-    peak = peak_cache_tokens(budget_tokens, retrieval_tokens) * kv_bytes_per_token
-    return peak + math.ceil(host_tokens * index_bytes_per_host_token)
+    return peak_tokens * kv_bytes_per_token + math.ceil(host_tokens * index_bytes_per_host_token)
 EVENTS_MAXLEN = 1000  # a session's recent events (ingest progress, errors, state changes)
 STREAMER_TTL_S = 10  # a connection's claim on its session's media (a stream socket, an upload), renewed every third of it
 
@@ -258,8 +268,10 @@ class SessionOptions(BaseModel):
         description="KV cache policy: infmllm (bounded, attention-scored with a recency bias), "
         "snapkv, tova, knorm, h2o, sliding (sinks and recent tokens), or full (no eviction: memory grows).",
     )
-    budget_tokens: int = Field(
-        8192, ge=256, le=1_000_000, description="Tokens each cache layer keeps after an eviction."
+    budget_tokens: int | None = Field(
+        None, ge=256, le=1_000_000,
+        description=f"Tokens each cache layer keeps after an eviction; when absent {DEFAULT_BUDGET_TOKENS}, or the "
+        "most the model's context leaves room for beside a prompt, an answer and the retrieval.",
     )
     policy_options: PolicyOptions = Field(
         default_factory=PolicyOptions, description="The policy's knobs; only those the policy has are accepted."
@@ -298,19 +310,58 @@ class SessionOptions(BaseModel):
             raise ValueError("recall needs a policy that evicts; 'full' keeps everything")
         return self
 
+    def within(self, context_tokens: int) -> SessionOptions:
+        """These options for a model whose cache may hold `context_tokens` (0: not known): the
+        budget chosen when absent, and checked so that the cache's peak stays within the context.
+        A ValueError says why they cannot be."""
+        budget = self.budget_tokens
+        if self.policy != "full" and context_tokens:
+            largest = self._largest_budget(context_tokens - PROMPT_RESERVE_TOKENS - MAX_ANSWER_TOKENS)
+            beside = f"beside a {PROMPT_RESERVE_TOKENS}-token prompt and a {MAX_ANSWER_TOKENS}-token answer"
+            if self.recall:
+                beside += " and what a question retrieves"
+            if budget is None and largest < 256:
+                raise ValueError(
+                    f"the model's {context_tokens}-token context leaves no room for a bounded cache {beside}; "
+                    "use policy 'full'"
+                )
+            if budget is not None and budget > largest:
+                raise ValueError(
+                    f"budget_tokens {budget} does not fit the model's {context_tokens}-token context {beside}: "
+                    f"at most {max(largest, 0)}"
+                )
+            budget = min(budget or DEFAULT_BUDGET_TOKENS, largest)
+        chosen = self.model_dump(exclude_unset=True, exclude_none=True)
+        return SessionOptions.model_validate({**chosen, "budget_tokens": budget or DEFAULT_BUDGET_TOKENS})
+
+    def _largest_budget(self, room_tokens: int) -> int:
+        """The largest budget whose peak, with the retrieval, leaves `room_tokens` for itself."""
+        if not self.recall or self.retrieval_tokens is not None:
+            return room_tokens - (self.retrieval_tokens or 0)
+        largest = (2 * room_tokens + 1) // 3  # half the budget is borrowed
+        return largest - (largest + largest // 2 > room_tokens)
+
+    @property
+    def budget(self) -> int:
+        return self.budget_tokens if self.budget_tokens is not None else DEFAULT_BUDGET_TOKENS
+
+    def peak_tokens(self, context_tokens: int) -> int:
+        """The most tokens the session's cache holds, on a model of `context_tokens` (0: not known)."""
+        return session_peak_tokens(self.policy, self.budget, self.borrowed_tokens, context_tokens)
+
     @property
     def host_tokens(self) -> int:
         """The host tier's bound, per layer (0 without recall)."""
         if not self.recall:
             return 0
-        return self.host_budget_tokens if self.host_budget_tokens is not None else HOST_BUDGET_MULTIPLE * self.budget_tokens
+        return self.host_budget_tokens if self.host_budget_tokens is not None else HOST_BUDGET_MULTIPLE * self.budget
 
     @property
     def borrowed_tokens(self) -> int:
         """The most one question borrows from the host tier, per layer (0 without recall)."""
         if not self.recall:
             return 0
-        return self.retrieval_tokens if self.retrieval_tokens is not None else self.budget_tokens // 2
+        return self.retrieval_tokens if self.retrieval_tokens is not None else self.budget // 2
 
     @field_validator("policy_options")
     @classmethod
@@ -360,6 +411,10 @@ class SessionRecord(BaseModel):
     frames_ingested: int = 0
     video_time_s: float = 0.0
     cache_tokens: int = 0
+    context_tokens: int = Field(0, description="The most tokens the cache may hold: the model's context (0: not known).")
+    context_full: bool = Field(
+        False, description="The cache reached the context: later frames are not taken, and only questions that fit are."
+    )
     created_at: float = Field(default_factory=time.time)
 
     @field_validator("policy_options", mode="before")
@@ -655,6 +710,7 @@ class WorkerInfo(BaseModel):
     session_ids: list[str] = []  # the sessions it holds (at most max_sessions)
     kv_bytes_per_token: int = 0  # its model's cache bytes per token (0: unknown)
     kv_free_bytes: int = 0  # cache memory not reserved by its sessions (each reserves its peak)
+    context_tokens: int = 0  # the most tokens a session's cache may hold: its model's context (0: unknown)
     host_bytes_per_token: int = 0  # a host tier token's bytes, over all layers (0: unknown)
     index_bytes_per_host_token: float = 0.0  # cache memory a host tier token's share of its index takes
     host_free_bytes: int = 0  # host memory for host tiers not reserved by its sessions (each reserves its bound)
@@ -668,14 +724,12 @@ class WorkerInfo(BaseModel):
     retrieved_pages: int = 0  # host pages questions borrowed from (in the first layer), since it started
     retrieval_ms: float = 0.0  # time spent choosing and bringing them back
 
-    def fits(self, budget_tokens: int, retrieval_tokens: int = 0, host_tokens: int = 0) -> bool:
-        """Whether a session with this budget (and host tier) fits now: by count, by cache memory
-        and by host memory."""
+    def fits(self, peak_tokens: int, host_tokens: int = 0) -> bool:
+        """Whether a session whose cache peaks at `peak_tokens` (and its host tier) fits now: by
+        count, by cache memory and by host memory."""
         if self.sessions >= self.max_sessions:
             return False
-        cache = reserved_device_bytes(
-            budget_tokens, retrieval_tokens, host_tokens, self.kv_bytes_per_token, self.index_bytes_per_host_token
-        )
+        cache = reserved_device_bytes(peak_tokens, host_tokens, self.kv_bytes_per_token, self.index_bytes_per_host_token)
         host = host_tokens * self.host_bytes_per_token
         return (self.kv_bytes_per_token == 0 or cache <= self.kv_free_bytes) and (
             self.host_bytes_per_token == 0 or host <= self.host_free_bytes

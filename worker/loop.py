@@ -30,7 +30,7 @@ import torch
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from engine import Model, Session, SessionConfig
+from engine import ContextFull, Model, Session, SessionConfig
 from engine.host_tier import index_bytes_per_token
 from streamvqa import protocol
 from streamvqa.protocol import (
@@ -315,6 +315,7 @@ class Worker:
         )
         self._lease_ms = int(settings.lease_ttl_s * 1000)
         self._lease_margin_s = settings.lease_ttl_s * 0.8  # act on a lease only this long after renewing it
+        self.context_tokens = min(model.context_tokens, settings.max_context_tokens or model.context_tokens)
         self.kv_memory_bytes = settings.kv_memory_bytes or available_kv_memory(model.device)
         self.host_memory_bytes = settings.host_memory_bytes or available_host_memory(model.device)
         self.host_bytes_per_token = model.kv_bytes_per_token + model.num_layers * model.kv_heads * protocol.HOST_TOKEN_OVERHEAD_BYTES
@@ -537,9 +538,9 @@ class Worker:
     # -- sessions ------------------------------------------------------------------------------
 
     def _device_bytes(self, record: SessionRecord) -> int:
+        peak = protocol.session_peak_tokens(record.policy, record.budget_tokens, record.retrieval_tokens, self.context_tokens)
         return protocol.reserved_device_bytes(
-            record.budget_tokens, record.retrieval_tokens, record.host_budget_tokens,
-            self.model.kv_bytes_per_token, self.index_bytes_per_host_token,
+            peak, record.host_budget_tokens, self.model.kv_bytes_per_token, self.index_bytes_per_host_token
         )
 
     def _kv_free_bytes(self) -> int:
@@ -633,6 +634,7 @@ class Worker:
                 policy_options=record.policy_options,
                 recall=record.recall,
                 pin_turns=record.pin_turns,
+                context_tokens=self.context_tokens,
                 **({"host_budget_tokens": record.host_budget_tokens, "retrieval_tokens": record.retrieval_tokens} if record.recall else {}),
                 **({"system_prompt": record.system_prompt} if record.system_prompt else {}),
             )
@@ -822,6 +824,10 @@ class Worker:
 
         try:
             tokens, run, piece = await self._in_engine(begin)
+        except ContextFull as err:
+            message = f"{err}: ask a shorter question, or start a session with a policy that evicts"
+            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="context_full", message=message))
+            return
         except Exception:
             log.exception("session %s: answering failed", session_id)
             await self._refuse(session_id, entry_id, stream, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
@@ -982,14 +988,19 @@ class Worker:
             else:
                 batch: Batch = await hosted.batch  # done: the scheduler chose this step for it
                 hosted.batch = None
-            if batch.frames:
+            appended = 0
+            if batch.frames and not hosted.record.context_full:  # past the context, frames are let go
                 images, times = [f.image for f in batch.frames], [f.time_s for f in batch.frames]
-                evictions = hosted.engine.stats().evictions
-                await self._in_engine(hosted.engine.append_frames, images, times)
+                before = hosted.engine.stats()
+                try:
+                    await self._in_engine(hosted.engine.append_frames, images, times)
+                except ContextFull as err:
+                    await self._context_full(session_id, hosted, err)
                 hosted.changed = True
-                self.frames_ingested += len(batch.frames)
                 stats = hosted.engine.stats()
-                self.evictions += stats.evictions - evictions
+                appended = stats.frames - before.frames
+                self.frames_ingested += appended
+                self.evictions += stats.evictions - before.evictions
                 hosted.host_bytes = stats.host_bytes
                 hosted.lag_s = batch.lag_s if ingest.live else 0.0
         except DecodeError as err:
@@ -1004,14 +1015,14 @@ class Worker:
         if ingest.live:
             for code, connection, message in ingest.take_errors():
                 await self._event(session_id, MediaErrorEvent(code=code, message=message, connection=connection))
-        if batch.frames:
+        if appended:
             stats = hosted.engine.stats()
             dropped = ingest.dropped if ingest.live else 0
             await self._event(
                 session_id,
                 IngestEvent(
                     frames=stats.frames,
-                    times=[f.time_s for f in batch.frames],
+                    times=[f.time_s for f in batch.frames[:appended]],
                     video_time_s=stats.video_time_s,
                     lag_s=round(batch.lag_s, 3),
                     dropped=dropped,
@@ -1022,6 +1033,13 @@ class Worker:
             await self._report_memory(session_id, hosted)
         if not ingest.live and ingest.finished:
             await self._finish_ingest(session_id, hosted)
+
+    async def _context_full(self, session_id: str, hosted: Hosted, err: ContextFull) -> None:
+        """The cache reached the model's context: later frames are not taken (said once)."""
+        hosted.record.context_full = True
+        await self._set(session_id, context_full=True)
+        message = f"{err}: later frames are not taken; ask about what it holds, or use a policy that evicts"
+        await self._event(session_id, WarningEvent(code="context_full", message=message))
 
     async def _finish_ingest(self, session_id: str, hosted: Hosted) -> None:
         """All media so far is in the cache: an upload is done (its spool goes once a snapshot
@@ -1185,6 +1203,7 @@ class Worker:
             session_ids=[*self.sessions, *self._claiming],
             kv_bytes_per_token=self.model.kv_bytes_per_token,
             kv_free_bytes=self._kv_free_bytes(),
+            context_tokens=self.context_tokens,
             host_bytes_per_token=self.host_bytes_per_token,
             index_bytes_per_host_token=self.index_bytes_per_host_token,
             host_free_bytes=self._host_free_bytes(),

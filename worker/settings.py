@@ -16,6 +16,10 @@ class WorkerSettings(CommonSettings):
     )
     torch_threads: int = Field(0, ge=0, description="CPU threads for torch; 0 keeps torch's default.")
     max_sessions: int = Field(8, ge=1, description="Sessions this worker holds at once, at most.")
+    max_context_tokens: int = Field(
+        0, ge=0, description="The most tokens a session's cache may hold at once; 0: the model's context "
+        "(`max_position_embeddings`). A lower value keeps sessions within what the model attends over well.",
+    )
     kv_memory_bytes: int = Field(
         0, ge=0, description="Memory for the sessions' caches (each reserves its peak); 0: 90% of the GPU's "
         "free memory once the model is loaded, or half the available RAM on a CPU.",

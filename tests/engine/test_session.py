@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import POLICIES, Session, SessionConfig, UnknownModelError, load_model
+from engine import POLICIES, ContextFull, Session, SessionConfig, UnknownModelError, load_model
 from streamvqa import protocol
 
 VISUAL_TOKENS_PER_FRAME = 16  # every tiny family: 64x64 frames, 16 visual tokens
@@ -134,6 +134,44 @@ def test_a_bfloat16_model_streams_evicts_and_answers(model):
     assert stats.evictions > 0 and stats.cache_tokens <= 150
     assert session.cache.hf.layers[0].keys.dtype == torch.bfloat16
     assert Session.restore(half, session.snapshot()).stats() == stats
+
+
+OPENING_TOKENS = 149  # the tiny models' default system prompt with its chat markers
+QUESTION_TURN_TOKENS = 13 + 8  # the markers closing a question, then its answer
+
+
+def test_a_full_cache_stops_at_the_context_and_keeps_room_for_questions(model):
+    assert model.context_tokens == 32768
+    session = Session(model, SessionConfig(policy="full", context_tokens=314, question_room_tokens=64))
+    with pytest.raises(
+        ContextFull,
+        match=r"^the frame at 4\.0s needs 23 more tokens, but the cache holds 241 of the model's 314-token context "
+        r"\(64 of it kept for questions\)$",
+    ):
+        session.append_frames(frames(5), [0.0, 1.0, 2.0, 3.0, 4.0])
+    stats = session.stats()
+    assert (stats.frames, stats.video_time_s, stats.cache_tokens) == (4, 3.0, OPENING_TOKENS + 4 * FRAME_TOKENS)
+    with pytest.raises(ContextFull, match=r"^the question needs 82 more tokens"):  # 60, its turn, one answer token
+        session.ask("x" * 60)
+    assert session.stats().cache_tokens == 241  # nothing of it was run
+    answer = session.ask("hi", max_new_tokens=64)  # 73 left: "hi" and its turn take 23, one token each
+    list(answer)
+    assert (answer.tokens, answer.finish_reason) == (50, "length")
+    assert (session.stats().cache_tokens, session.stats().max_position) == (314, 313)
+
+
+# The highest position: the context's last, or for h2o (which evicts down to its budget of 230
+# after each answer token) 230, then the last answer token and the 8 markers closing the answer.
+@pytest.mark.parametrize(("policy", "max_position"), [("full", 245), ("sliding", 245), ("h2o", 238)])
+def test_an_answer_ends_at_the_context_with_finish_reason_length(model, policy, max_position):
+    context = OPENING_TOKENS + 3 * FRAME_TOKENS + 2 + QUESTION_TURN_TOKENS + 5  # room for 5 answer tokens
+    config = SessionConfig(policy=policy, budget_tokens=230, context_tokens=context, question_room_tokens=0)
+    session = Session(model, config)
+    session.append_frames(frames(3), [0.0, 1.0, 2.0])
+    answer = session.ask("hi", max_new_tokens=64)
+    list(answer)
+    assert (answer.tokens, answer.finish_reason) == (5, "length")
+    assert session.stats().max_position == max_position
 
 
 def test_bad_input_is_refused_clearly(model):
