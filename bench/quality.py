@@ -53,13 +53,17 @@ def _value(text: str) -> object:
 
 
 def _config(policy: str, budget: int, options: dict, recall: bool) -> SessionConfig:
-    return SessionConfig(policy=policy, budget_tokens=budget, system_prompt=SYSTEM, policy_options=options, recall=recall)
+    return SessionConfig(
+        policy=policy, budget_tokens=budget, system_prompt=SYSTEM, policy_options=options, recall=recall,
+        question_room_tokens=0,  # text only: `full` runs up to the context itself
+    )
 
 
 def perplexity(model, policy: str, budget: int, ids: list[int], chunk: int, context: int, options: dict,
                recall: bool = False) -> dict:
     session = Session(model, _config(policy, budget, options, recall))
-    limit = min(len(ids), context) if policy == "full" else len(ids)
+    opening = session.stats().cache_tokens
+    limit = min(len(ids), context - opening) if policy == "full" else len(ids)
     nll = tokens = 0.0
     nll_context = tokens_context = 0.0
     for start in range(0, limit, chunk):

@@ -204,7 +204,7 @@ def main() -> None:
             results, streamed = [], 0
             for trial in range(opts.trials):
                 stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk)
-                config = SessionConfig(policy="full", system_prompt=SYSTEM)
+                config = SessionConfig(policy="full", system_prompt=SYSTEM, question_room_tokens=0)  # the stream leaves it
                 snapshot, held = stream_once(model, config, stream)
                 results += [ask(model, snapshot, fact, False, opts.answer_tokens) for fact in stream.facts]
                 streamed = stream.tokens
