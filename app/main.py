@@ -8,7 +8,7 @@ from fastapi_offline import FastAPIOffline
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
-from app import asks, completions, errors, ops, routes, streams
+from app import asks, completions, errors, ops, routes, samples, streams
 from app.deps import rate_limit
 from app.limits import BodyLimit, RateLimiter
 from app.metrics import GatewayMetrics, RequestCounter
@@ -60,6 +60,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(routes.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
     app.include_router(asks.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
     app.include_router(completions.router, dependencies=limited)
+    app.include_router(samples.router, dependencies=limited)
     app.include_router(streams.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.header_timeout_s)
     if settings.cors_origin_list:
