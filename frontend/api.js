@@ -50,6 +50,16 @@ export async function liveModels() {
   return { default: body.default, models: body.models.map((m) => ({ model: m.name, workers: m.workers })) };
 }
 
+/** `GET /samples`: the sample videos the gateway serves, [{name, bytes, url}]. */
+export async function listSamples() {
+  return (await (await call("/samples")).json()).samples;
+}
+
+/** A sample video's bytes (`url` from listSamples). */
+export async function fetchSample(url) {
+  return (await call(url)).blob();
+}
+
 /** `POST /sessions`: {session: a Session, record: the session as created}. */
 export async function createSession(options) {
   const created = await (await call("/sessions", { method: "POST", json: options })).json();

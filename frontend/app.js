@@ -1,10 +1,12 @@
 // The dashboard: wires the session, its source, the live view, the memory view and the
 // questions together. It talks only to the gateway (api.js); each panel is its own module.
 
-import { createSession, liveModels, Session } from "./api.js";
+import { createSession, listSamples, liveModels, Session } from "./api.js";
 import { Conversation } from "./ask.js";
+import { DEMO, demoVideos } from "./demo.js";
 import { bytes, count, frameRate, percent, videoTime } from "./format.js";
 import { MemoryView } from "./memory.js";
+import { CachePlot } from "./plot.js";
 import { Stage } from "./preview.js";
 import { FrameStreamer, openCapture } from "./source.js";
 
@@ -37,6 +39,9 @@ const ui = {
   error: $("#error"),
   errorText: $("#error-text"),
   createForm: $("#create-form"),
+  demo: $("#demo"),
+  demoHint: $("#demo-hint"),
+  demoControls: $("#demo-controls"),
   model: $("#model"),
   modelHint: $("#model-hint"),
   policy: $("#policy"),
@@ -73,7 +78,7 @@ const state = {
   record: null, // the latest GET /sessions/{id}, with ingest events applied
   events: null, // the session's EventStream
   pollTimer: null,
-  capture: null, // {kind, stream, streamer} while a camera or screen streams
+  capture: null, // {kind, streamer, release} while a camera, the screen or the demo streams
   uploading: false,
   links: { events: "connecting", poll: "ok" }, // the page's two lines to the server
   reconnectedTimer: null,
@@ -90,6 +95,10 @@ const memory = new MemoryView({
   ),
   recallParts: document.querySelectorAll("#memory [data-recall]"),
   onSeek: (time_s) => stage.seek(time_s),
+});
+const plot = new CachePlot({
+  svg: $("#cache-plot"),
+  fields: Object.fromEntries([...document.querySelectorAll("[data-plot]")].map((element) => [element.dataset.plot, element])),
 });
 const conversation = new Conversation({
   form: $("#ask-form"),
@@ -159,7 +168,7 @@ function describePolicy() {
   ui.budget.disabled = full;
   ui.budgetHint.textContent = full
     ? "The full cache has no budget: it keeps every token."
-    : "The cache keeps at most this many tokens per layer (256 – 1,000,000).";
+    : "The cache keeps at most this many tokens per layer (256 – 1,000,000); empty: 8,192, or what the model's context leaves room for.";
   describeRecall();
 }
 
@@ -208,7 +217,7 @@ async function loadModels() {
 
 function sessionOptions() {
   const options = { fps: Number(ui.fps.value), policy: ui.policy.value };
-  if (options.policy !== "full") options.budget_tokens = Number(ui.budget.value);
+  if (options.policy !== "full" && ui.budget.value) options.budget_tokens = Number(ui.budget.value);
   if (options.policy !== "full" && ui.recall.checked) {
     options.recall = true;
     if (ui.hostBudget.value) options.host_budget_tokens = Number(ui.hostBudget.value);
@@ -239,6 +248,36 @@ ui.createForm.addEventListener("submit", async (event) => {
   }
 });
 
+ui.demo.addEventListener("click", async () => {
+  ui.demo.disabled = true;
+  ui.demo.textContent = "Starting the demo…";
+  clearError();
+  try {
+    const videos = await demoVideos();
+    const options = { ...DEMO.options };
+    if (ui.model.value) options.model = ui.model.value;
+    const { session, record } = await createSession(options);
+    attach(session, record);
+    startDemo(videos);
+  } catch (err) {
+    showError(`Could not start the demo: ${err.message}`);
+  } finally {
+    ui.demo.disabled = false;
+    ui.demo.textContent = "Try the demo";
+  }
+});
+
+/** The demo needs the gateway's sample videos; without them its button says why it is off. */
+async function offerDemo() {
+  try {
+    if ((await listSamples()).length) return;
+    ui.demoHint.textContent = "No demo: the server has no sample videos.";
+  } catch (err) {
+    ui.demoHint.textContent = `No demo: the sample videos could not be listed (${err.message}).`;
+  }
+  ui.demo.disabled = true;
+}
+
 $("#end-session").addEventListener("click", () => {
   const session = state.session;
   if (!session) return;
@@ -266,6 +305,7 @@ function attach(session, record, restored = false) {
     });
   }
   memory.clear();
+  plot.clear();
   resetMeters();
   ui.sourceStatus.textContent = "";
   if (restored && record.media) {
@@ -293,6 +333,7 @@ function detach(message) {
   sessionStorage.removeItem(STORAGE_KEY);
   conversation.use(null);
   memory.clear();
+  plot.clear();
   stage.clear();
   resetMeters();
   renderRecord(null);
@@ -315,7 +356,11 @@ async function poll(session) {
     const record = await session.status();
     if (session !== state.session) return;
     renderRecord(keepNewerIngest(record, state.record));
-    if (record.media) memory.render(await session.memory());
+    if (record.media) {
+      const report = await session.memory();
+      memory.render(report);
+      plot.setReport(report);
+    }
     setLink("poll", "ok");
   } catch (err) {
     if (session !== state.session) return;
@@ -375,13 +420,17 @@ function renderRecord(record) {
     element.title = r.media === "upload" ? "A file has no real-time clock: it is ingested as fast as the model goes." : "";
   }
   renderCache(r);
+  if (record) plot.setRecord(r);
   setFields("model", r.model || "–");
   setFields("policy", r.policy ? `${r.policy}` : "–");
   setFields("budget_tokens", none ? "–" : r.policy === "full" ? "none (full cache)" : `${count(r.budget_tokens)} tokens`);
   setFields("fps", none ? "–" : frameRate(r.fps));
   setFields("recall", none ? "–" : r.recall ? `on · ${count(r.host_budget_tokens)}-token host tier` : "off");
-  ui.sessionError.hidden = r.state !== "error";
-  ui.sessionError.textContent = r.state === "error" ? `Session error: ${r.error}` : "";
+  const full = r.context_full
+    ? `The cache reached the model's ${count(r.context_tokens)}-token context: later frames are not taken. Ask about what it holds.`
+    : "";
+  ui.sessionError.textContent = r.state === "error" ? `Session error: ${r.error}` : full;
+  ui.sessionError.hidden = !ui.sessionError.textContent;
   renderIngestProgress(r);
   if (r.media === "upload") {
     stage.setIngest(r.frames_ingested ? r.video_time_s : null, r.state === "ingested", r.media_duration_s, r.state === "error");
@@ -444,6 +493,7 @@ function updateSources() {
   for (const button of document.querySelectorAll("#source [data-action=stop]")) {
     button.disabled = !capturing || state.capture.kind !== button.dataset.kind;
   }
+  ui.demoControls.hidden = state.capture?.kind !== "demo";
   if (r && media === "upload" && !state.uploading && !ui.sourceStatus.textContent) {
     ui.sourceStatus.textContent = "This session has its video. Create a new session for another one.";
   } else if (r && media === "frames" && !capturing && !ui.sourceStatus.textContent) {
@@ -553,15 +603,28 @@ async function startCapture(kind) {
     return showError(`Could not start the ${kind}: ${err.message}.`);
   }
   if (session !== state.session) return stream.getTracks().forEach((track) => track.stop());
-  const fps = state.record.fps;
+  stream.getVideoTracks()[0]?.addEventListener("ended", () => stopCapture()); // "Stop sharing" in the browser
+  stage.showLive(stream, kind);
+  streamStage(kind, () => stream.getTracks().forEach((track) => track.stop()));
+}
+
+/** The demo: the sample videos play on the stage, streamed as a camera would be, and the
+ *  stream ends after the last one. */
+function startDemo(videos) {
+  if (!state.session || state.capture) return;
+  stage.showSamples(videos, DEMO.rounds, () => stopCapture());
+  streamStage("demo", () => {});
+}
+
+/** Stream what the stage shows to the session's socket as frames, at the session's fps;
+ *  release() lets the source go when the stream stops. */
+function streamStage(kind, release) {
   const streamer = new FrameStreamer({
-    url: session.streamUrl(), fps, video: $("#preview"),
+    url: state.session.streamUrl(), fps: state.record.fps, video: $("#preview"),
     onStatus: (status, detail) => captureStatus(kind, status, detail),
     onEvent: (event) => (ui.sourceStatus.textContent = `Note: ${event.message}`),
   });
-  state.capture = { kind, stream, streamer };
-  stream.getVideoTracks()[0]?.addEventListener("ended", () => stopCapture()); // "Stop sharing" in the browser
-  stage.showLive(stream, kind);
+  state.capture = { kind, streamer, release };
   streamer.start();
   updateSources();
 }
@@ -592,9 +655,10 @@ async function stopCapture(drain = true) {
   const capture = state.capture;
   if (!capture) return;
   state.capture = null;
-  capture.stream.getTracks().forEach((track) => track.stop());
+  capture.release();
   if (!drain) return capture.streamer.close();
-  stage.clear(`The ${capture.kind} is off. The session keeps what the model saw: ask away.`);
+  const off = capture.kind === "demo" ? "The demo is over" : `The ${capture.kind} is off`;
+  stage.clear(`${off}. The session keeps what the model saw: ask away.`);
   updateSources();
   ui.sourceStatus.textContent = "Ending the stream…";
   await capture.streamer.stop();
@@ -619,4 +683,5 @@ describePolicy();
 renderRecord(null);
 selectTab(ui.tabs[0]);
 loadModels();
+offerDemo();
 restore();

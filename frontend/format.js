@@ -13,6 +13,13 @@ export function videoTime(seconds) {
   return `${minutes}:${(seconds - 60 * minutes).toFixed(1).padStart(4, "0")}`;
 }
 
+const TICK_STEPS_S = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200];
+
+/** Seconds between the ticks of a time axis `total_s` long, for at most `max` ticks. */
+export function tickStep(total_s, max) {
+  return TICK_STEPS_S.find((s) => total_s / s <= max) ?? TICK_STEPS_S[TICK_STEPS_S.length - 1];
+}
+
 /** A short tick label on a time axis: "0 s", "45 s", "2:30". */
 export function tick(seconds) {
   if (seconds < 60) return `${Math.round(seconds)} s`;

@@ -8,10 +8,9 @@
 // `dropped` (neither), `part` (split between them) or `empty`. An answer's recalled seconds
 // are marked `data-recalled`, its evidence `data-evidence`.
 
-import { bytes, count, percent, tick } from "./format.js";
+import { bytes, count, percent, tick, tickStep } from "./format.js";
 
 const HELD_EPSILON = 0.05; // tokens: `frame_held` is a mean over layers and heads
-const TICK_STEPS_S = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200];
 const MAX_TICKS = 6;
 
 /** How much of what was seen is held: all, part, none, or empty when nothing was seen. */
@@ -179,7 +178,7 @@ export class MemoryView {
 
   renderAxis() {
     const total = this.total_s;
-    const step = TICK_STEPS_S.find((s) => total / s <= MAX_TICKS) ?? TICK_STEPS_S[TICK_STEPS_S.length - 1];
+    const step = tickStep(total, MAX_TICKS);
     const ticks = [];
     for (let t = 0; t <= total + 1e-9; t += step) {
       const label = document.createElement("span");

@@ -10,7 +10,8 @@ export class Stage {
     this.empty = empty;
     this.badge = badge;
     this.emptyText = empty.textContent;
-    this.kind = null; // "file", "camera", "screen" or null
+    this.kind = null; // "file", "camera", "screen", "demo" or null
+    this.nextClip = null; // the demo's: plays its next clip, or ends it
     this.objectUrl = null;
     this.head_s = null; // the last frame the model has ingested (file), null before the first
     this.ingested = false; // the whole file is in
@@ -22,7 +23,9 @@ export class Stage {
     video.addEventListener("seeking", () => this.keepInStep());
     video.addEventListener("error", () => {
       if (this.kind === "file") this.say("This browser cannot preview this file; the model still receives it.");
+      if (this.kind === "demo") this.nextClip(); // a clip this browser cannot play: the next one
     });
+    video.addEventListener("ended", () => this.kind === "demo" && this.nextClip());
   }
 
   get seekable() {
@@ -37,6 +40,25 @@ export class Stage {
     this.video.play().catch(() => {});
     this.say(null);
     this.setBadge(`● Live · ${kind}`, "live");
+  }
+
+  /** The demo: the video files at `urls` played one after another, `rounds` times over, as a live
+   *  source (what the stage shows is what is streamed); onEnd() once the last one has played. */
+  showSamples(urls, rounds, onEnd) {
+    this.reset();
+    this.kind = "demo";
+    this.video.controls = false;
+    const clips = Array.from({ length: rounds }, () => urls).flat();
+    let next = 0;
+    this.nextClip = () => {
+      if (next === clips.length) return onEnd();
+      this.video.src = clips[next];
+      next += 1;
+      this.setBadge(`● Live · demo · clip ${next} of ${clips.length}`, "live");
+      this.video.play().catch(() => {}); // muted, so the browser allows it
+    };
+    this.say(null);
+    this.nextClip();
   }
 
   showFile(file, fps) {
@@ -65,6 +87,7 @@ export class Stage {
     if (this.objectUrl) URL.revokeObjectURL(this.objectUrl);
     this.objectUrl = null;
     this.kind = null;
+    this.nextClip = null;
     this.head_s = null;
     this.ingested = false;
     this.waiting = false;
