@@ -292,7 +292,10 @@ def test_with_recall_the_memory_view_shows_device_host_and_dropped_seconds_and_w
     page.select_option("#policy", "sliding")
     assert page.is_hidden("#host-budget")
     page.get_by_label("Recall").check()
-    assert page.get_attribute("#host-budget", "placeholder") == "131,072 (16 × budget)"  # of the 8,192 default
+    assert page.get_attribute("#host-budget", "placeholder") == "16 × budget"  # the budget is the model's
+    page.fill("#budget", "8192")
+    assert page.get_attribute("#host-budget", "placeholder") == "131,072 (16 × budget)"
+    page.fill("#budget", "")
     # 40 frames of 16 tokens (and 7 of text) in a 256-token budget: the latest seconds stay on the
     # device, the 256 tokens evicted last wait in the host tier, the oldest are dropped
     create_session(page, policy="sliding", budget=256, fps=4, recall=True, host_budget=256)
@@ -401,6 +404,67 @@ def test_the_page_fits_a_phone_and_a_laptop(launch):
     setup, live, questions = (laptop.locator(f"#{card}").bounding_box() for card in ("setup", "live", "ask"))
     assert setup["x"] < live["x"] < questions["x"]  # three columns
     assert questions["x"] + questions["width"] <= 1280
+
+
+def test_the_demo_streams_the_samples_into_a_256_token_cache_and_shows_it_evict(page):
+    page.wait_for_selector("#model option[value='tiny-random-llava']", state="attached")
+    page.get_by_role("button", name="Try the demo").click()
+    page.wait_for_selector("#connection[data-state='live']")
+    assert page.text_content("#setup [data-field='policy']") == "infmllm"
+    assert page.text_content("#setup [data-field='budget_tokens']") == "256 tokens"
+    assert page.text_content("#setup [data-field='fps']") == "2 frames/s"
+    page.wait_for_selector("#stage-badge:text-is('● Live · demo · clip 1 of 9')")  # 3 samples, 3 times over
+    page.wait_for_selector("#source-status:has-text('Streaming at 2 frames/s')")
+
+    # 23 tokens a frame (16 of frame, 7 of text), 2 frames a second: the cache is full within 6 s
+    # of video, and from then on what it no longer holds shows as partly or wholly evicted seconds
+    page.wait_for_selector("#timeline .span:is([data-held='part'], [data-held='none'])", state="attached", timeout=60_000)
+    page.wait_for_function("Number(document.querySelector('[data-plot=seen]').textContent.replace(',', '')) >= 512")
+    assert field(page, "cache_tokens") == "256 / 256"
+    assert int(page.text_content("[data-memory='evictions']")) > 0
+    seconds = re.search(r"(\d+) s partly evicted, (\d+) s evicted$", page.get_attribute("#timeline", "aria-label"))
+    assert int(seconds[1]) + int(seconds[2]) >= 1, seconds
+
+    # the plot: the held line rose to the budget and lies on it, while the seen line goes on above
+    assert int(page.get_attribute("#cache-plot", "data-points")) >= 3
+    assert page.text_content("[data-plot='held']") == "256" and page.text_content("[data-plot='budget']") == "256"
+    assert re.fullmatch(
+        r"Cache over video time: 256 tokens held of a 256-token budget at \d+\.\d s; [\d,]+ tokens seen so far",
+        page.get_attribute("#cache-plot", "aria-label"),
+    )
+    budget_y = float(page.get_attribute("#cache-plot .plot-budget", "y1"))
+    held = [tuple(map(float, xy.split(","))) for xy in page.get_attribute("#cache-plot .plot-held", "points").split()]
+    seen = [tuple(map(float, xy.split(","))) for xy in page.get_attribute("#cache-plot .plot-seen", "points").split()]
+    assert held[0][1] > budget_y and held[-1][1] == budget_y, (held, budget_y)  # below the budget, then on it
+    assert seen[-1][1] < budget_y, (seen, budget_y)  # above it
+    screenshot(page, "dashboard-demo.png")
+
+    page.get_by_role("button", name="Stop the demo").click()
+    page.wait_for_selector("#source-status:has-text('Stream ended')")
+    assert field(page, "state") == "ingested"
+    assert page.text_content("#stage-empty") == "The demo is over. The session keeps what the model saw: ask away."
+    assert page.is_hidden("#demo-controls") and page.is_hidden("#error")
+
+
+def test_the_sample_videos_are_served_by_name_and_nothing_else(stack):
+    listed = httpx.get(f"{stack.url}/samples").json()["samples"]
+    assert [(s["name"], s["bytes"], s["url"]) for s in listed] == [
+        ("bikes.mp4", 509868, "/samples/bikes.mp4"),
+        ("bigbuckbunny.mp4", 1055736, "/samples/bigbuckbunny.mp4"),
+        ("carphone_pristine.mp4", 588804, "/samples/carphone_pristine.mp4"),
+    ]
+    video = httpx.get(f"{stack.url}/samples/bikes.mp4")
+    assert (video.status_code, video.headers["content-type"], video.content) == (
+        200, "video/mp4", sample_video("bikes.mp4").read_bytes()
+    )
+    for name in ("carphone_distorted.mp4", "README.md", "__init__.py", "bikes.mp4.bak"):
+        missing = httpx.get(f"{stack.url}/samples/{name}")
+        assert (missing.status_code, missing.json()["code"]) == (404, "sample_not_found"), name
+        assert missing.json()["message"] == (
+            "no such sample video; the samples served: bikes.mp4, bigbuckbunny.mp4, carphone_pristine.mp4"
+        )
+    outside = httpx.get(f"{stack.url}/samples/..%2F..%2F__init__.py")  # a path, not a name: no route at all
+    assert (outside.status_code, outside.json()["code"]) == (404, "not_found")
 
 
 def test_a_lost_connection_reconnects_and_says_so(page, stack):
