@@ -8,10 +8,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+
+from streamvqa.redis_client import UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(RedisConnectionError, _redis_unreachable)
-    app.add_exception_handler(RedisTimeoutError, _redis_unreachable)
+    for unavailable in UNAVAILABLE:  # Redis down, or a cluster's master before its replica takes over
+        app.add_exception_handler(unavailable, _redis_unreachable)
     app.add_exception_handler(ClientDisconnect, _client_left)
     app.add_exception_handler(Exception, _unexpected)

@@ -15,7 +15,7 @@ from app.metrics import GatewayMetrics, RequestCounter
 from app.sessions import SessionStore
 from app.settings import GatewaySettings
 from streamvqa.protocol import Keys
-from streamvqa.redis_client import connect
+from streamvqa.redis_client import close, connect
 
 DESCRIPTION = """
 Ask questions about a live or uploaded video, in real time, in bounded memory.
@@ -37,7 +37,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        redis = connect(settings.redis_url, settings.redis_max_connections)
+        redis = connect(settings.redis_url, settings.redis_max_connections, cluster=settings.redis_cluster)
         keys = Keys(settings.redis_prefix)
         app.state.settings = settings
         app.state.redis = redis
@@ -49,8 +49,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            await redis.aclose()
-            await redis.connection_pool.aclose()
+            await close(redis)
 
     # /docs (Swagger UI) and /redoc with the assets fastapi-offline ships: no CDN, so they work offline
     app = FastAPIOffline(title="streamvqa", description=DESCRIPTION, version="0.1.0", lifespan=lifespan)

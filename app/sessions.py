@@ -9,68 +9,87 @@ import uuid
 from collections.abc import AsyncIterator
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from streamvqa import protocol
+from streamvqa.pending import REQUEUE_AFTER_S, enqueue, leave
+from streamvqa.redis_client import FAILURES
 from streamvqa.protocol import Keys, SessionOptions, SessionRecord, SessionState, WorkerInfo
 
-# Queues a session that no worker holds (it left its worker idle) for a worker of its model,
-# once (`queued` holds when; after REQUEUE_AFTER_S without a worker, a lost entry is replaced):
-# a Lua function the scripts that bring work to a session call. `hash`, `pending`, `admitted`
-# are keys; `id` the session id, `maxlen` the pending MAXLEN, `now` the time.
-REQUEUE_AFTER_S = 30
+# Marks a session that no worker holds (it left its worker idle) as waiting for a worker of its
+# model, once (`queued` holds when; after REQUEUE_AFTER_S without a worker, a lost entry is
+# replaced): a Lua function the scripts that bring work to a session call. `waking` wraps such a
+# script so that it returns {its result, 1 when it marked the session}; the caller then queues it
+# (`streamvqa.pending.enqueue`: the queue is a global key, in another slot than the session's).
 WAKE_LUA = f"""
-local function wake(hash, pending, admitted, id, maxlen, now)
+local woke = 0
+local function wake(hash, now)
   local found = redis.call('HMGET', hash, 'worker', 'queued', 'state')
   local waiting = found[2] and tonumber(now) - tonumber(found[2]) < {REQUEUE_AFTER_S}
   if (not found[1] or found[1] == '') and not waiting and found[3] ~= 'error' then
     redis.call('HSET', hash, 'queued', now)
-    redis.call('XADD', pending, 'MAXLEN', '~', maxlen, '*', 'session_id', id)
-    redis.call('ZADD', admitted, now, id)
+    woke = 1
   end
 end
+local function body()
 """
-# Stores a new session and queues it, unless its owner holds ARGV[1] sessions already (-1) or
-# the model's live workers have no place for it (-2). KEYS = the owner's set, the hash, media
-# and question streams, the model's pending queue and admitted set; ARGV = owner limit, the hash
-# key prefix, the id, the owner set's TTL, the places (live workers' MAX_SESSIONS), the time,
-# the pending MAXLEN, then the hash's field, value pairs. Returns 1 when created.
+
+
+def waking(body: str) -> str:
+    """A script whose body may call `wake(hash, now)`; it returns {the body's result, woke}."""
+    return WAKE_LUA + body + "\nend\nreturn {body(), woke}\n"
+
+
+# Stores a new session, queued (`queued` is the time), with its media and question streams and
+# their group, for CREATE_GRACE_S: it gets SESSION_TTL_S once it holds its places. KEYS = the
+# hash, media and question streams; ARGV = the grace TTL (s), the time, then the hash's field,
+# value pairs.
 CREATE_LUA = """
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if redis.call('EXISTS', ARGV[2] .. id) == 0 then redis.call('SREM', KEYS[1], id) end
-end
-if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[1]) then return -1 end
-for _, id in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
-  local found = redis.call('HMGET', ARGV[2] .. id, 'state', 'worker', 'queued')
-  if not found[1] or found[1] == 'error' or ((not found[2] or found[2] == '') and not found[3]) then
-    redis.call('ZREM', KEYS[6], id)
+redis.call('HSET', KEYS[1], 'queued', ARGV[2], unpack(ARGV, 3))
+redis.call('XGROUP', 'CREATE', KEYS[2], 'workers', '0', 'MKSTREAM')
+redis.call('XGROUP', 'CREATE', KEYS[3], 'workers', '0', 'MKSTREAM')
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+return 1
+"""
+CREATE_GRACE_S = 60  # a session whose gateway died while creating it is gone this soon
+# Adds ARGV[2] to its owner's set (KEYS[1]) unless it holds ARGV[1] sessions already, and gives
+# the set a TTL of ARGV[3] s. Returns 1, or 0 when it is full.
+TAKE_OWNED_LUA = """
+if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('SADD', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+# Adds ARGV[2] to a model's admitted sessions (KEYS[1]) at time ARGV[3], unless they hold the
+# ARGV[1] places of its live workers already. Returns 1, or 0 when they are full.
+TAKE_PLACE_LUA = """
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+return 1
+"""
+# Removes members of a sorted set whose score is still the one read (ARGV: member, score pairs),
+# so that one added again since it was read stays. Returns how many went.
+DROP_UNCHANGED_LUA = """
+local dropped = 0
+for i = 1, #ARGV, 2 do
+  if tonumber(redis.call('ZSCORE', KEYS[1], ARGV[i])) == tonumber(ARGV[i + 1]) then
+    dropped = dropped + redis.call('ZREM', KEYS[1], ARGV[i])
   end
 end
-if redis.call('ZCARD', KEYS[6]) >= tonumber(ARGV[5]) then return -2 end
-redis.call('HSET', KEYS[2], 'queued', ARGV[6], unpack(ARGV, 8))
-redis.call('XGROUP', 'CREATE', KEYS[3], 'workers', '0', 'MKSTREAM')
-redis.call('XGROUP', 'CREATE', KEYS[4], 'workers', '0', 'MKSTREAM')
-for i = 2, 4 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
-redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[7], '*', 'session_id', ARGV[3])
-redis.call('ZADD', KEYS[6], ARGV[6], ARGV[3])
-redis.call('SADD', KEYS[1], ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return 1
+return dropped
 """
 # Claims a live session's media slot for an upload, marks it ingesting and claims its media for
 # this request (renewed while it lives: a worker gives up an upload whose claim lapsed). KEYS =
-# its hash, the model's pending queue and admitted set, the streamer claim; ARGV = the id, the
-# pending MAXLEN, the time, the upload's connection id, the claim's TTL (ms). Returns 1 when
-# claimed, 0 when the session already has media, -1 when it is gone.
-START_UPLOAD_LUA = WAKE_LUA + """
+# its hash, the streamer claim; ARGV = the time, the upload's connection id, the claim's TTL
+# (ms). Returns 1 when claimed, 0 when the session already has media, -1 when it is gone.
+START_UPLOAD_LUA = waking("""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HSETNX', KEYS[1], 'media', 'upload') == 0 then return 0 end
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'pending' or state == 'ready' then redis.call('HSET', KEYS[1], 'state', 'ingesting') end
-redis.call('SET', KEYS[4], ARGV[4], 'PX', ARGV[5])
-wake(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3])
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+wake(KEYS[1], ARGV[1])
 return 1
-"""
+""")
 # Adds an upload's entry while the session lives, once: ARGV[2] is the upload's bytes queued
 # before it, ARGV[3] its own (a call retried after its reply was lost finds them counted).
 # KEYS = hash, media stream; ARGV = MAXLEN, offset, bytes, then the entry's field, value pairs.
@@ -97,11 +116,10 @@ end
 return 1
 """
 # Deletes a session with every answer it was asked, at once. KEYS = the session's keys (the
-# asked set first), then the model's admitted set; ARGV = the answer keys' prefix, the id.
+# asked set first); ARGV = the answer keys' prefix.
 DELETE_LUA = """
 for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do redis.call('DEL', ARGV[1] .. id) end
-redis.call('ZREM', KEYS[#KEYS], ARGV[2])
-return redis.call('DEL', unpack(KEYS, 1, #KEYS - 1))
+return redis.call('DEL', unpack(KEYS))
 """
 ROOM_POLL_S = (0.02, 0.2)  # first and longest wait between checks of a full media backlog
 
@@ -132,6 +150,9 @@ class SessionStore:
         self.keys = keys
         self.session_ttl_s = session_ttl_s
         self._create = redis.register_script(CREATE_LUA)
+        self._take_owned = redis.register_script(TAKE_OWNED_LUA)
+        self._take_place = redis.register_script(TAKE_PLACE_LUA)
+        self._drop_unchanged = redis.register_script(DROP_UNCHANGED_LUA)
         self._start_upload = redis.register_script(START_UPLOAD_LUA)
         self._upload_add = redis.register_script(UPLOAD_ADD_LUA)
         self._abort_upload = redis.register_script(ABORT_UPLOAD_LUA)
@@ -152,8 +173,10 @@ class SessionStore:
     ) -> tuple[SessionRecord, str]:
         """Store a new session and queue it for a worker serving `model`; returns it and its token.
         TooManySessions when `owner` already holds `max_per_owner` live sessions; NoPlace when
-        the model's workers already hold or are about to take `places` sessions (counted in one
-        script, so that concurrent creates never admit more)."""
+        the model's workers already hold or are about to take `places` sessions (checked and
+        taken in one script on the model's admitted set, so that concurrent creates never admit
+        more). The session is written first, with a short TTL that becomes SESSION_TTL_S once
+        both places are taken: a gateway that dies part-way leaves nothing that lasts."""
         token = secrets.token_hex(32)  # never begins with "-", so `--token <token>` works on any command line
         record = SessionRecord(
             id=uuid.uuid4().hex,
@@ -170,20 +193,62 @@ class SessionStore:
             context_tokens=context_tokens,
         )
         fields = {**protocol.to_hash(**record.model_dump()), "token_sha256": _digest(token), "owner": owner}
-        keys = [
-            self.keys.owner(owner), self.keys.session(record.id), self.keys.media(record.id),
-            self.keys.questions(record.id), self.keys.pending(model), self.keys.admitted(model),
-        ]
-        args = [
-            max_per_owner, self.keys.session(""), record.id, self.session_ttl_s, places, time.time(),
-            protocol.PENDING_MAXLEN, *[item for pair in fields.items() for item in pair],
-        ]
-        created = await self._create(keys=keys, args=args)
-        if created == -1:
-            raise TooManySessions()
-        if created == -2:
-            raise NoPlace()
+        session_keys = [self.keys.session(record.id), self.keys.media(record.id), self.keys.questions(record.id)]
+        now = time.time()
+        await self._create(
+            keys=session_keys, args=[CREATE_GRACE_S, now, *[item for pair in fields.items() for item in pair]]
+        )
+        owned = self.keys.owner(owner)
+        try:
+            await self._forget_gone_owned(owner)
+            if await self.redis.scard(owned) >= max_per_owner:  # the common refusal, before a place is taken
+                raise TooManySessions()
+            await self._forget_unadmitted(model)
+            if not await self._take_place(keys=[self.keys.admitted(model)], args=[places, record.id, now]):
+                raise NoPlace()
+            if not await self._take_owned(keys=[owned], args=[max_per_owner, record.id, self.session_ttl_s]):
+                await leave(self.redis, self.keys, record.id, model)
+                raise TooManySessions()
+        except BaseException:
+            await self.redis.delete(*session_keys)
+            raise
+        await enqueue(self.redis, self.keys, record.id, model, now)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in session_keys:
+                pipe.expire(key, self.session_ttl_s)
+            await pipe.execute()
         return record, token
+
+    async def _forget_gone_owned(self, owner: str) -> None:
+        """Drop from the owner's set the sessions that are gone (a session's hash is written
+        before its id joins the set, and an id is never reused: a missing hash is gone for good)."""
+        ids = list(await self.redis.smembers(self.keys.owner(owner)))
+        if not ids:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id in ids:
+                pipe.exists(self.keys.session(session_id.decode()))
+            found = await pipe.execute()
+        gone = [session_id for session_id, exists in zip(ids, found, strict=True) if not exists]
+        if gone:
+            await self.redis.srem(self.keys.owner(owner), *gone)
+
+    async def _forget_unadmitted(self, model: str) -> None:
+        """Drop from the model's admitted sessions those gone, failed, or parked (no worker, not
+        queued), unless one was admitted again since it was read."""
+        admitted = await self.redis.zrange(self.keys.admitted(model), 0, -1, withscores=True)
+        if not admitted:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id, _ in admitted:
+                pipe.hmget(self.keys.session(session_id.decode()), "state", "worker", "queued")
+            found = await pipe.execute()
+        unadmitted = []
+        for (session_id, score), (state, worker, queued) in zip(admitted, found, strict=True):
+            if state is None or state == SessionState.ERROR.encode() or (not worker and queued is None):
+                unadmitted += [session_id, repr(score)]
+        if unadmitted:
+            await self._drop_unchanged(keys=[self.keys.admitted(model)], args=unadmitted)
 
     async def owned(self, owner: str) -> list[SessionRecord]:
         """The owner's live sessions, newest first."""
@@ -223,7 +288,8 @@ class SessionStore:
             asked, *(key for key in self.keys.session_data(session.id) if key != asked),
             self.keys.streamer(session.id), self.keys.lease(session.id),
         ]
-        await self._delete(keys=[*keys, self.keys.admitted(session.model)], args=[self.keys.answer(session.id, ""), session.id])
+        await self._delete(keys=keys, args=[self.keys.answer(session.id, "")])
+        await leave(self.redis, self.keys, session.id, session.model)
 
     async def upload(
         self, session: SessionRecord, chunks: AsyncIterator[bytes], max_bytes: int, stall_s: float
@@ -238,10 +304,12 @@ class SessionStore:
         """
         session_key, stream, claim = self.keys.session(session.id), self.keys.media(session.id), self.keys.streamer(session.id)
         connection = f"upload-{uuid.uuid4().hex[:16]}"
-        claimed = await self._start_upload(
-            keys=[session_key, self.keys.pending(session.model), self.keys.admitted(session.model), claim],
-            args=[session.id, protocol.PENDING_MAXLEN, time.time(), connection, protocol.STREAMER_TTL_S * 1000],
+        now = time.time()
+        claimed, woke = await self._start_upload(
+            keys=[session_key, claim], args=[now, connection, protocol.STREAMER_TTL_S * 1000]
         )
+        if woke:
+            await enqueue(self.redis, self.keys, session.id, session.model, now)
         if claimed == 0:
             raise UploadRefused(409, "media_exists", "this session already has its media")
         if claimed < 0:
@@ -273,7 +341,7 @@ class SessionStore:
             await asyncio.sleep(protocol.STREAMER_TTL_S / 3)
             try:
                 await self._renew_claim(keys=[claim], args=[connection, protocol.STREAMER_TTL_S * 1000])
-            except RedisError:
+            except FAILURES:
                 pass  # the upload's own next step fails too, and says so
 
     async def _add_upload_entry(self, session: SessionRecord, offset: int, fields: dict[str, bytes | str]) -> None:

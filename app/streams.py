@@ -20,7 +20,6 @@ import uuid
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from app import answers
 from app.asks import submit
@@ -28,9 +27,11 @@ from app.deps import SESSION_ID, caller_of
 from app.errors import ApiError
 from app.limits import MessageRate
 from app.metrics import GatewayMetrics
-from app.sessions import WAKE_LUA, SessionStore
+from app.sessions import SessionStore, waking
 from app.settings import GatewaySettings
 from streamvqa import protocol
+from streamvqa.pending import enqueue
+from streamvqa.redis_client import FAILURES
 from streamvqa.protocol import (
     AnswerDoneEvent,
     AnswerErrorEvent,
@@ -76,33 +77,33 @@ redis.call('HSET', KEYS[1], 'media', ARGV[1])
 local found = redis.call('HMGET', KEYS[1], 'stream_bytes', 'last_frame_s')
 return {tonumber(found[1] or '0'), found[2] or ''}
 """
-# Adds a media entry to a live session, once, and brings the session back to a worker if it
-# left its worker idle. A container stream's bytes carry the stream's byte count before them
-# (ARGV[8]), a frame its time (ARGV[4]): a call retried after its reply was lost, or a frame
-# sent again after a reconnection, is found there and not added twice. KEYS = hash, media
-# stream, streamer key, the model's pending queue and admitted set; ARGV = MAXLEN, stream bytes
-# to count, this connection, a frame's time ('' for none), the session id, the pending MAXLEN,
-# the time, the offset ('' for none), then the entry's field, value pairs. Returns 1 (added, or
-# found added), 0 for a frame not after the last one, -1 when the session is gone (nothing
-# outlives a session), -2 when it failed, -3 when another connection took the stream over, -4
-# when bytes before these are missing (Redis lost them: the client sends on from `bytes_received`).
-ADD_LUA = WAKE_LUA + """
+# Adds a media entry to a live session, once, and marks the session to be brought back to a
+# worker if it left its worker idle. A container stream's bytes carry the stream's byte count
+# before them (ARGV[6]), a frame its time (ARGV[4]): a call retried after its reply was lost, or
+# a frame sent again after a reconnection, is found there and not added twice. KEYS = hash, media
+# stream, streamer key; ARGV = MAXLEN, stream bytes to count, this connection, a frame's time
+# ('' for none), the time, the offset ('' for none), then the entry's field, value pairs.
+# Returns {1 (added, or found added), 0 for a frame not after the last one, -1 when the session
+# is gone (nothing outlives a session), -2 when it failed, -3 when another connection took the
+# stream over, -4 when bytes before these are missing (Redis lost them: the client sends on from
+# `bytes_received`); 1 when the session must be queued for a worker}.
+ADD_LUA = waking("""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'state') == 'error' then return -2 end
 local holder = redis.call('GET', KEYS[3])
 if holder and holder ~= ARGV[3] then return -3 end
 if ARGV[4] ~= '' and tonumber(ARGV[4]) <= tonumber(redis.call('HGET', KEYS[1], 'last_frame_s') or '-1') then return 0 end
-if ARGV[8] ~= '' then
+if ARGV[6] ~= '' then
   local received = tonumber(redis.call('HGET', KEYS[1], 'stream_bytes') or '0')
-  if received > tonumber(ARGV[8]) then return 1 end
-  if received < tonumber(ARGV[8]) then return -4 end
+  if received > tonumber(ARGV[6]) then return 1 end
+  if received < tonumber(ARGV[6]) then return -4 end
 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 9))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 7))
 if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[1], 'stream_bytes', ARGV[2]) end
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'last_frame_s', ARGV[4]) end
-wake(KEYS[1], KEYS[4], KEYS[5], ARGV[5], ARGV[6], ARGV[7])
+wake(KEYS[1], ARGV[5])
 return 1
-"""
+""")
 # Counts a socket among its session's open sockets, unless ARGV[3] are open. KEYS[1] = the
 # session's sockets (a sorted set: connection id -> expiry, ms); ARGV = connection id, TTL (ms),
 # limit. Sockets whose gateway died expire. Returns 1 when counted (or renewed), 0 when full.
@@ -149,7 +150,7 @@ async def stream(websocket: WebSocket, session_id: str, token: str | None = None
         await connection.close(closed.code, closed.reason)
     except WebSocketDisconnect:
         pass
-    except RedisError as err:
+    except FAILURES as err:
         log.warning("stream socket of session %s: Redis failed (%s)", session_id, err)
         await connection.close(CloseCode.TRY_AGAIN_LATER, "Redis is unreachable; connect again in a few seconds")
     except Exception:
@@ -419,7 +420,7 @@ class StreamConnection:
         except (WebSocketDisconnect, RuntimeError) as err:
             log.info("socket %s: answer %s not delivered (%s)", self.id, answer_id, err)
         except Exception as err:
-            if isinstance(err, RedisError):
+            if isinstance(err, FAILURES):
                 log.warning("socket %s: answer %s: Redis failed (%s)", self.id, answer_id, err)
                 code, message = "redis_unreachable", "Redis is unreachable; ask again in a few seconds"
             else:
@@ -482,16 +483,16 @@ class StreamConnection:
         """Add a media entry, unless the session is gone or failed or another socket took the
         stream over (then close, unless `closing`); False for a frame not after the last one."""
         pairs = [item for pair in fields.items() for item in pair]
-        keys = [
-            self.keys.session(self.session_id), self.keys.media(self.session_id), self.keys.streamer(self.session_id),
-            self.keys.pending(self.record.model), self.keys.admitted(self.record.model),
-        ]
+        keys = [self.keys.session(self.session_id), self.keys.media(self.session_id), self.keys.streamer(self.session_id)]
         offset = self._stream_bytes if fields["type"] == "data" else None
+        now = time.time()
         args = [
-            protocol.MEDIA_MAXLEN, stream_bytes, self.id, "" if frame_s is None else repr(frame_s), self.session_id,
-            protocol.PENDING_MAXLEN, time.time(), "" if offset is None else offset, *pairs,
+            protocol.MEDIA_MAXLEN, stream_bytes, self.id, "" if frame_s is None else repr(frame_s), now,
+            "" if offset is None else offset, *pairs,
         ]
-        added = await self._add_entry(keys=keys, args=args)
+        added, woke = await self._add_entry(keys=keys, args=args)
+        if woke:
+            await enqueue(self.redis, self.keys, self.session_id, self.record.model, now)
         if added == 1:
             self._stream_bytes += stream_bytes
         if added >= 0 or closing:

@@ -374,7 +374,7 @@ async def _judge(store: aioredis.Redis, prefix: str, sid: str, tally: Tally) -> 
     for answer_id in [a for a, s in tally.asked.items() if s == sid and a not in tally.judged]:
         while True:
             try:
-                stored = await store.xrange(f"{prefix}session:{sid}:answer:{answer_id}")
+                stored = await store.xrange(f"{prefix}session:{{{sid}}}:answer:{answer_id}")
                 break
             except RedisError:
                 await asyncio.sleep(0.5)  # Redis is being restarted
@@ -399,12 +399,12 @@ async def _frames(store: aioredis.Redis, prefix: str, tally: Tally) -> Counter:
     frames = Counter()
     for sid, sent in tally.sent.items():
         events = {}
-        for _, fields in await store.xrange(f"{prefix}session:{sid}:events"):
+        for _, fields in await store.xrange(f"{prefix}session:{{{sid}}}:events"):
             event = EventEnvelope.model_validate_json(fields[b"m"]).event
             if event.type == "ingest":
                 events[event.frames] = event.times
         times = [t for batch in events.values() for t in batch]
-        counted = int(await store.hget(f"{prefix}session:{sid}", "frames_ingested") or 0)
+        counted = int(await store.hget(f"{prefix}session:{{{sid}}}", "frames_ingested") or 0)
         frames["sent"] += len(sent)
         frames["ingested"] += counted
         frames["duplicated"] += max(0, counted - len(set(times)))  # in the cache more than once

@@ -106,14 +106,14 @@ def main() -> None:
         line["busy_answers_done_meanwhile"] = sum(busy.status(i)["status"] == "done" for i in ids)
         line["busy_over_idle_p99"] = round(line["busy_p99_ms"] / line["idle_p99_ms"], 2)
 
-        answer = f"{prefix}session:{busy.id}:answer:{ids[0]}"
+        answer = f"{prefix}session:{{{busy.id}}}:answer:{ids[0]}"
         deleted_at = time.perf_counter()
         busy.http.delete(f"/sessions/{busy.id}")
         while any(busy.id in WorkerInfo.model_validate_json(w).session_ids for w in store.hvals(f"{prefix}workers")):
             time.sleep(0.005)
         line["delete_stop_s"] = round(time.perf_counter() - deleted_at, 3)
         time.sleep(1)
-        line["keys_after_delete"] = len(store.keys(f"{prefix}session:{busy.id}*")) + store.exists(answer)
+        line["keys_after_delete"] = len(store.keys(f"{prefix}session:{{{busy.id}}}*")) + store.exists(answer)
 
         last = User(base)
         _queue(last, 2, args.tokens)

@@ -117,43 +117,54 @@ class CloseCode(IntEnum):
 
 
 class Keys:
-    """Every Redis key streamvqa uses, under one prefix (tests use a prefix each)."""
+    """Every Redis key streamvqa uses, under one prefix (tests use a prefix each).
+
+    A session's keys all carry its id as a hash tag (`session:{<id>}...`): on a Redis Cluster
+    they live in one slot, so that a script may touch any of them together. The global keys
+    (`owner:`, `rate:`, `pending:`, `admitted:`, `workers`) are one key each, in slots of their
+    own; no script touches one of them beside another key (docs/protocol.md says what that costs).
+    """
 
     def __init__(self, prefix: str = "svqa:") -> None:
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(f"a key prefix may not hold {{ or }} (they would make it every key's hash tag): {prefix!r}")
         self.prefix = prefix
 
     def session(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}"
+        return f"{self.prefix}session:{{{session_id}}}"
+
+    def _of(self, session_id: str, name: str) -> str:
+        return f"{self.session(session_id)}:{name}"
 
     def lease(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:lease"
+        return self._of(session_id, "lease")
 
     def media(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:media"
+        return self._of(session_id, "media")
 
     def questions(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:questions"
+        return self._of(session_id, "questions")
 
     def events(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:events"
+        return self._of(session_id, "events")
 
     def streamer(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:streamer"
+        return self._of(session_id, "streamer")
 
     def snapshot(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:snapshot"
+        return self._of(session_id, "snapshot")
 
     def memory(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:memory"
+        return self._of(session_id, "memory")
 
     def asked(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:asked"
+        return self._of(session_id, "asked")
 
     def asked_questions(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:asked_questions"
+        return self._of(session_id, "asked_questions")
 
     def sockets(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:sockets"
+        return self._of(session_id, "sockets")
 
     def session_data(self, session_id: str) -> tuple[str, ...]:
         """The keys that live and expire with a session: hash, media, questions, events, snapshot,
@@ -171,7 +182,7 @@ class Keys:
         )
 
     def answer(self, session_id: str, answer_id: str) -> str:
-        return f"{self.prefix}session:{session_id}:answer:{answer_id}"
+        return self._of(session_id, f"answer:{answer_id}")
 
     def owner(self, owner: str) -> str:
         """The sessions created with one API key (or from one address, without keys)."""

@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from subprocess import Popen
 
-import redis
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from streamvqa import children
 from streamvqa.protocol import Keys, WorkerInfo
+from streamvqa.redis_client import connect_sync
 from streamvqa.redis_server import EmbeddedRedis
 from streamvqa.settings import DEFAULT_MODEL
 
@@ -29,6 +29,7 @@ class LauncherSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", extra="ignore")
 
     redis_url: str = Field("", description="Use this Redis; empty starts an embedded one.")
+    redis_cluster: bool = Field(False, description="REDIS_URL names a node of a Redis Cluster.")
     redis_prefix: str = "svqa:"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -53,13 +54,14 @@ def wait_until_serving(
     timeout_s: float,
     workers: int = 1,
     report: Callable[[str], None] | None = None,
+    cluster: bool = False,
 ) -> None:
     """Until the gateway's /healthz answers 200 and `workers` live workers are registered; `report`
     hears "gateway" and "workers" once each, as each part is up.
 
     Raises RuntimeError when one of `processes` exits first or after `timeout_s`.
     """
-    client = redis.Redis.from_url(redis_url)
+    client = connect_sync(redis_url, cluster)
     deadline = time.monotonic() + timeout_s
     up: set[str] = set()
     try:
@@ -97,6 +99,8 @@ def main() -> int:
     processes: list[Popen] = []
     try:
         redis_url = settings.redis_url
+        if settings.redis_cluster and not redis_url:
+            raise RuntimeError("REDIS_CLUSTER=true needs REDIS_URL: a node of the cluster")
         if not redis_url:
             log.info("starting Redis…")
             embedded = EmbeddedRedis(settings.run_dir.resolve() / "redis")
@@ -112,9 +116,11 @@ def main() -> int:
         stages = {"gateway": "the gateway is up", "workers": f"the worker serves {settings.model}"}
         wait_until_serving(
             health_url, redis_url, settings.redis_prefix, processes, settings.startup_timeout_s,
-            report=lambda part: log.info("%s", stages[part]),
+            report=lambda part: log.info("%s", stages[part]), cluster=settings.redis_cluster,
         )
-        where = f"embedded, files in {embedded.directory}" if embedded else "from REDIS_URL"
+        where = f"embedded, files in {embedded.directory}" if embedded else (
+            "a cluster, from REDIS_URL" if settings.redis_cluster else "from REDIS_URL"
+        )
         log.info(
             "\nstreamvqa is running\n  dashboard: http://%s:%d/\n  redis:     %s (%s)\nPress Ctrl-C to stop.\n",
             _local_host(settings.host), settings.port, redis_url, where,

@@ -12,12 +12,12 @@ from subprocess import Popen
 
 import httpx
 import pytest
-import redis
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from engine import demo
 from streamvqa import children
+from streamvqa.redis_client import connect_sync
 from streamvqa.redis_server import free_port
 from streamvqa.run import wait_until_serving
 
@@ -44,6 +44,7 @@ class Stack:
 
     def __init__(self, redis_url: str, prefix: str, directory: Path, **env: str | None) -> None:
         self.redis_url = redis_url
+        self.cluster = env.get("REDIS_CLUSTER") == "true"
         self.prefix = prefix
         self.directory = directory
         self.port = free_port()
@@ -76,7 +77,8 @@ class Stack:
     def wait_until_serving(self, workers: int = 1) -> None:
         try:
             wait_until_serving(
-                f"{self.url}/healthz", self.redis_url, self.prefix, list(self.processes.values()), START_TIMEOUT_S, workers
+                f"{self.url}/healthz", self.redis_url, self.prefix, list(self.processes.values()), START_TIMEOUT_S, workers,
+                cluster=self.cluster,
             )
         except RuntimeError as err:
             logs = "\n".join(f"--- {name} ---\n{self.log(name)}" for name in self.processes)
@@ -90,8 +92,8 @@ class Stack:
             children.stop(process)
 
 
-def delete_prefix(redis_url: str, prefix: str) -> None:
-    client = redis.Redis.from_url(redis_url)
+def delete_prefix(redis_url: str, prefix: str, cluster: bool = False) -> None:
+    client = connect_sync(redis_url, cluster)
     try:
         for key in client.scan_iter(match=f"{prefix}*", count=1000):
             client.delete(key)
@@ -111,7 +113,7 @@ def running_stack(redis_url: str, directory: Path, **env: str | None) -> Iterato
     finally:
         stack.stop()
         sys.stdout.write(f"\n--- worker log ---\n{stack.log('worker')}\n--- gateway log ---\n{stack.log('gateway')}\n")
-        delete_prefix(redis_url, stack.prefix)
+        delete_prefix(redis_url, stack.prefix, stack.cluster)
 
 
 class Client:

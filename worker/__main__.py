@@ -8,7 +8,7 @@ import time
 import torch
 
 from engine import Model, load_model
-from streamvqa.redis_client import connect
+from streamvqa.redis_client import close, connect
 from worker.loop import Worker
 from worker.settings import WorkerSettings
 
@@ -43,7 +43,8 @@ async def serve(settings: WorkerSettings) -> None:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     model = load(settings)
-    redis, reader = connect(settings.redis_url), connect(settings.redis_url, retry=False)
+    redis = connect(settings.redis_url, cluster=settings.redis_cluster)
+    reader = connect(settings.redis_url, retry=False, cluster=settings.redis_cluster)
     worker = Worker(settings, model, redis, reader)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -51,8 +52,8 @@ async def serve(settings: WorkerSettings) -> None:
     try:
         await worker.run()
     finally:
-        await redis.aclose()
-        await reader.aclose()
+        await close(redis)
+        await close(reader)
 
 
 def main() -> None:

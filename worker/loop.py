@@ -28,11 +28,13 @@ from typing import TypeVar
 
 import torch
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from engine import ContextFull, Model, Session, SessionConfig
 from engine.host_tier import index_bytes_per_token
 from streamvqa import protocol
+from streamvqa.pending import enqueue, leave
+from streamvqa.redis_client import FAILURES, xreadgroup
 from streamvqa.protocol import (
     AnswerEnvelope,
     DoneEvent,
@@ -138,28 +140,25 @@ redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], '*', 'm', ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
 """
-# Puts a dead worker's session back in the pending queue, once: KEYS = its hash, its lease, the
-# pending stream, the model's admitted set; ARGV = the dead worker's id, the pending MAXLEN, the
-# session id, the time. Returns 1 when queued (the lease has lapsed and the hash still names the
-# dead worker).
+# Marks a dead worker's session as waiting for a worker again, once: KEYS = its hash, its lease;
+# ARGV = the dead worker's id, the time. Returns 1 when marked (the lease has lapsed and the
+# hash still names the dead worker); the caller then queues it (`streamvqa.pending.enqueue`).
 REQUEUE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 if redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'worker', '', 'queued', ARGV[4])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'session_id', ARGV[3])
-redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
+redis.call('HSET', KEYS[1], 'worker', '', 'queued', ARGV[2])
 return 1
 """
 # Lets an idle (or failed) session go: KEYS = its hash, lease, question stream, media stream,
-# streamer claim, the model's admitted set; ARGV = worker id, session id, '1' for a failed
-# session. Refused (0) while the lease is another's, a question waits, or (unless failed) media
-# waits or a socket streams into it; the gateway queues it again at its next question or media.
+# streamer claim; ARGV = worker id, '1' for a failed session. Refused (0) while the lease is
+# another's, a question waits, or (unless failed) media waits or a socket streams into it; the
+# gateway queues it again at its next question or media. The caller then takes it out of the
+# model's admitted sessions (`streamvqa.pending.leave`).
 PARK_LUA = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
 if redis.call('XLEN', KEYS[3]) > 0 then return 0 end
-if ARGV[3] ~= '1' and (redis.call('XLEN', KEYS[4]) > 0 or redis.call('EXISTS', KEYS[5]) == 1) then return 0 end
+if ARGV[2] ~= '1' and (redis.call('XLEN', KEYS[4]) > 0 or redis.call('EXISTS', KEYS[5]) == 1) then return 0 end
 redis.call('DEL', KEYS[2])
-redis.call('ZREM', KEYS[6], ARGV[2])
 if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('HSET', KEYS[1], 'worker', '')
   redis.call('HDEL', KEYS[1], 'queued')
@@ -343,7 +342,7 @@ class Worker:
                 await self._ensure_group(self.keys.pending(self.model.name))
                 await self._advertise()
                 break
-            except RedisError as err:
+            except FAILURES as err:
                 log.warning("Redis unreachable (%s); retrying in %.1f s", err, backoff_s)
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
@@ -358,7 +357,7 @@ class Worker:
                 try:
                     await self._turn()
                     backoff_s, self._failing_since = 0.1, None
-                except RedisError as err:
+                except FAILURES as err:
                     self._failing_since = self._failing_since or time.monotonic()
                     if isinstance(err, ResponseError) and "NOGROUP" in str(err):  # Redis lost its data
                         log.warning("a stream or its group is gone (%s); repairing", err)
@@ -376,7 +375,7 @@ class Worker:
     async def _try(action: Callable) -> None:
         try:
             await action()
-        except RedisError as err:
+        except FAILURES as err:
             log.warning("Redis failed again (%s)", err)
 
     # -- one turn ------------------------------------------------------------------------------
@@ -513,12 +512,12 @@ class Worker:
         """XREADGROUP; when a stream or its group is gone (a deleted session, a Redis that lost
         its data), repair what can be repaired and read nothing this turn."""
         try:
-            return await self.reader.xreadgroup(protocol.GROUP, self.id, streams, count=count, block=block_ms)
+            return await xreadgroup(self.reader, protocol.GROUP, self.id, streams, count, block_ms)
         except ResponseError as err:
             if "NOGROUP" in str(err) and await self._repair():
                 return []
             raise
-        except RedisError:
+        except FAILURES:
             self._reread = True  # its reply may have been lost after Redis delivered entries
             raise
 
@@ -576,7 +575,7 @@ class Worker:
             for entry_id, fields in rows:
                 try:
                     await self._claim(fields[b"session_id"].decode())
-                except RedisError:
+                except FAILURES:
                     raise  # the entry stays pending: this or another worker claims it again
                 except Exception:
                     log.exception("could not take a session from %r", fields)
@@ -605,7 +604,7 @@ class Worker:
                 self._no_room_until = time.monotonic() + 1.0
                 return
             hosted = await self._open(session_id, record)
-        except RedisError:
+        except FAILURES:
             raise
         except Exception:
             await self._release(keys=[lease], args=[self.id])
@@ -748,23 +747,23 @@ class Worker:
             return
         keys = [
             self.keys.session(session_id), self.keys.lease(session_id), self.keys.questions(session_id),
-            self.keys.media(session_id), self.keys.streamer(session_id), self.keys.admitted(self.model.name),
+            self.keys.media(session_id), self.keys.streamer(session_id),
         ]
-        if not await self._park_script(keys=keys, args=[self.id, session_id, "1" if hosted.error else "0"]):
+        if not await self._park_script(keys=keys, args=[self.id, "1" if hosted.error else "0"]):
             hosted.active_at = time.monotonic()
             return
+        await leave(self.redis, self.keys, session_id, self.model.name)
         await self._drop(session_id)
         await self._advertise()
         log.info("session %s left this worker (%s)", session_id, "failed" if hosted.error else "idle")
 
     async def _requeue(self, session_id: str, worker_id: str, model: str | None = None) -> bool:
         """Queue a session of `worker_id` (a dead one, or this one) again for a worker of `model`."""
-        model = model or self.model.name
-        keys = [
-            self.keys.session(session_id), self.keys.lease(session_id), self.keys.pending(model), self.keys.admitted(model),
-        ]
-        args = [worker_id, protocol.PENDING_MAXLEN, session_id, time.time()]
-        return bool(await self._requeue_script(keys=keys, args=args))
+        now = time.time()
+        if not await self._requeue_script(keys=[self.keys.session(session_id), self.keys.lease(session_id)], args=[worker_id, now]):
+            return False
+        await enqueue(self.redis, self.keys, session_id, model or self.model.name, now)
+        return True
 
     async def _repair(self) -> bool:
         """Recreate the pending queue's group if it is gone and give up every session whose
@@ -935,7 +934,7 @@ class Worker:
         except DecodeError as err:
             await self._consume(media, entry_id)
             await self._fail(session_id, hosted, str(err))
-        except RedisError:
+        except FAILURES:
             raise
         except Exception:
             log.exception("session %s: receiving media failed", session_id)
@@ -1087,7 +1086,7 @@ class Worker:
             await self.snapshots.save(session_id, engine, ingest)
         except Exception as err:
             hosted.unacked, hosted.changed = covered + hosted.unacked, changed or hosted.changed
-            if isinstance(err, RedisError):
+            if isinstance(err, FAILURES):
                 raise
             log.exception("session %s: snapshot failed", session_id)
             return False
@@ -1250,7 +1249,7 @@ class Worker:
                 if time.monotonic() - self._swept_at >= SWEEP_INTERVAL_S:
                     self._swept_at = time.monotonic()
                     await self._sweep_files()
-            except RedisError as err:
+            except FAILURES as err:
                 log.warning("heartbeat: Redis failed (%s)", err)
             except Exception:
                 log.exception("heartbeat failed")
@@ -1294,7 +1293,7 @@ class Worker:
                 await self._requeue(session_id, self.id)
                 await self._drop(session_id)
             await self.redis.hdel(self.keys.workers(), self.id)
-        except RedisError as err:
+        except FAILURES as err:
             log.warning("shutdown: Redis failed (%s)", err)
         finally:
             self._engine_thread.shutdown(wait=True, cancel_futures=True)

@@ -44,7 +44,7 @@ def test_deleting_a_session_mid_upload_stops_the_upload_and_leaves_no_file_or_ke
     while _spool(stack, user.id).exists():
         assert time.monotonic() < deadline, "the spool file of the deleted session stayed"
         time.sleep(0.1)
-    assert store.keys(f"{stack.prefix}session:{user.id}*") == []
+    assert store.keys(f"{stack.prefix}session:{{{user.id}}}*") == []
 
 
 def test_a_deleted_session_s_answers_are_gone_with_it(client, stack, redis_url):
@@ -52,6 +52,6 @@ def test_a_deleted_session_s_answers_are_gone_with_it(client, stack, redis_url):
     client.show_frames()
     answer_id = client.ask("What do you see?", max_new_tokens=3).json()["answer_id"]
     store = redis.Redis.from_url(redis_url)
-    assert store.exists(f"{stack.prefix}session:{client.id}:answer:{answer_id}")
+    assert store.exists(f"{stack.prefix}session:{{{client.id}}}:answer:{answer_id}")
     assert client.http.delete(f"/sessions/{client.id}", headers=client.auth).status_code == 204
-    assert store.keys(f"{stack.prefix}session:{client.id}*") == []
+    assert store.keys(f"{stack.prefix}session:{{{client.id}}}*") == []

@@ -36,7 +36,7 @@ def test_a_flood_of_media_and_unread_answers_stay_bounded(stack, redis_url):
         nonlocal longest_backlog
         watcher_store = redis.Redis.from_url(redis_url)
         while not done.is_set():
-            longest_backlog = max(longest_backlog, watcher_store.xlen(f"{stack.prefix}session:{flooder.id}:media"))
+            longest_backlog = max(longest_backlog, watcher_store.xlen(f"{stack.prefix}session:{{{flooder.id}}}:media"))
             time.sleep(0.02)
 
     done = threading.Event()
@@ -85,5 +85,5 @@ def test_a_flood_of_media_and_unread_answers_stay_bounded(stack, redis_url):
 
     for key in store.scan_iter(match=f"{stack.prefix}session:*:answer:*"):
         assert store.xlen(key) <= protocol.ANSWER_MAXLEN and 0 < store.ttl(key) <= protocol.ANSWER_TTL_S
-    assert store.xlen(f"{stack.prefix}session:{silent.id}:questions") <= protocol.QUESTIONS_BACKLOG
+    assert store.xlen(f"{stack.prefix}session:{{{silent.id}}}:questions") <= protocol.QUESTIONS_BACKLOG
     assert stack.processes["worker"].poll() is None

@@ -262,7 +262,7 @@ def test_deleting_a_session_mid_stream_closes_its_socket_and_leaves_no_keys(clie
         socket.send(timed_jpeg(float(i)))
     assert socket.wait_closed() == 4404
     store = redis.Redis.from_url(redis_url)
-    leftovers = store.keys(f"{stack.prefix}session:{client.id}*")
+    leftovers = store.keys(f"{stack.prefix}session:{{{client.id}}}*")
     assert [key for key in leftovers if store.ttl(key) < 0] == []  # nothing that never expires
     assert {key.decode().rsplit(":", 1)[-1] for key in leftovers} <= {"lease"}  # freed at the next heartbeat
 

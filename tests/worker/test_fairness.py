@@ -56,7 +56,7 @@ def _status(user: Client, answer_id: str) -> str:
 def _finals(store: redis.Redis, prefix: str, session_id: str) -> dict[str, str]:
     """The final event of every answer stream of the session: done, or error:<code>."""
     finals = {}
-    for key in store.scan_iter(match=f"{prefix}session:{session_id}:answer:*"):
+    for key in store.scan_iter(match=f"{prefix}session:{{{session_id}}}:answer:*"):
         for _, fields in store.xrange(key):
             event = AnswerEnvelope.model_validate_json(fields[b"m"]).event
             if event.type != "token":
@@ -99,7 +99,7 @@ def test_deleting_a_session_stops_its_answer_and_answers_nothing_it_had_queued(w
     other.create()
     other.show_frames()
     assert other.ask("Next?", max_new_tokens=2).status_code == 200
-    assert store.keys(f"{worker_stack.prefix}session:{busy.id}*") == []  # no answer came back after the delete
+    assert store.keys(f"{worker_stack.prefix}session:{{{busy.id}}}*") == []  # no answer came back after the delete
     other.delete()
 
 

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from streamvqa.protocol import AnswerEnvelope
+from streamvqa.redis_client import connect_sync
 from streamvqa.redis_server import EmbeddedRedis
 from tests.media import timed_jpeg
 from tests.support import Client, Stack, StreamSocket, delete_prefix
@@ -44,9 +45,9 @@ def two_workers(redis_url: str, tmp_path) -> Iterator[Stack]:
         delete_prefix(redis_url, stack.prefix)
 
 
-def _answer_finals(redis_url: str, prefix: str) -> dict[str, list[str]]:
+def _answer_finals(redis_url: str, prefix: str, cluster: bool = False) -> dict[str, list[str]]:
     """For every answer stream under `prefix`: the types of its final events (done, error:code)."""
-    store = redis.Redis.from_url(redis_url)
+    store = connect_sync(redis_url, cluster)
     finals = {}
     for key in store.scan_iter(match=f"{prefix}session:*:answer:*"):
         events = [AnswerEnvelope.model_validate_json(f[b"m"]).event for _, f in store.xrange(key)]
@@ -62,7 +63,7 @@ def test_six_sessions_on_two_workers_each_held_by_one_and_all_answered(two_worke
     assert sorted(owners) == ["a", "a", "a", "b", "b", "b"]  # three sessions each: MAX_SESSIONS
     store = redis.Redis.from_url(redis_url)
     for user, owner in zip(users, owners, strict=True):
-        assert store.get(f"{two_workers.prefix}session:{user.id}:lease") == owner.encode()
+        assert store.get(f"{two_workers.prefix}session:{{{user.id}}}:lease") == owner.encode()
         user.show_frames()
 
     replies: dict[int, int] = {}
@@ -78,8 +79,14 @@ def test_six_sessions_on_two_workers_each_held_by_one_and_all_answered(two_worke
 
 
 def test_a_killed_worker_s_stream_goes_on_elsewhere_and_every_question_ends_once(redis_url, tmp_path):
+    a_killed_worker_s_stream_goes_on_elsewhere(redis_url, tmp_path)
+
+
+def a_killed_worker_s_stream_goes_on_elsewhere(redis_url: str, directory, **env: str) -> None:
+    """Worker a is killed (SIGKILL) while it answers and ingests a live stream: b takes the
+    session over, every frame reaches its cache once, every question ends once."""
     # snapshots only every 32 media entries: the dead worker leaves media no snapshot covers
-    stack = _stack(redis_url, tmp_path, MAX_SESSIONS="4", SNAPSHOT_INTERVAL_S="600")
+    stack = _stack(redis_url, directory, MAX_SESSIONS="4", SNAPSHOT_INTERVAL_S="600", **env)
     stack.start("a", "worker", WORKER_ID="a")
     stack.start("gateway", "app")
     try:
@@ -130,12 +137,12 @@ def test_a_killed_worker_s_stream_goes_on_elsewhere_and_every_question_ends_once
         ingested = [t for e in socket.events if e["type"] == "ingest" for t in e["times"]]
         assert [t for t in ingested if t >= 40] == [float(s) for s in range(40, 60)]  # every frame after the kill
         assert len(statuses) == 3 and set(statuses) <= {200, 503}  # 503: session_reset, for one cut short
-        finals = _answer_finals(redis_url, stack.prefix)
+        finals = _answer_finals(redis_url, stack.prefix, stack.cluster)
         assert len(finals) == 4  # before, during, while nobody holds it, after
         assert all(ends in (["done"], ["error:session_reset"]) for ends in finals.values()), finals
     finally:
         stack.stop()
-        delete_prefix(redis_url, stack.prefix)
+        delete_prefix(redis_url, stack.prefix, stack.cluster)
 
 
 def test_a_takeover_keeps_the_host_tier_and_recalls_from_it(redis_url, tmp_path):
@@ -155,7 +162,7 @@ def test_a_takeover_keeps_the_host_tier_and_recalls_from_it(redis_url, tmp_path)
         socket.wait_for(lambda e: e["type"] == "ingest" and e["frames"] == 40)
         ingested_at = time.time()  # the 40th frame was in the cache before its event was sent
         store = redis.Redis.from_url(redis_url)
-        memory_key, snapshot_key = (f"{stack.prefix}session:{user.id}:{name}" for name in ("memory", "snapshot"))
+        memory_key, snapshot_key = (f"{stack.prefix}session:{{{user.id}}}:{name}" for name in ("memory", "snapshot"))
         deadline = time.monotonic() + 20
         while True:  # a memory report and a snapshot of all 40 frames
             report = json.loads(store.get(memory_key) or "{}")
@@ -197,7 +204,7 @@ def test_redis_away_for_ten_seconds_is_survived(tmp_path):
         socket.wait_for(lambda e: e["type"] == "ingest")
         socket.close()
         store = redis.Redis.from_url(server.url)
-        while store.exists(f"{stack.prefix}session:{user.id}:streamer"):  # the gateway saw the socket close
+        while store.exists(f"{stack.prefix}session:{{{user.id}}}:streamer"):  # the gateway saw the socket close
             time.sleep(0.05)
         store.save()  # the restarted server loads this
         server.stop()

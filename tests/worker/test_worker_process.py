@@ -119,14 +119,14 @@ def test_a_question_submitted_twice_is_answered_once(stack, redis_url):
     store = redis.Redis.from_url(redis_url)
     answer_id = uuid.uuid4().hex
     message = Question(answer_id=answer_id, question="twice?", max_new_tokens=4).model_dump_json()
-    questions = f"{stack.prefix}session:{user.id}:questions"
+    questions = f"{stack.prefix}session:{{{user.id}}}:questions"
     for _ in range(2):
         store.xadd(questions, {"m": message})
     deadline = time.monotonic() + 30
     while store.xlen(questions):  # both entries handled
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    events = [AnswerEnvelope.model_validate_json(f[b"m"]).event.type for _, f in store.xrange(f"{stack.prefix}session:{user.id}:answer:{answer_id}")]
+    events = [AnswerEnvelope.model_validate_json(f[b"m"]).event.type for _, f in store.xrange(f"{stack.prefix}session:{{{user.id}}}:answer:{answer_id}")]
     assert events.count("done") == 1 and events[-1] == "done"
     user.delete()
 
