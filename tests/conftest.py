@@ -1,5 +1,5 @@
-"""Shared fixtures: a real Redis (REDIS_URL, else an embedded server) and real gateway and
-worker processes on loopback, under a key prefix of their own."""
+"""Shared fixtures: a real Redis (REDIS_URL, else an embedded server), a real local Redis
+Cluster, and real gateway and worker processes on loopback, under a key prefix of their own."""
 
 import os
 from collections.abc import Iterator
@@ -8,7 +8,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach a model hub, and fail fa
 
 import pytest
 
-from streamvqa.redis_server import EmbeddedRedis
+from streamvqa.redis_server import EmbeddedRedis, LocalCluster
 from tests.support import Client, Stack, running_stack
 
 
@@ -19,6 +19,14 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         return
     with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A Redis Cluster of 3 masters and 3 replicas on loopback, shared by the cluster tests
+    (each under a key prefix of its own); a test that kills a node starts a cluster of its own."""
+    with LocalCluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,95 @@
+"""The service on a real Redis Cluster (3 masters, 3 replicas on loopback): the whole path, a
+worker killed mid-stream, and a session's keys in one slot."""
+
+from collections.abc import Iterator
+
+import pytest
+from pydantic import ValidationError
+
+from app.settings import GatewaySettings
+
+from streamvqa.protocol import Keys
+from streamvqa.redis_client import connect_sync
+from streamvqa.redis_server import LocalCluster
+from tests.support import Client, Stack, StreamSocket, running_stack, sample_video, sse_events
+from tests.worker.test_recovery import a_killed_worker_s_stream_goes_on_elsewhere
+from worker.settings import WorkerSettings
+
+
+@pytest.fixture(scope="module")
+def cluster_stack(redis_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(redis_cluster.url, tmp_path_factory.mktemp("stack"), REDIS_CLUSTER="true", MAX_SESSIONS="16") as stack:
+        yield stack
+
+
+@pytest.fixture
+def user(cluster_stack: Stack) -> Iterator[Client]:
+    client = Client(cluster_stack.url)
+    yield client
+    client.delete()
+    client.http.close()
+
+
+def test_upload_stream_ask_sse_and_memory_on_a_cluster(user, cluster_stack):
+    assert user.create(fps=1).status_code == 201
+    video = sample_video("bikes.mp4")  # 10 s at 25 fps
+    assert user.upload(video.read_bytes()).status_code == 202
+    session = user.wait_for_state("ingested", "error")
+    assert (session["state"], session["frames_ingested"], session["video_time_s"]) == ("ingested", 10, 9.0)
+
+    reply = user.ask("What is happening in the video?", max_new_tokens=8)
+    assert reply.status_code == 200 and 1 <= reply.json()["tokens"] <= 8
+    assert reply.json()["video_time_s"] == 9.0
+
+    body = {"question": "And now?", "max_new_tokens": 4, "stream": True}
+    with user.http.stream("POST", f"/sessions/{user.id}/ask", json=body, headers=user.auth) as streamed:
+        events = list(sse_events(streamed))
+    assert [e["event"] for e in events][0] == "started" and events[-1]["event"] == "done"
+    assert {e["event"] for e in events[1:-1]} <= {"token"}
+
+    memory = user.http.get(f"/sessions/{user.id}/memory", headers=user.auth).json()
+    assert (memory["frames"], memory["video_time_s"]) == (10, 9.0)
+    assert [(s["start_s"], s["end_s"]) for s in memory["spans"]] == [(t, t + 1) for t in range(10)]
+
+    live = Client(cluster_stack.url)
+    try:
+        assert live.create(fps=1).status_code == 201
+        socket = StreamSocket(live, "frames")
+        assert socket.send_frames(5) is not None
+        socket.send('{"type": "ask", "question": "What do you see?", "max_new_tokens": 3, "ref": "q"}')
+        done = socket.wait_for(lambda e: e["type"] in ("answer_done", "answer_error"))
+        assert (done["type"], done["ref"], done["video_time_s"]) == ("answer_done", "q", 4.0)
+        socket.close()
+    finally:
+        live.delete()
+
+
+def test_a_session_s_keys_share_one_slot_and_sessions_spread_over_masters(cluster_stack):
+    users = [Client(cluster_stack.url) for _ in range(12)]
+    try:
+        for user in users:
+            assert user.create().status_code == 201
+        users[0].show_frames(2)
+        assert users[0].ask("Here?", max_new_tokens=2).status_code == 200
+        store = connect_sync(cluster_stack.redis_url, cluster=True)
+        keys = Keys(cluster_stack.prefix)
+        first = [key.decode() for key in store.scan_iter(match=f"{keys.session(users[0].id)}*")]
+        # hash, media, questions, events, memory, asked, asked questions, lease, answer (at least)
+        assert len(first) >= 9
+        assert len({store.keyslot(key) for key in first}) == 1
+        masters = {store.get_node_from_key(keys.session(user.id)).port for user in users}
+        assert len(masters) >= 2  # 12 sessions on one of 3 masters: 3 in 3^12
+    finally:
+        for user in users:
+            user.delete()
+
+
+def test_a_killed_worker_s_stream_goes_on_elsewhere_on_a_cluster(redis_cluster, tmp_path):
+    a_killed_worker_s_stream_goes_on_elsewhere(redis_cluster.url, tmp_path, REDIS_CLUSTER="true")
+
+
+def test_a_prefix_with_braces_is_refused_at_start_up():
+    with pytest.raises(ValidationError, match="redis_prefix\n  Value error, may not hold { or }"):
+        GatewaySettings(redis_prefix="svqa{x}:")
+    with pytest.raises(ValidationError, match="redis_prefix"):
+        WorkerSettings(redis_prefix="}")
