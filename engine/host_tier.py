@@ -34,14 +34,23 @@ queries are not (measured on bench.recall's streams: scoring by queries brought 
 71%, and 76% to 90% with page_keys = page_tokens). What comes back is bit for bit what was
 evicted.
 
-Bound: at most `budget_tokens // page_tokens` pages. A page that needs a place when all are
-taken takes the place of the page used least recently (opened, or borrowed from by a
-question), the oldest of those: with no questions, the oldest page goes; a page a question
-needed stays as long as a new one would. Tokens that leave the device after their page was
-dropped (a head kept them longer than the rest of their span) are dropped too: the tier has
-already let that part of the stream go. (Dropping the page borrowed from least often instead
-freezes the tier once every page held has been borrowed from: each new page is then the one
-to go.)
+Bound: at most `budget_tokens // page_tokens` pages. When a page needs a place and all are
+taken, pages leave by the tier's `drop` rule:
+- "novel" (the default): the least novel eighth of the pages leaves at once, never one of the
+  quarter used most recently (opened, or borrowed from by a question). A page is as novel as
+  its most novel run of places: per run, one minus the cosine similarity of its representative
+  to the closest representative of any other page held, averaged over the layers and KV heads.
+  A page that others repeat (the same scene again, boilerplate) goes first; a page with
+  something told once (a fact among prose, an event in a still scene) stays. Retrieval ranks
+  pages by a softmax over them, so a page that many others resemble would rarely win it, and
+  another page can stand in for it when it does. Measured in docs/benchmarks.md: on streams 32
+  times the budget with a tier of 16, the facts' pages ranked in the most novel half.
+- "oldest": the page used least recently goes, the oldest of those; with no questions, the
+  oldest page.
+Tokens that leave the device for a page not held and no newer than a page that left (a head
+kept them longer than the rest of their span) are dropped: the tier has let that part of the
+stream go. (Dropping the page borrowed from least often instead freezes the tier once every
+page held has been borrowed from: each new page is then the one to go.)
 """
 
 from dataclasses import dataclass
@@ -50,6 +59,12 @@ import torch
 
 SIMILARITY_SHARPNESS = 20.0  # a question key's softmax over pages is of 20 x cosine similarity
 INDEX_DTYPE = torch.bfloat16  # of the representative keys' sums (at most page_tokens keys each)
+DROP_RULES = ("novel", "oldest")
+NOVEL_DROP_SHARE = 8  # under "novel", the least novel 1/8 of the pages leave together (amortises the scoring)
+NOVEL_KEEP_SHARE = 4  # ... never one of the 1/4 of the pages used most recently
+NOVELTY_LAYERS = 8  # novelty is scored in this many layers, evenly spaced (all when fewer)
+NOVELTY_REFERENCES = 1024  # ... against at most this many representatives, evenly spaced over the slots
+SIMILARITY_CHUNK = 1 << 24  # elements of one block of the representatives' similarity matrix
 
 
 @dataclass
@@ -86,12 +101,14 @@ def index_bytes_per_token(layers: int, kv_heads: int, head_dim: int, page_tokens
 class HostTier:
     SAVED = ("keys", "values", "kinds", "times", "present", "key_sums")  # per slot, in a snapshot
 
-    def __init__(self, budget_tokens: int, page_tokens: int = 32, page_keys: int = 2) -> None:
+    def __init__(self, budget_tokens: int, page_tokens: int = 32, page_keys: int = 2, drop: str = "novel") -> None:
+        if drop not in DROP_RULES:
+            raise ValueError(f"host_drop must be one of {', '.join(DROP_RULES)}, got {drop!r}")
         if page_tokens < 1 or page_keys < 1 or page_tokens % page_keys:
             raise ValueError(f"page_tokens ({page_tokens}) must be a positive multiple of page_keys ({page_keys})")
         if budget_tokens < page_tokens:
             raise ValueError(f"host_budget_tokens ({budget_tokens}) must be at least page_tokens ({page_tokens})")
-        self.budget_tokens, self.page_tokens, self.page_keys = budget_tokens, page_tokens, page_keys
+        self.budget_tokens, self.page_tokens, self.page_keys, self.drop = budget_tokens, page_tokens, page_keys, drop
         self.slots = budget_tokens // page_tokens
         self.slot_of: dict[int, int] = {}  # page number -> slot
         self.page_of = torch.full((self.slots,), -1, dtype=torch.int64)  # slot -> page number, -1 when free
@@ -186,23 +203,63 @@ class HostTier:
         self.key_sums = torch.zeros(layers, heads, self.slots, self.page_keys, dim, dtype=INDEX_DTYPE, device=device)
 
     def _open(self, number: int) -> None:
-        """A slot for page `number`: a free one, else that of the page used least recently, the
-        oldest of those. None for a page no newer than one that left."""
+        """A slot for page `number`, after pages leave by the drop rule when none is free. None for
+        a page no newer than one that left."""
         if number <= self.dropped_through:
             return
         free = (self.page_of < 0).nonzero()
-        if len(free):
-            slot = int(free[0])
-        else:
-            least = self.used == self.used.min()  # every slot is taken
-            slot = int(self.page_of.masked_fill(~least, torch.iinfo(torch.int64).max).argmin())
-            self.dropped_through = max(self.dropped_through, int(self.page_of[slot]))
-            self.dropped_pages += 1
-            self._clear(slot)
+        if not len(free):
+            for slot in self._leaving():
+                self.dropped_through = max(self.dropped_through, int(self.page_of[slot]))
+                self.dropped_pages += 1
+                self._clear(slot)
+            free = (self.page_of < 0).nonzero()
+        slot = int(free[0])
         self.slot_of[number] = slot
         self.page_of[slot] = number
         self.clock += 1
         self.used[slot] = self.clock
+
+    def _leaving(self) -> list[int]:
+        """The slots whose pages leave when every slot is taken."""
+        if self.drop == "oldest" or self.slots < NOVEL_KEEP_SHARE:
+            least = self.used == self.used.min()
+            return [int(self.page_of.masked_fill(~least, torch.iinfo(torch.int64).max).argmin())]
+        novelty = self.novelty().cpu()
+        novelty[self.used.topk(self.slots // NOVEL_KEEP_SHARE).indices] = float("inf")  # used most recently
+        by_age = self.page_of.argsort()  # ties: the oldest page first
+        least = by_age[novelty[by_age].argsort(stable=True)]
+        return least[: max(1, self.slots // NOVEL_DROP_SHARE)].tolist()
+
+    def novelty(self) -> torch.Tensor:
+        """(slots,) how unlike the other pages held each page is: per run of its places, one minus
+        the cosine similarity of its representative to the closest one of another page, averaged
+        over the layers and KV heads; a page is as novel as its most novel run. Scored in
+        NOVELTY_LAYERS layers against NOVELTY_REFERENCES representatives (evenly spaced), so
+        that its cost grows with the tier, not with its square: a page that others repeat has
+        some of them among the references."""
+        layers, heads, slots, runs, dim = self.key_sums.shape
+        device = self.key_sums.device
+        held = self.held.view(layers, heads, slots * runs, -1).any(-1)  # (layers, kv_heads, slots * runs)
+        owner = torch.arange(slots, device=device).repeat_interleave(runs)
+        step = -(-slots * runs // NOVELTY_REFERENCES)  # every page has some among them up to that many slots
+        references = torch.arange(0, slots * runs, step, device=device)
+        closest = torch.zeros(slots * runs, device=device)
+        counted = torch.zeros(slots * runs, device=device)
+        rows = max(1, SIMILARITY_CHUNK // (heads * len(references)))
+        for layer in torch.linspace(0, layers - 1, min(layers, NOVELTY_LAYERS)).round().long().unique().tolist():
+            sums = self.key_sums[layer].float().flatten(1, 2)  # (kv_heads, slots * runs, head_dim)
+            reps = sums / sums.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+            others = reps[:, references].transpose(1, 2)  # (kv_heads, head_dim, references)
+            for start in range(0, slots * runs, rows):
+                block = reps[:, start : start + rows] @ others  # (kv_heads, rows, references)
+                apart = (owner[start : start + rows, None] != owner[None, references]) & held[layer, :, None, references]
+                best = block.masked_fill(~apart, -1.0).amax(-1)  # (kv_heads, rows)
+                mine = held[layer, :, start : start + rows]
+                closest[start : start + rows] += best.masked_fill(~mine, 0.0).sum(0)
+                counted[start : start + rows] += mine.sum(0)
+        similar = (closest / counted.clamp_min(1)).masked_fill(counted == 0, 1.0)  # a run never held: no news
+        return 1.0 - similar.view(slots, runs).amin(-1)
 
     def _clear(self, slot: int) -> None:
         del self.slot_of[int(self.page_of[slot])]
@@ -299,7 +356,7 @@ class HostTier:
             torch.cuda.synchronize()
         pages = self.pages
         slots = torch.tensor([self.slot_of[n] for n in pages], dtype=torch.int64)
-        saved = {"options": [self.budget_tokens, self.page_tokens, self.page_keys], "by_place": True, "pages": pages,
+        saved = {"options": [self.budget_tokens, self.page_tokens, self.page_keys, self.drop], "by_place": True, "pages": pages,
                  "used": self.used[slots], "counters": [self.clock, self.dropped_pages, self.dropped_through]}
         if self.keys is not None:
             for name in self.SAVED:

@@ -85,6 +85,7 @@ class SessionConfig:
     retrieval_tokens: int | None = None  # borrowed per question, per layer; None: half the budget
     page_tokens: int = 32  # evicted tokens per host page: the unit retrieved
     page_keys: int = 4  # representative keys a page is scored by (bench.recall: 2, 4 and 8 compared)
+    host_drop: str = "novel"  # which pages leave a full host tier: "novel" (the least novel) or "oldest"
     # Never evict the opening (system prompt and its markers) nor the turn markers (those that
     # close a question and an answer) of the last `pin_turns` questions; 0: only sinks and recent
     pin_turns: int = 0
@@ -133,7 +134,7 @@ class SessionConfig:
         return self.budget_tokens // 2 if self.retrieval_tokens is None else self.retrieval_tokens
 
     def make_host_tier(self) -> HostTier | None:
-        return HostTier(self.host_tokens, self.page_tokens, self.page_keys) if self.recall else None
+        return HostTier(self.host_tokens, self.page_tokens, self.page_keys, self.host_drop) if self.recall else None
 
 
 @dataclass(frozen=True)

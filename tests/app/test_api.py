@@ -208,7 +208,7 @@ def test_recall_options_are_kept_with_their_defaults_and_checked(client):
 
 def test_with_recall_the_memory_view_shows_device_host_and_dropped_and_answers_recall_the_past(stack, client):
     # bikes.mp4 at 4 fps: 40 frames of 23 tokens; 256 stay on the device, 256 more in the host
-    # tier, the oldest are dropped
+    # tier, the rest are dropped (the pages least unlike the others held)
     client.create(fps=4, policy="sliding", budget_tokens=256, recall=True, host_budget_tokens=256, retrieval_tokens=128)
     assert client.upload(sample_video("bikes.mp4").read_bytes()).status_code == 202
     client.wait_for_state("ingested", timeout_s=120)
@@ -218,8 +218,8 @@ def test_with_recall_the_memory_view_shows_device_host_and_dropped_and_answers_r
     spans = memory["spans"]
     assert sum(s["frame_host"] + s["text_host"] for s in spans) == pytest.approx(memory["host_tokens"], abs=1)
     states = ["device" if s["frame_held"] else "host" if s["frame_host"] else "dropped" for s in spans]
-    assert states[0] == "dropped" and "host" in states and states[-1] == "device"
-    assert states == sorted(states, key=["dropped", "host", "device"].index)  # sliding: oldest first out
+    assert "dropped" in states and "host" in states and states[-1] == "device"
+    assert set(states[states.index("device") :]) == {"device"}  # sliding: the device holds the latest seconds
     reply = client.ask("What was there at the start?", max_new_tokens=4)
     assert reply.status_code == 200
     recalled = reply.json()["recalled_s"]

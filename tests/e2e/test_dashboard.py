@@ -297,7 +297,7 @@ def test_with_recall_the_memory_view_shows_device_host_and_dropped_seconds_and_w
     assert page.get_attribute("#host-budget", "placeholder") == "131,072 (16 × budget)"
     page.fill("#budget", "")
     # 40 frames of 16 tokens (and 7 of text) in a 256-token budget: the latest seconds stay on the
-    # device, the 256 tokens evicted last wait in the host tier, the oldest are dropped
+    # device, 256 tokens evicted wait in the host tier, the rest are dropped
     create_session(page, policy="sliding", budget=256, fps=4, recall=True, host_budget=256)
     assert page.text_content("#setup [data-field='recall']") == "on · 256-token host tier"
     upload(page, sample_video("bikes.mp4"))
@@ -307,26 +307,28 @@ def test_with_recall_the_memory_view_shows_device_host_and_dropped_seconds_and_w
     memory = httpx.get(f"{stack.url}/sessions/{saved['id']}/memory", headers=auth).json()  # as is until a question
     spans = memory["spans"]
     states = [place(span) for span in spans]
-    assert len(states) == 10 and states[0] == "dropped" and "host" in states and states[-1] == "device", states
-    order = [{"dropped": 0, "host": 1, "device": 2}[state] for state in states if state != "part"]
-    assert order == sorted(order), states  # sliding: the oldest leave first, part only at a boundary
+    assert len(states) == 10 and "dropped" in states and states[-1] == "device", states
+    assert set(states[states.index("device") :]) <= {"device", "part"}, states  # sliding: the latest stay on the device
 
     page.wait_for_function(
         "states => [...document.querySelectorAll('#timeline .span')].map(s => s.dataset.state).join() === states.join()",
         arg=states,
     )
     columns = page.locator("#timeline .span")
-    host = states.index("host")
-    assert (
-        f"frames: {spans[host]['frame_seen']} tokens: 0 on the device, {spans[host]['frame_seen']} in the host tier, 0 dropped"
-        in columns.nth(host).get_attribute("title")
+    host = max(range(len(spans)), key=lambda i: spans[i]["frame_host"])  # the second the host tier holds most of
+    seen, kept = spans[host]["frame_seen"], round(spans[host]["frame_host"])
+    assert kept > 0 and spans[host]["frame_held"] == 0
+    assert f"frames: {seen} tokens: 0 on the device, {kept} in the host tier, {seen - kept} dropped" in (
+        columns.nth(host).get_attribute("title")
     )
-    assert f"frames: {spans[0]['frame_seen']} tokens: 0 on the device, 0 in the host tier, {spans[0]['frame_seen']} dropped" in (
-        columns.nth(0).get_attribute("title")
+    gone = states.index("dropped")
+    assert f"frames: {spans[gone]['frame_seen']} tokens: 0 on the device, 0 in the host tier, {spans[gone]['frame_seen']} dropped" in (
+        columns.nth(gone).get_attribute("title")
     )
     host_fill = columns.nth(host).locator(".lane-frames .lane-host")
-    page.wait_for_function(  # the host fill covers the whole lane, once its transition ends
-        "fill => fill.offsetHeight === fill.parentElement.offsetHeight", arg=host_fill.element_handle()
+    page.wait_for_function(  # the host fill covers its share of the lane, once its transition ends
+        "([fill, share]) => Math.abs(fill.offsetHeight - share * fill.parentElement.offsetHeight) <= 1",
+        arg=[host_fill.element_handle(), kept / seen],
     )
     assert "rgb(13, 148, 136)" in host_fill.evaluate("fill => getComputedStyle(fill).backgroundImage")  # striped teal
 

@@ -125,8 +125,31 @@ def tokens(start: int, count: int, heads: int = 1, dim: int = 16) -> Tokens:
     return Tokens(keys, keys.clone(), torch.zeros(1, heads, count, dtype=torch.int8), order.float(), order)
 
 
-def test_pages_are_dropped_least_recently_used_first_and_late_tokens_of_a_dropped_page_with_it():
-    tier = HostTier(budget_tokens=4 * 8, page_tokens=8, page_keys=2)
+def test_a_full_tier_lets_a_page_that_another_repeats_go_first_not_the_oldest():
+    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
+    torch.manual_seed(0)
+    stream = tokens(0, 64, heads=2)  # pages 0..7, the budget
+    stream.keys[:, :, 56:64] = stream.keys[:, :, 24:32] + 0.01 * torch.randn(1, 2, 8, 16)  # page 7 repeats page 3
+    tier.add(stream)
+    novelty = tier.novelty()
+    assert novelty[[3, 7]].max() < 0.01 < 0.2 < novelty[[0, 1, 2, 4, 5, 6]].min()
+    tier.add(tokens(64, 8, heads=2))  # page 8: the least novel eighth (one page) leaves
+    assert tier.pages == [0, 1, 2, 4, 5, 6, 7, 8] and tier.dropped_pages == 1  # page 7 is of the newest quarter
+
+
+def test_a_page_a_question_borrowed_from_stays_however_common():
+    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
+    torch.manual_seed(0)
+    stream = tokens(0, 64, heads=2)
+    stream.keys[:, :, 56:64] = stream.keys[:, :, 24:32] + 0.05 * torch.randn(1, 2, 8, 16)  # page 7 repeats page 3
+    tier.add(stream)
+    assert asked(tier, 0, stream.keys[0, :, 24:28], count=16).pages == [3, 7]
+    tier.add(tokens(64, 8, heads=2))  # page 8: borrowed from, pages 3 and 7 count as used most recently
+    assert {3, 7} <= set(tier.pages) and tier.dropped_pages == 1
+
+
+def test_under_the_oldest_rule_pages_leave_least_recently_used_first_and_late_tokens_of_a_dropped_page_with_them():
+    tier = HostTier(budget_tokens=4 * 8, page_tokens=8, page_keys=2, drop="oldest")
     torch.manual_seed(0)
     tier.add(tokens(0, 32))  # pages 0..3, the budget
     assert tier.pages == [0, 1, 2, 3]
@@ -141,13 +164,14 @@ def test_pages_are_dropped_least_recently_used_first_and_late_tokens_of_a_droppe
     assert tier.pages == [6, 7, 8, 9] and tier.dropped_pages == 6
 
 
-def test_a_tier_that_every_question_borrowed_from_still_takes_new_pages():
-    tier = HostTier(budget_tokens=4 * 8, page_tokens=8, page_keys=2)
+@pytest.mark.parametrize("drop", ["novel", "oldest"])
+def test_a_tier_that_every_question_borrowed_from_still_takes_new_pages(drop):
+    tier = HostTier(budget_tokens=4 * 8, page_tokens=8, page_keys=2, drop=drop)
     tier.add(tokens(0, 32))
     for start in range(0, 32, 8):
         asked(tier, 0, tier.contents(0, 0).keys[0, :, start : start + 4], count=32)
     tier.add(tokens(32, 8))
-    assert tier.pages == [1, 2, 3, 4]
+    assert tier.pages[-1] == 4 and len(tier.pages) == 4
 
 
 def test_a_page_is_a_span_of_the_stream_whatever_order_its_tokens_leave_in():
@@ -216,9 +240,9 @@ def test_the_memory_view_tells_device_host_and_dropped_apart(model):
     session = watched(model, 40, host_budget_tokens=320)
     memory = session.memory()
     assert (memory.host_budget_tokens, memory.host_tokens) == (320, session.stats().host_tokens)
-    early, late = memory.spans[0], memory.spans[-1]
-    assert early.frame_host == 0 and early.frame_held < early.frame_seen  # dropped: the tier is full
-    assert late.frame_held > 0
+    dropped = [span.frame_seen - span.frame_held - span.frame_host for span in memory.spans]
+    assert max(dropped) > 8 and dropped[-1] == 0  # the tier is full: some seconds left it, not the latest
+    assert memory.spans[-1].frame_held > 0 and any(span.frame_host > 8 for span in memory.spans)
     in_host = sum(span.frame_host + span.text_host for span in memory.spans)
     assert in_host == pytest.approx(memory.host_tokens, abs=1)
     for span in memory.spans:
@@ -232,6 +256,7 @@ def test_the_memory_view_tells_device_host_and_dropped_apart(model):
         ({"host_budget_tokens": 16}, "host_budget_tokens"),
         ({"page_tokens": 30, "page_keys": 4}, "page_tokens"),
         ({"retrieval_tokens": -1}, "retrieval_tokens"),
+        ({"host_drop": "newest"}, "host_drop must be one of novel, oldest"),
     ],
 )
 def test_bad_recall_options_are_refused(changes, message):
