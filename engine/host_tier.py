@@ -233,8 +233,8 @@ class HostTier:
 
     def novelty(self) -> torch.Tensor:
         """(slots,) how unlike the other pages held each page is: per run of its places, one minus
-        the cosine similarity of its representative to the closest one of another page, averaged
-        over the layers and KV heads; a page is as novel as its most novel run. Scored in
+        the cosine similarity (at least 0) of its representative to the closest one of another
+        page, averaged over the layers and KV heads; a page is as novel as its most novel run. Scored in
         NOVELTY_LAYERS layers against NOVELTY_REFERENCES representatives (evenly spaced), so
         that its cost grows with the tier, not with its square: a page that others repeat has
         some of them among the references."""
@@ -244,19 +244,19 @@ class HostTier:
         owner = torch.arange(slots, device=device).repeat_interleave(runs)
         step = -(-slots * runs // NOVELTY_REFERENCES)  # every page has some among them up to that many slots
         references = torch.arange(0, slots * runs, step, device=device)
+        same = owner[:, None] == owner[None, references]  # (slots * runs, references): a run of the same page
         closest = torch.zeros(slots * runs, device=device)
         counted = torch.zeros(slots * runs, device=device)
         rows = max(1, SIMILARITY_CHUNK // (heads * len(references)))
         for layer in torch.linspace(0, layers - 1, min(layers, NOVELTY_LAYERS)).round().long().unique().tolist():
             sums = self.key_sums[layer].float().flatten(1, 2)  # (kv_heads, slots * runs, head_dim)
-            reps = sums / sums.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+            reps = sums / sums.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # a run not held: all zeros
             others = reps[:, references].transpose(1, 2)  # (kv_heads, head_dim, references)
             for start in range(0, slots * runs, rows):
                 block = reps[:, start : start + rows] @ others  # (kv_heads, rows, references)
-                apart = (owner[start : start + rows, None] != owner[None, references]) & held[layer, :, None, references]
-                best = block.masked_fill(~apart, -1.0).amax(-1)  # (kv_heads, rows)
+                best = block.masked_fill_(same[start : start + rows], 0.0).amax(-1).clamp_min(0.0)  # (kv_heads, rows)
                 mine = held[layer, :, start : start + rows]
-                closest[start : start + rows] += best.masked_fill(~mine, 0.0).sum(0)
+                closest[start : start + rows] += (best * mine).sum(0)
                 counted[start : start + rows] += mine.sum(0)
         similar = (closest / counted.clamp_min(1)).masked_fill(counted == 0, 1.0)  # a run never held: no news
         return 1.0 - similar.view(slots, runs).amin(-1)
