@@ -48,6 +48,7 @@ import numpy as np
 
 from bench.common import emit, english_text, parser, split_list
 from engine import Session, SessionConfig, load_model
+from engine.host_tier import DROP_RULES
 from engine.session import HOST_BUDGET_MULTIPLE
 
 SYSTEM = "You are a helpful assistant."
@@ -203,6 +204,9 @@ def main() -> None:
     longest = (context - ANSWER_RESERVE_TOKENS) // opts.chunk * opts.chunk  # the longest stream `full` runs
     longest = min(longest, opts.full_tokens or longest)
     policies = [p for p in split_list(opts.policies) if p != "full"]
+    drops = opts.host_drop.split(",")
+    if set(drops) - set(DROP_RULES):
+        args.error(f"--host-drop takes {', '.join(DROP_RULES)}")
     budgets, ratios = split_list(opts.budgets, int), split_list(opts.ratios, float)
     lengths = sorted({int(r * b) for r in ratios for b in budgets})
     started = time.monotonic()
@@ -228,7 +232,7 @@ def main() -> None:
         for ratio in ratios:
             length = int(ratio * budget)
             by_policy = {}
-            for policy, drop in [(p, d) for p in policies for d in split_list(opts.host_drop)]:
+            for policy, drop in [(p, d) for p in policies for d in drops]:
                 results = {True: [], False: []}
                 for trial in range(opts.trials):
                     stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk)
