@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from app.sessions import waking
 from streamvqa import protocol
 from streamvqa.pending import enqueue
+from streamvqa.redis_client import xread
 from streamvqa.protocol import (
     AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, Sampling, SessionRecord, TokenEvent,
 )
@@ -167,7 +168,7 @@ async def events(
         remaining_ms = int((deadline - time.monotonic()) * 1000)
         if remaining_ms <= 0:
             raise AnswerTimeout(answer_id)
-        reply = await redis.xread({stream: since}, block=min(READ_BLOCK_MS, remaining_ms), count=256)
+        reply = await xread(redis, {stream: since}, 256, min(READ_BLOCK_MS, remaining_ms))
         if not reply and time.monotonic() - quiet_since >= KEEPALIVE_S:
             quiet_since = time.monotonic()
             yield None

@@ -13,6 +13,7 @@ from app.errors import ApiError, ErrorBody
 from app.sessions import NoPlace, TooManySessions, UploadRefused
 from app.uploads import file_chunks
 from streamvqa.protocol import EventEnvelope, MemoryReport, SessionOptions, SessionRecord
+from streamvqa.redis_client import xread
 
 router = APIRouter(tags=["sessions"])
 
@@ -199,7 +200,7 @@ async def session_events(session: AuthorizedSession, request: Request, redis: Re
 async def _session_events(redis, keys, session_id: str, since: str):
     stream, quiet = keys.events(session_id), 0
     while True:
-        reply = await redis.xread({stream: since}, block=EVENTS_BLOCK_MS, count=64)
+        reply = await xread(redis, {stream: since}, 64, EVENTS_BLOCK_MS)
         if not reply:
             if not await redis.exists(keys.session(session_id)):
                 yield sse.frame("gone", {"type": "gone", "message": "the session was deleted or expired"})

@@ -31,7 +31,7 @@ from app.sessions import SessionStore, waking
 from app.settings import GatewaySettings
 from streamvqa import protocol
 from streamvqa.pending import enqueue
-from streamvqa.redis_client import FAILURES
+from streamvqa.redis_client import FAILURES, xread
 from streamvqa.protocol import (
     AnswerDoneEvent,
     AnswerErrorEvent,
@@ -510,7 +510,7 @@ class StreamConnection:
         streaming socket skips the state changes of other connections' streams."""
         stream = self.keys.events(self.session_id)
         while not self._stopping:
-            reply = await self.redis.xread({stream: since}, block=EVENTS_BLOCK_MS, count=64)
+            reply = await xread(self.redis, {stream: since}, 64, EVENTS_BLOCK_MS)
             for _, entries in reply:
                 for entry_id, fields in entries:
                     since = entry_id

@@ -67,6 +67,11 @@ async def close(client: Redis | RedisCluster) -> None:
         await client.connection_pool.aclose()
 
 
+async def xread(client: Redis | RedisCluster, streams: dict[str, str], count: int, block_ms: int | None) -> list:
+    """XREAD of streams in one slot (one session's)."""
+    return await _read(client, ("XREAD",), streams, count, block_ms)
+
+
 async def xreadgroup(
     client: Redis | RedisCluster, group: str, consumer: str, streams: dict[str, str], count: int, block_ms: int | None
 ) -> list:
@@ -74,15 +79,30 @@ async def xreadgroup(
     each slot's streams are read by a command of their own, all at once, each waiting at most
     CLUSTER_READ_BLOCK_MS (a new entry may wait that long to be read; an idle worker reads each
     of its sessions that often)."""
+    command = ("XREADGROUP", "GROUP", group, consumer)
     if not isinstance(client, RedisCluster):
-        return await client.xreadgroup(group, consumer, streams, count=count, block=block_ms)
+        return await _read(client, command, streams, count, block_ms)
     by_slot: dict[int, dict[str, str]] = defaultdict(dict)
     for stream, since in streams.items():
         by_slot[key_slot(stream.encode())][stream] = since
     if len(by_slot) == 1:
-        return await client.xreadgroup(group, consumer, streams, count=count, block=block_ms)
+        return await _read(client, command, streams, count, block_ms)
     block = None if block_ms is None else min(block_ms, CLUSTER_READ_BLOCK_MS)
-    replies = await asyncio.gather(
-        *(client.xreadgroup(group, consumer, part, count=count, block=block) for part in by_slot.values())
-    )
+    replies = await asyncio.gather(*(_read(client, command, part, count, block) for part in by_slot.values()))
     return [row for reply in replies for row in reply]
+
+
+async def _read(
+    client: Redis | RedisCluster, command: tuple[str, ...], streams: dict[str, str], count: int, block_ms: int | None
+) -> list:
+    """XREAD or XREADGROUP of streams in one slot. On a cluster the command goes to the master of
+    their slot, found from the client's own map of slots: redis-py would otherwise ask the node it
+    started from which arguments are keys (COMMAND GETKEYS), and while that node is down every
+    read would fail, even after its replica took over."""
+    args = [*command, "COUNT", count, *(("BLOCK", block_ms) if block_ms is not None else ()), "STREAMS"]
+    args += [*streams, *streams.values()]
+    if not isinstance(client, RedisCluster):
+        return await client.execute_command(*args) or []
+    await client.initialize()
+    node = client.get_node_from_key(next(iter(streams)))
+    return await client.execute_command(*args, target_nodes=node) or []

@@ -1,6 +1,9 @@
 """The service on a real Redis Cluster (3 masters, 3 replicas on loopback): the whole path, a
 worker killed mid-stream, and a session's keys in one slot."""
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -93,3 +96,10 @@ def test_a_prefix_with_braces_is_refused_at_start_up():
         GatewaySettings(redis_prefix="svqa{x}:")
     with pytest.raises(ValidationError, match="redis_prefix"):
         WorkerSettings(redis_prefix="}")
+
+
+def test_the_launcher_needs_a_node_to_reach_a_cluster(tmp_path):
+    env = {**os.environ, "REDIS_CLUSTER": "true", "REDIS_URL": "", "RUN_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "streamvqa.run"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "REDIS_CLUSTER=true needs REDIS_URL: a node of the cluster" in run.stderr
