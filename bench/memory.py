@@ -1,6 +1,7 @@
 """Memory and time per chunk as a stream grows: bounded policies stay flat, `full` grows.
 
     python -m bench.memory [--tokens 1000000] [--policies ...] [--budgets 1024] [--chunk 256] [--recall]
+                           [--host-drop novel,oldest]
 
 Streams random text through the tiny text model. At every decade of tokens seen (and at the
 end) prints: policy, budget, tokens_seen, cache_tokens, cache_bytes, max_position, rss_bytes,
@@ -10,8 +11,10 @@ ratios of cache_bytes and ms_per_chunk to the line at 10,000 tokens (after the c
 filled, so that the ratios compare like with like).
 
 --recall runs every bounded policy with recall (a host tier of 16x the budget): lines add
-host_tokens and host_bytes (the host tier's memory), and the last line host_bytes_ratio, against
-the first line at which the host tier was full.
+host_tokens and host_bytes (the pages the host tier holds), and the last line host_bytes_ratio,
+against the first line after the tier first let a page go. --host-drop runs each policy once per
+rule by which pages leave a full tier ("novel" lets an eighth of the tier go at once, so
+host_bytes moves between 7/8 of the bound and all of it; the pool is allocated whole either way).
 """
 
 import time
@@ -20,12 +23,14 @@ import numpy as np
 
 from bench.common import emit, parser, random_text, rss_bytes, split_list
 from engine import Session, SessionConfig, load_model
+from engine.host_tier import DROP_RULES
 
 BASELINE_TOKENS = 10_000
 
 
-def run(model, policy: str, budget: int, tokens: int, chunk: int, full_cap: int, recall: bool = False) -> None:
-    config = SessionConfig(policy=policy, budget_tokens=budget, recall=recall and policy != "full")
+def run(model, policy: str, budget: int, tokens: int, chunk: int, full_cap: int, recall: bool = False,
+        host_drop: str = SessionConfig.host_drop) -> None:
+    config = SessionConfig(policy=policy, budget_tokens=budget, recall=recall and policy != "full", host_drop=host_drop)
     session = Session(model, config)
     rng = np.random.default_rng(0)
     limit = min(tokens, full_cap) if policy == "full" else tokens
@@ -46,8 +51,8 @@ def run(model, policy: str, budget: int, tokens: int, chunk: int, full_cap: int,
                 "evict_ms_per_chunk": round((stats.evict_ms - evict_before) / max(chunks, 1), 3),
             }
             if config.recall:
-                line |= {"host_tokens": stats.host_tokens, "host_bytes": stats.host_bytes}
-                if host_full is None and stats.host_tokens + config.page_tokens > config.host_tokens:
+                line |= {"host_drop": host_drop, "host_tokens": stats.host_tokens, "host_bytes": stats.host_bytes}
+                if host_full is None and session.cache.host.dropped_pages:
                     host_full = line
             if first is None and (seen >= BASELINE_TOKENS or seen >= limit):
                 first = line
@@ -78,11 +83,16 @@ def main() -> None:
     args.add_argument("--full-cap", type=int, default=65_536, help="tokens after which `full` stops")
     args.add_argument("--model", default="tiny-random-llama")
     args.add_argument("--recall", action="store_true", help="bounded policies keep what they evict in a host tier")
+    args.add_argument("--host-drop", default=SessionConfig.host_drop, help="with --recall: novel, oldest or both")
     opts = args.parse_args()
+    drops = opts.host_drop.split(",") if opts.recall else [SessionConfig.host_drop]
+    if set(drops) - set(DROP_RULES):
+        args.error(f"--host-drop takes {', '.join(DROP_RULES)}")
     model = load_model(opts.model, "cpu")
     for budget in split_list(opts.budgets, int):
         for policy in split_list(opts.policies):
-            run(model, policy, budget, opts.tokens, opts.chunk, opts.full_cap, opts.recall)
+            for drop in drops:
+                run(model, policy, budget, opts.tokens, opts.chunk, opts.full_cap, opts.recall, drop)
 
 
 if __name__ == "__main__":
