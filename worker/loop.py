@@ -5,9 +5,10 @@ device); media entries are handled on a media thread, uploads are sampled on a d
 (the next frames are decoded while the engine works), and each live container stream has a
 decoder thread of its own. Each turn reads every stream the worker owns in one XREADGROUP (on a
 Redis Cluster, one per slot, at once), without waiting while there is work, queues the
-questions it got, hands the media to each session's ingest, and runs one engine step that `worker.scheduler` chooses: a question's start
-first, otherwise the sessions' answers and frames in turn, one step each. Ingest progress,
-warnings and errors go to the session's events stream (the gateway relays them to stream sockets).
+questions it got, hands the media to each session's ingest, and runs one engine step that
+`worker.scheduler` chooses: a question's start first, otherwise the sessions' answers and
+frames in turn, one step each. Ingest progress, warnings and errors go to the session's events
+stream (the gateway relays them to stream sockets).
 A session idle for IDLE_RELEASE_S leaves the worker (snapshotted) and comes back at its next
 question or media, so idle sessions do not hold a worker's places.
 """
