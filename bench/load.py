@@ -1,18 +1,23 @@
 """Many sessions at once against real processes: questions answered, time to first token, ingest lag.
 
     python -m bench.load [--sessions 20] [--seconds 60] [--ask-every 5] [--fps 1] [--workers 1]
+                         [--gateways 1] [--cluster]
 
-Starts Redis (REDIS_URL, else an embedded server), one gateway and `--workers` workers serving
-the built-in `tiny-random-llava` on loopback. Each session streams JPEG frames over its stream
-socket in real time at `--fps` and asks a question every `--ask-every` seconds (`POST
-/sessions/{id}/ask`), for `--seconds`. Then every outstanding question is awaited. Prints one
-JSON line: `sessions`, `seconds`, `asked`, `answered`, `failed`, `ttft_p50_ms`, `ttft_p99_ms`
-(gateway to first token, as `ask` reports it), `total_p99_ms`, `lag_p99_s` (how far behind real
-time frames reached the cache), `frames`, `dropped`, and the peak RSS of each process in MiB.
+Starts Redis (REDIS_URL, else an embedded server; with `--cluster`, a local Redis Cluster of 3
+masters and 3 replicas, or the cluster REDIS_URL names), `--gateways` gateways and `--workers`
+workers serving the built-in `tiny-random-llava` on loopback; sessions take the gateways in
+turn. Each session streams JPEG frames over its stream socket in real time at `--fps` and asks
+a question every `--ask-every` seconds (`POST /sessions/{id}/ask`; the first once a frame is in
+the cache), for `--seconds`. Then every outstanding question is awaited. Prints one
+JSON line: `redis`, `gateways`, `workers`, `sessions`, `seconds`, `asked`, `answered`, `failed`,
+`failures` (failed questions by status and code), `ttft_p50_ms`, `ttft_p99_ms` (gateway to first
+token, as `ask` reports it), `total_p99_ms`, `lag_p99_s` (how far behind real time frames reached
+the cache), `frames`, `dropped`, and the peak RSS of each process in MiB.
 """
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -30,7 +35,7 @@ from PIL import Image
 
 from streamvqa import children
 from streamvqa.protocol import frame_message
-from streamvqa.redis_server import EmbeddedRedis, free_port
+from streamvqa.redis_server import EmbeddedRedis, LocalCluster, free_port
 from streamvqa.run import wait_until_serving
 
 QUESTIONS = ["What do you see?", "What changed?", "What colour is the bar?", "Is anything moving?"]
@@ -52,19 +57,24 @@ def _percentile(values: list[float], q: float) -> float | None:
 class Results:
     def __init__(self) -> None:
         self.asked = self.answered = self.failed = self.frames = self.dropped = 0
+        self.failures: dict[str, int] = {}  # failed questions by status and code
         self.ttft_ms: list[float] = []
         self.total_ms: list[float] = []
         self.lag_s: list[float] = []
 
 
 async def _session(http: httpx.AsyncClient, base: str, args: argparse.Namespace, results: Results) -> None:
+    """One session through one gateway (`base`): created, streamed into, asked."""
     created = (await http.post(f"{base}/sessions", json={"fps": args.fps})).json()
     sid, token = created["id"], created["token"]
     url = f"ws://{base.removeprefix('http://')}/sessions/{sid}/stream?token={token}"
     asks: list[asyncio.Task] = []
     dropped = 0
+    has_video = asyncio.Event()  # a question waits for the session's first frame (else: 409 no_video)
 
     async def ask(question: str) -> None:
+        with contextlib.suppress(TimeoutError):  # no frame in a minute: asked anyway (and counted if refused)
+            await asyncio.wait_for(has_video.wait(), 60)
         results.asked += 1
         reply = await http.post(
             f"{base}/sessions/{sid}/ask", json={"question": question, "max_new_tokens": 16},
@@ -76,6 +86,8 @@ async def _session(http: httpx.AsyncClient, base: str, args: argparse.Namespace,
             results.total_ms.append(reply.json()["total_ms"])
         else:
             results.failed += 1
+            reason = f"{reply.status_code} {reply.json().get('code', '') if reply.headers.get('content-type') == 'application/json' else ''}"
+            results.failures[reason.strip()] = results.failures.get(reason.strip(), 0) + 1
 
     async with websockets.connect(url, max_size=None) as socket:
         await socket.send(json.dumps({"type": "start", "format": "frames"}))
@@ -85,6 +97,7 @@ async def _session(http: httpx.AsyncClient, base: str, args: argparse.Namespace,
             async for message in socket:
                 event = json.loads(message)
                 if event["type"] == "ingest":
+                    has_video.set()
                     results.frames += len(event["times"])
                     results.lag_s.append(event["lag_s"])
                     dropped = event["dropped"]
@@ -115,11 +128,11 @@ def _watch_rss(pids: dict[str, int], peaks: dict[str, int], stop: threading.Even
         stop.wait(0.5)
 
 
-async def _load(base: str, args: argparse.Namespace) -> Results:
+async def _load(bases: list[str], args: argparse.Namespace) -> Results:
     results = Results()
     limits = httpx.Limits(max_connections=4 * args.sessions)
     async with httpx.AsyncClient(limits=limits, timeout=60) as http:
-        await asyncio.gather(*(_session(http, base, args, results) for _ in range(args.sessions)))
+        await asyncio.gather(*(_session(http, bases[i % len(bases)], args, results) for i in range(args.sessions)))
     return results
 
 
@@ -130,31 +143,42 @@ def main() -> None:
     parser.add_argument("--ask-every", type=float, default=5.0, help="seconds between questions per session")
     parser.add_argument("--fps", type=float, default=1.0)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--gateways", type=int, default=1)
+    parser.add_argument("--cluster", action="store_true", help="a Redis Cluster (a local one unless REDIS_URL names one)")
     args = parser.parse_args()
 
     folder = Path(tempfile.mkdtemp(prefix="streamvqa-load-"))
-    embedded = None if os.environ.get("REDIS_URL") else EmbeddedRedis(folder / "redis")
+    embedded = None
+    if not os.environ.get("REDIS_URL"):
+        embedded = LocalCluster(folder / "cluster") if args.cluster else EmbeddedRedis(folder / "redis")
     redis_url = os.environ.get("REDIS_URL") or embedded.start()
-    prefix, port = f"svqa-load-{uuid.uuid4().hex[:8]}:", free_port()
+    prefix, ports = f"svqa-load-{uuid.uuid4().hex[:8]}:", [free_port() for _ in range(args.gateways)]
     env = {
-        **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "PORT": str(port), "MODEL": "tiny-random-llava",
+        **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "MODEL": "tiny-random-llava",
+        "REDIS_CLUSTER": "true" if args.cluster else "false",
         "MAX_SESSIONS": str(args.sessions), "MAX_SESSIONS_PER_KEY": str(args.sessions), "SPOOL_DIR": str(folder / "spool"),
         "LOG_LEVEL": "WARNING",
         "SNAPSHOT_DIR": str(folder / "snapshots"),
     }
     processes = {f"worker{i}": children.spawn([sys.executable, "-m", "worker"], env) for i in range(args.workers)}
-    processes["gateway"] = children.spawn([sys.executable, "-m", "app"], env)
+    for i, port in enumerate(ports):
+        processes[f"gateway{i}" if args.gateways > 1 else "gateway"] = children.spawn(
+            [sys.executable, "-m", "app"], {**env, "PORT": str(port)}
+        )
     peaks: dict[str, int] = {}
     stop = threading.Event()
     try:
-        base = f"http://127.0.0.1:{port}"
-        wait_until_serving(f"{base}/healthz", redis_url, prefix, list(processes.values()), 300, args.workers)
+        bases = [f"http://127.0.0.1:{port}" for port in ports]
+        for base in bases:
+            wait_until_serving(
+                f"{base}/healthz", redis_url, prefix, list(processes.values()), 300, args.workers, cluster=args.cluster
+            )
         pids = {name: p.pid for name, p in processes.items()}
-        if embedded is not None:
+        if isinstance(embedded, EmbeddedRedis):
             pids["redis"] = embedded.pid
         watcher = threading.Thread(target=_watch_rss, args=(pids, peaks, stop), daemon=True)
         watcher.start()
-        results = asyncio.run(_load(base, args))
+        results = asyncio.run(_load(bases, args))
     finally:
         stop.set()
         for process in processes.values():
@@ -162,11 +186,15 @@ def main() -> None:
         if embedded is not None:
             embedded.stop()
     line = {
+        "redis": "cluster" if args.cluster else "server",
+        "gateways": args.gateways,
+        "workers": args.workers,
         "sessions": args.sessions,
         "seconds": args.seconds,
         "asked": results.asked,
         "answered": results.answered,
         "failed": results.failed,
+        "failures": results.failures,
         "ttft_p50_ms": _percentile(results.ttft_ms, 50),
         "ttft_p99_ms": _percentile(results.ttft_ms, 99),
         "total_p99_ms": _percentile(results.total_ms, 99),
