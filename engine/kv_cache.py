@@ -8,11 +8,14 @@ number, n.
 Positions are re-encoded at every eviction: a token's position is always its index 0..n-1, so
 positions never exceed the cache's peak size, whatever the stream's length. The keys are kept
 as they were before the rotary embedding (each new key is turned back from its position once,
-when it is stored), and the attention rotates them at their index, with the model's own rotary
-embedding, at every forward. So an eviction is a gather, and however many evictions a key
-lives through, what the attention sees is one rotation away from what the model computed: in
-bfloat16, rotating kept keys from position to position at every eviction instead lets the
-rounding build up (measured: 9% after 150 moves, 40% after 1,000).
+when it is stored), and beside them a copy rotated at their indices, with the model's own
+rotary embedding, which the attention reads. A forward rotates only its new tokens into the
+copy; whatever moves tokens to other indices (an eviction, a borrowing, a give-back) replaces
+the stored keys, and the copy is made again from them at the next forward. So an eviction is a
+gather, and however many evictions a key lives through, what the attention sees is one
+rotation away from what the model computed: in bfloat16, rotating kept keys from position to
+position at every eviction instead lets the rounding build up (measured: 9% after 150 moves,
+40% after 1,000).
 
 With a host tier (`engine/host_tier.py`), what an eviction removes moves there instead of
 being dropped, and a question may borrow pages back: `begin_retrieval` reserves their places,
@@ -35,60 +38,102 @@ from engine.policies import Observation, Policy
 TEXT, FRAME = 0, 1
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def rotations(rotary: nn.Module, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (*positions.shape, head_dim) of the pure rotation by `positions`, with the
-    model's own frequencies, in float32 (without the rotary embedding's `attention_scaling`)."""
+    model's own frequencies, in float32 (without the rotary embedding's `attention_scaling`),
+    the first half of sin negated: what `rotate` takes."""
     cos, sin = rotary(like.float(), positions.to(like.device).reshape(1, -1))
     scale = getattr(rotary, "attention_scaling", 1.0)
     shape = (*positions.shape, cos.shape[-1])
+    half = cos.shape[-1] // 2
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
     return (cos / scale).reshape(shape), (sin / scale).reshape(shape)
 
 
 def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Keys (..., n, head_dim) rotated by angles whose cos and sin are (n, head_dim), times
-    `scale`, computed in float32."""
+    """Keys (..., n, head_dim) rotated by angles whose cos and (half-negated) sin are (n, head_dim),
+    times `scale`, computed in float32: the model's `k * cos + rotate_half(k) * sin`, in the
+    fewest passes over the keys (rotate_half(k) * sin is the halves of k swapped, times the
+    half-negated sin; the same products, so the same bits)."""
     k = keys.float()
-    return ((k * cos + rotate_half(k) * sin) * scale).to(keys.dtype)
+    half = k.shape[-1] // 2
+    rotated = k * cos + k.roll(half, dims=-1) * sin
+    return (rotated if scale == 1.0 else rotated * scale).to(keys.dtype)
 
 
 class PositionTable:
-    """cos and sin of positions 0, 1, 2, ... of one model, grown as needed (a few MB)."""
+    """cos and (half-negated) sin of positions 0, 1, 2, ... of one model, grown as needed (a few
+    MB), and the sin of minus those positions."""
 
     def __init__(self, rotary: nn.Module) -> None:
         self.rotary = rotary
         self.scale = float(getattr(rotary, "attention_scaling", 1.0))  # the model rotates keys, then scales
-        self.cos = self.sin = torch.empty(0, 0)
+        self.cos = self.sin = self.minus_sin = torch.empty(0, 0)
 
     def up_to(self, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(count, head_dim) cos and sin of positions 0..count-1, on `like`'s device."""
         if self.cos.shape[0] < count or self.cos.device != like.device:
             size = max(count, 2 * self.cos.shape[0])
             self.cos, self.sin = rotations(self.rotary, torch.arange(size), like)
+            self.minus_sin = -self.sin
         return self.cos[:count], self.sin[:count]
 
 
 class _PreRopeLayer(DynamicLayer):
     """A transformers cache layer that stores keys as they were before the rotary embedding: the
-    model hands it keys rotated at their positions (their indices), and it turns them back."""
+    model hands it keys rotated at their positions (their indices), and it turns them back.
+
+    Beside them it keeps `rotated()`, the same keys rotated at their indices: appending rotates
+    only the new keys into it, and assigning `keys` (which is how an eviction, a borrowing, a
+    give-back or a rollback moves tokens) drops it, to be made again from the stored keys when
+    next read. Each key is rotated the same way whenever it is, so the copy is bit for bit what
+    rotating every stored key from scratch gives."""
 
     def __init__(self, table: PositionTable) -> None:
+        self._rotated: torch.Tensor | None = None  # (1, kv_heads, m, head_dim): the first m keys, rotated
         super().__init__()
         self.table = table
         self.pending = 0  # places reserved for borrowed tokens that this layer has yet to bring in
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: torch.Tensor | None) -> None:
+        self._keys = keys
+        self._rotated = None  # tokens may sit at other indices now
 
     def get_seq_length(self) -> int:
         return super().get_seq_length() + self.pending
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         start, count = self.get_seq_length(), key_states.shape[-2]
         cos, sin = self.table.up_to(start + count, key_states)
-        unrotated = rotate(key_states, cos[start:], -sin[start:], 1 / self.table.scale)  # by minus the position
-        return super().update(unrotated, value_states)
+        unrotated = rotate(key_states, cos[start:], self.table.minus_sin[start : start + count], 1 / self.table.scale)
+        self._keys = torch.cat([self._keys, unrotated], dim=-2)  # appending moves no token: the copy stays
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        return self._keys, self.values
+
+    def rotated(self) -> torch.Tensor:
+        """(1, kv_heads, N, head_dim) the stored keys rotated at their indices."""
+        done, total = 0 if self._rotated is None else self._rotated.shape[-2], self._keys.shape[-2]
+        if done < total:
+            cos, sin = self.table.up_to(total, self._keys)
+            new = rotate(self._keys[:, :, done:], cos[done:], sin[done:], self.table.scale)
+            self._rotated = new if self._rotated is None else torch.cat([self._rotated, new], dim=-2)
+        return self._rotated
+
+
+def take(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(1, kv_heads, k, head_dim) each KV head's tokens of (1, kv_heads, N, head_dim) at its own
+    indices (kv_heads, k): whole rows copied (index_select), many times faster than a gather
+    with an index expanded over head_dim, and the same values."""
+    _, heads, total, dim = tokens.shape
+    rows = (index + torch.arange(heads, device=index.device)[:, None] * total).reshape(-1)
+    return tokens.reshape(heads * total, dim).index_select(0, rows).view(1, heads, -1, dim)
 
 
 class _Store(DynamicCache):
@@ -103,9 +148,10 @@ def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) 
     kv_heads, total = keys.shape[:2]
     grouped = queries.float().view(kv_heads, q_heads // kv_heads, window, head_dim)
     logits = torch.einsum("hgwd,hnd->hgwn", grouped, keys.float()) * scaling
-    positions = torch.arange(total - window, total, device=keys.device)
-    hidden = torch.arange(total, device=keys.device)[None, :] > positions[:, None]  # (w, N)
-    return logits.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+    # a query may not see only the keys after it, all among the window's own: mask those alone
+    hidden = torch.arange(window, device=keys.device)[None, :] > torch.arange(window, device=keys.device)[:, None]
+    logits[..., total - window :].masked_fill_(hidden, float("-inf"))  # (w, w)
+    return logits.softmax(dim=-1)
 
 
 class KVCache:
@@ -167,9 +213,7 @@ class KVCache:
 
     def rotated_keys(self, layer: int) -> torch.Tensor:
         """(kv_heads, N, head_dim) the layer's keys rotated at their positions (their indices)."""
-        keys = self.hf.layers[layer].keys[0]
-        cos, sin = self.positions.up_to(keys.shape[1], keys)
-        return rotate(keys, cos, sin, self.positions.scale)
+        return self.hf.layers[layer].rotated()[0]
 
     # -- append --------------------------------------------------------------------------------
 
@@ -182,8 +226,7 @@ class KVCache:
         queries, and returns the keys (rotated at their index) and values to attend."""
         if self.hf.layers[layer].pending:
             keys, values = self._borrow(layer, queries[0].detach(), scaling)
-        cos, sin = self.positions.up_to(keys.shape[2], keys)
-        keys = rotate(keys, cos, sin, self.positions.scale)
+        keys = self.hf.layers[layer].rotated()
         new = queries[0].detach()
         kept = self._queries[layer]
         joined = new if kept is None else torch.cat([kept, new], dim=1)
@@ -333,9 +376,9 @@ class KVCache:
             self.evict_s += time.perf_counter() - started
         self._queries = [None] * self.num_layers
 
-    def _evict_layer(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """Keep the policy's choice; returns what left, in stream order per KV head: keys,
-        values (kv_heads, removed, head_dim), kinds, times, order (kv_heads, removed)."""
+    def _evict_layer(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """Keep the policy's choice; with a host tier, returns what left, in stream order per KV
+        head: keys, values (kv_heads, removed, head_dim), kinds, times, order (kv_heads, removed)."""
         policy, cached = self.policy, self.hf.layers[layer]
         total = cached.keys.shape[2]
         attention = None
@@ -351,22 +394,21 @@ class KVCache:
         pinned = torch.isin(self.order[layer], torch.cat(self.pins)) if self.pins else None
         keep = policy.select(scores, pinned)  # (kv_heads, B), ascending: the kept tokens' new positions
         keep_cpu = keep.cpu()
-        gone = torch.ones(self.kv_heads, total, dtype=torch.bool).scatter_(1, keep_cpu, False)
-        gone = gone.nonzero()[:, 1].view(self.kv_heads, -1)  # (kv_heads, removed), ascending
-        left = [None, None]
+        left = None
         if self.host is not None:
-            index = gone.to(cached.keys.device)[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])
-            left = [cached.keys.gather(2, index)[0], cached.values.gather(2, index)[0]]
-        index = keep.to(cached.keys.device)[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])
-        cached.keys = cached.keys.gather(2, index)
-        cached.values = cached.values.gather(2, index)
-        left += [self.kinds[layer].gather(1, gone), self.times[layer].gather(1, gone), self.order[layer].gather(1, gone)]
+            gone = torch.ones(self.kv_heads, total, dtype=torch.bool).scatter_(1, keep_cpu, False)
+            gone = gone.nonzero()[:, 1].view(self.kv_heads, -1)  # (kv_heads, removed), ascending
+            rows = gone.to(cached.keys.device)
+            left = (take(cached.keys, rows)[0], take(cached.values, rows)[0])
+            left += tuple(meta[layer].gather(1, gone) for meta in (self.kinds, self.times, self.order))
+        rows = keep.to(cached.keys.device)
+        cached.keys, cached.values = take(cached.keys, rows), take(cached.values, rows)
         self.kinds[layer] = self.kinds[layer].gather(1, keep_cpu)
         self.times[layer] = self.times[layer].gather(1, keep_cpu)
         self.order[layer] = self.order[layer].gather(1, keep_cpu)
         if policy.keeps_scores:
             self.scores[layer] = scores.float().gather(1, keep.to(scores.device))
-        return tuple(left)
+        return left
 
     # -- read ----------------------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
 """Re-encoded positions: after any number of evictions, the keys the attention sees are the kept
 keys rotated from scratch at their new positions, in float32 and in bfloat16 alike."""
 
+import numpy as np
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from engine import load_model
-from engine.kv_cache import KVCache
+from engine import Session, SessionConfig, load_model
+from engine.kv_cache import KVCache, rotate
 from engine.policies import make_policy
 
 HEADS, HEAD_DIM = 2, 16  # the tiny models' KV heads
@@ -84,3 +85,48 @@ def test_a_thousand_evictions_stay_within_rounding_of_recomputing(rope, dtype, t
     fresh = at(raw, torch.arange(budget).expand(HEADS, budget), rope)
     error = float(((cache.rotated_keys(0)[None].float() - fresh).norm(dim=-1) / fresh.norm(dim=-1)).max())
     assert error < tolerance, error
+
+
+class Failure(Exception):
+    pass
+
+
+@pytest.mark.parametrize("policy", ["infmllm", "h2o"])
+def test_the_keys_every_forward_attends_are_the_stored_keys_rotated_from_scratch(policy):
+    """The cache keeps a rotated copy and rotates only new tokens into it; through evictions, a
+    question that borrows from the host tier, its give-back and a failed forward, the keys the
+    attention gets are still those of rotating every stored key at its index: bit for bit as the
+    cache's own rotation of the whole layer, and as transformers' within float32 rounding."""
+    model = load_model("tiny-random-llava", "cpu")
+    session = Session(model, SessionConfig(policy=policy, budget_tokens=160, recall=True))
+    cache, attend = session.cache, session.cache.attend
+    seen = {"forwards": 0, "borrowed": 0, "fail_at": None}
+
+    def checked(layer, queries, keys, values, scaling):
+        if seen["fail_at"] == layer:
+            seen["fail_at"] = None
+            raise Failure
+        attended, values = attend(layer, queries, keys, values, scaling)
+        stored = cache.hf.layers[layer].keys  # (1, kv_heads, N, head_dim), as stored
+        count = stored.shape[2]
+        cos, sin = cache.positions.up_to(count, stored)
+        assert torch.equal(attended, rotate(stored, cos, sin, cache.positions.scale))
+        assert torch.allclose(attended, at(stored, torch.arange(count).expand(stored.shape[1], count), model.rotary), atol=1e-5)
+        seen["forwards"] += layer == 0
+        seen["borrowed"] += layer == 0 and cache.borrowed[0] is not None
+        return attended, values
+
+    cache.attend = checked
+    rng = np.random.default_rng(0)
+    for second in range(0, 24, 4):
+        pictures = [rng.integers(0, 256, (64, 96, 3), dtype=np.uint8) for _ in range(4)]
+        session.append_frames(pictures, [float(t) for t in range(second, second + 4)])
+        if second == 8:
+            seen["fail_at"] = 1  # the next forward fails in its second layer and is rolled back
+            with pytest.raises(Failure):
+                session.append_text("a forward that fails")
+        if second in (12, 20):
+            list(session.ask("What did you see first?", max_new_tokens=6))
+    assert session.stats().evictions >= 8
+    assert seen["borrowed"] > 0  # some forwards ran with borrowed tokens merged in
+    assert seen["forwards"] > 30
