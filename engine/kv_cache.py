@@ -8,14 +8,15 @@ number, n.
 Positions are re-encoded at every eviction: a token's position is always its index 0..n-1, so
 positions never exceed the cache's peak size, whatever the stream's length. The keys are kept
 as they were before the rotary embedding (each new key is turned back from its position once,
-when it is stored), and beside them a copy rotated at their indices, with the model's own
-rotary embedding, which the attention reads. A forward rotates only its new tokens into the
-copy; whatever moves tokens to other indices (an eviction, a borrowing, a give-back) replaces
-the stored keys, and the copy is made again from them at the next forward. So an eviction is a
-gather, and however many evictions a key lives through, what the attention sees is one
-rotation away from what the model computed: in bfloat16, rotating kept keys from position to
-position at every eviction instead lets the rounding build up (measured: 9% after 150 moves,
-40% after 1,000).
+when it is stored), and beside them, while a prompt or an answer runs, a copy rotated at their
+indices with the model's own rotary embedding, which the attention reads. A forward rotates
+only its new tokens into the copy; whatever moves tokens to other indices (an eviction, a
+borrowing, a give-back) replaces the stored keys, and the copy is made again from them at the
+next forward; `evict`, called after every prompt, lets it go, so between prompts the cache
+holds its keys and values alone. So an eviction is a gather, and however many evictions a key
+lives through, what the attention sees is one rotation away from what the model computed: in
+bfloat16, rotating kept keys from position to position at every eviction instead lets the
+rounding build up (measured: 9% after 150 moves, 40% after 1,000).
 
 With a host tier (`engine/host_tier.py`), what an eviction removes moves there instead of
 being dropped, and a question may borrow pages back: `begin_retrieval` reserves their places,
@@ -85,9 +86,9 @@ class _PreRopeLayer(DynamicLayer):
 
     Beside them it keeps `rotated()`, the same keys rotated at their indices: appending rotates
     only the new keys into it, and assigning `keys` (which is how an eviction, a borrowing, a
-    give-back or a rollback moves tokens) drops it, to be made again from the stored keys when
-    next read. Each key is rotated the same way whenever it is, so the copy is bit for bit what
-    rotating every stored key from scratch gives."""
+    give-back or a rollback moves tokens) or `release()` drops it, to be made again from the
+    stored keys when next read. Each key is rotated the same way whenever it is, so the copy is
+    bit for bit what rotating every stored key from scratch gives."""
 
     def __init__(self, table: PositionTable) -> None:
         self._rotated: torch.Tensor | None = None  # (1, kv_heads, m, head_dim): the first m keys, rotated
@@ -116,6 +117,10 @@ class _PreRopeLayer(DynamicLayer):
         self._keys = torch.cat([self._keys, unrotated], dim=-2)  # appending moves no token: the copy stays
         self.values = torch.cat([self.values, value_states], dim=-2)
         return self._keys, self.values
+
+    def release(self) -> None:
+        """Let the rotated copy go (it is made again when next read)."""
+        self._rotated = None
 
     def rotated(self) -> torch.Tensor:
         """(1, kv_heads, N, head_dim) the stored keys rotated at their indices."""
@@ -360,7 +365,8 @@ class KVCache:
 
     def evict(self) -> None:
         """Down to the policy's budget, if over it. The queries seen so far are dropped either
-        way (the next prompt brings its own window); what accumulates is kept until an eviction."""
+        way (the next prompt brings its own window), and so are the rotated keys (the next
+        prompt's first forward rotates them again); what accumulates is kept until an eviction."""
         if any(b is not None for b in self.borrowed):
             self._queries = [None] * self.num_layers
             return
@@ -375,6 +381,8 @@ class KVCache:
             self.evicted_tokens += removed
             self.evict_s += time.perf_counter() - started
         self._queries = [None] * self.num_layers
+        for cached in self.hf.layers:  # between prompts, keys and values only
+            cached.release()
 
     def _evict_layer(self, layer: int) -> tuple[torch.Tensor, ...] | None:
         """Keep the policy's choice; with a host tier, returns what left, in stream order per KV
@@ -419,9 +427,11 @@ class KVCache:
             return {}
         mass: dict[float, float] = {}
         for layer in range(self.num_layers):
+            frames = self.kinds[layer] == FRAME
+            if not frames.any():  # text alone: nothing to weigh
+                continue
             queries = self._queries[layer][:, -self.evidence_window :]
             received = causal_attention(queries, self.rotated_keys(layer), self._scaling[layer]).sum(dim=(1, 2)).cpu()
-            frames = self.kinds[layer] == FRAME
             times, weights = self.times[layer][frames], received[frames]
             unique, slot = torch.unique(times, return_inverse=True)
             per_time = torch.zeros(unique.shape[0]).index_add_(0, slot, weights)
