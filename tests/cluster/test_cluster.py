@@ -20,41 +20,34 @@ from worker.settings import WorkerSettings
 
 
 @pytest.fixture(scope="module")
-def cluster_stack(redis_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(redis_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The suite's stack, on the cluster: the suite's `client` fixture talks to this one here."""
     with running_stack(redis_cluster.url, tmp_path_factory.mktemp("stack"), REDIS_CLUSTER="true", MAX_SESSIONS="16") as stack:
         yield stack
 
 
-@pytest.fixture
-def user(cluster_stack: Stack) -> Iterator[Client]:
-    client = Client(cluster_stack.url)
-    yield client
-    client.delete()
-    client.http.close()
-
-
-def test_upload_stream_ask_sse_and_memory_on_a_cluster(user, cluster_stack):
-    assert user.create(fps=1).status_code == 201
+def test_upload_stream_ask_sse_and_memory_on_a_cluster(client, stack):
+    assert client.create(fps=1).status_code == 201
     video = sample_video("bikes.mp4")  # 10 s at 25 fps
-    assert user.upload(video.read_bytes()).status_code == 202
-    session = user.wait_for_state("ingested", "error")
+    assert client.upload(video.read_bytes()).status_code == 202
+    session = client.wait_for_state("ingested", "error")
     assert (session["state"], session["frames_ingested"], session["video_time_s"]) == ("ingested", 10, 9.0)
 
-    reply = user.ask("What is happening in the video?", max_new_tokens=8)
+    reply = client.ask("What is happening in the video?", max_new_tokens=8)
     assert reply.status_code == 200 and 1 <= reply.json()["tokens"] <= 8
     assert reply.json()["video_time_s"] == 9.0
 
     body = {"question": "And now?", "max_new_tokens": 4, "stream": True}
-    with user.http.stream("POST", f"/sessions/{user.id}/ask", json=body, headers=user.auth) as streamed:
+    with client.http.stream("POST", f"/sessions/{client.id}/ask", json=body, headers=client.auth) as streamed:
         events = list(sse_events(streamed))
     assert [e["event"] for e in events][0] == "started" and events[-1]["event"] == "done"
     assert {e["event"] for e in events[1:-1]} <= {"token"}
 
-    memory = user.http.get(f"/sessions/{user.id}/memory", headers=user.auth).json()
+    memory = client.http.get(f"/sessions/{client.id}/memory", headers=client.auth).json()
     assert (memory["frames"], memory["video_time_s"]) == (10, 9.0)
     assert [(s["start_s"], s["end_s"]) for s in memory["spans"]] == [(t, t + 1) for t in range(10)]
 
-    live = Client(cluster_stack.url)
+    live = Client(stack.url)
     try:
         assert live.create(fps=1).status_code == 201
         socket = StreamSocket(live, "frames")
@@ -67,15 +60,15 @@ def test_upload_stream_ask_sse_and_memory_on_a_cluster(user, cluster_stack):
         live.delete()
 
 
-def test_a_session_s_keys_share_one_slot_and_sessions_spread_over_masters(cluster_stack):
-    users = [Client(cluster_stack.url) for _ in range(12)]
+def test_a_session_s_keys_share_one_slot_and_sessions_spread_over_masters(stack):
+    users = [Client(stack.url) for _ in range(12)]
     try:
         for user in users:
             assert user.create().status_code == 201
         users[0].show_frames(2)
         assert users[0].ask("Here?", max_new_tokens=2).status_code == 200
-        store = connect_sync(cluster_stack.redis_url, cluster=True)
-        keys = Keys(cluster_stack.prefix)
+        store = connect_sync(stack.redis_url, cluster=True)
+        keys = Keys(stack.prefix)
         first = [key.decode() for key in store.scan_iter(match=f"{keys.session(users[0].id)}*")]
         # hash, media, questions, events, memory, asked, asked questions, lease, answer (at least)
         assert len(first) >= 9
