@@ -176,8 +176,13 @@ export class Conversation {
     button.className = "chip";
     button.dataset.time = String(evidence.time_s);
     button.style.setProperty("--weight", Math.min(1, evidence.weight));
-    button.textContent = videoTime(evidence.time_s);
-    button.title = `${percent(evidence.weight)} of the answer's attention to frames`;
+    const time = document.createElement("span");
+    time.textContent = videoTime(evidence.time_s);
+    const weight = document.createElement("span");
+    weight.className = "chip-weight";
+    weight.textContent = percent(evidence.weight);
+    button.append(time, " ", weight);
+    button.title = `${percent(evidence.weight)} of what the answer looked at among frames, beyond what any question looks at`;
     button.setAttribute("aria-label", `Show ${videoTime(evidence.time_s)} (${percent(evidence.weight)} of the attention)`);
     button.addEventListener("click", () => this.onFocus({ evidence: [evidence.time_s], recalled, seek_s: evidence.time_s }));
     li.append(button);

@@ -125,7 +125,7 @@ def ask(page, question: str):
     chips = item.locator(".evidence .chip")
     assert chips.count() >= 1
     for chip in chips.all_text_contents():
-        assert re.fullmatch(r"\d+\.\d s", chip), chip
+        assert re.fullmatch(r"\d+\.\d s \d+%", chip), chip  # the time, and the weight
     meta = item.locator(".meta").text_content()
     assert re.search(r"first token \d+(\.\d+)? m?s · total \d+(\.\d+)? m?s$", meta), meta
     return item
