@@ -28,9 +28,11 @@ question: the scene's shape or digit). `full` keeps every token (its budget is s
 `--recall` runs every bounded policy a second time with recall (session option `recall`: a host
 tier of 16 times the budget, half the budget borrowed per question); its cells say `recall`.
 
-Prints JSON lines: one per run (`run`: the answers) with `--verbose`, then one per cell with
-`policy`, `budget`, `depth`, `accuracy`, `questions`, `minutes`, `distractors` and accuracy by
-question kind.
+Prints JSON lines: one per run (`run`: the answers and their top-3 evidence times) with
+`--verbose`, a `warning` for a stream whose frames did not all reach the cache, then one per cell
+with `policy`, `budget`, `depth`, `accuracy`, `questions`, `minutes`, `distractors`, accuracy by
+question kind, and `cited_when_right`: the share of right answers whose top-3 evidence holds the
+needle's time (the scene's second).
 `--svg` draws accuracy by needle depth, one panel per budget, one line per policy.
 """
 
@@ -75,7 +77,7 @@ class Question:
 @dataclass(frozen=True)
 class Stream:
     frames: list[tuple[float, bytes]]  # (time in s, JPEG)
-    needle_s: float
+    needle_s: float  # the scene's time (the plain frame is the second before)
     questions: list[Question]
 
 
@@ -132,7 +134,7 @@ def build_stream(real: list, seconds: int, depth: float, trial: int, distractors
                 break
         pictures[at] = picture
     frames = [(float(t), _jpeg(p)) for t, p in enumerate(pictures)]
-    return Stream(frames, float(needle_at), questions(scene, plain, trial % 3))
+    return Stream(frames, float(needle_at + 1), questions(scene, plain, trial % 3))
 
 
 def _jpeg(pixels: np.ndarray) -> bytes:
@@ -145,19 +147,29 @@ def is_right(question: Question, answer: str) -> bool:
     return first_named(answer, CHOICES[question.names]) == question.expected
 
 
-def run_one(client: Client, stream: Stream, policy: str, budget: int | None, recall: bool, verbose: bool) -> list[bool]:
+@dataclass(frozen=True)
+class Result:
+    right: bool
+    cited: bool  # the needle's time is among the answer's evidence (its top 3)
+
+
+def run_one(client: Client, stream: Stream, policy: str, budget: int | None, recall: bool, verbose: bool) -> list[Result]:
     options = {"fps": 1.0, "policy": policy} | ({"budget_tokens": budget} if budget else {}) | ({"recall": True} if recall else {})
     with client.create_session(**options) as session:
         # paced: unpaced, a client can have more frames in flight than the gateway allows after
         # `backpressure`, and is closed with 4429 (docs/benchmarks.md, Needle)
-        session.stream_frames(stream.frames, speed=STREAM_SPEED)
+        streamed = session.stream_frames(stream.frames, speed=STREAM_SPEED)
+        if streamed.frames_ingested != len(stream.frames) or streamed.frames_dropped:
+            emit(warning="frames lost", policy=policy, budget=budget, sent=len(stream.frames),
+                 ingested=streamed.frames_ingested, dropped=streamed.frames_dropped)
         results = []
         for question in stream.questions:
-            answer = session.ask(question.text, max_new_tokens=24).answer
-            results.append(is_right(question, answer))
+            answer = session.ask(question.text, max_new_tokens=24)
+            cited = [e.time_s for e in answer.evidence[:3]]
+            results.append(Result(is_right(question, answer.answer), stream.needle_s in cited))
             if verbose:
                 emit(run=policy, budget=budget, recall=recall, needle_s=stream.needle_s, question=question.text,
-                     expected=question.expected, answer=answer, right=results[-1])
+                     expected=question.expected, answer=answer.answer, right=results[-1].right, evidence_s=cited)
         return results
 
 
@@ -234,7 +246,7 @@ def main() -> None:
         real = sample_videos()
         runs = [(p, None, False) for p in policies if p == "full"]
         runs += [(p, b, r) for p in policies if p != "full" for b in budgets for r in ((False, True) if args.recall else (False,))]
-        right: dict[tuple, list[bool]] = defaultdict(list)
+        right: dict[tuple, list[Result]] = defaultdict(list)
         by_kind: dict[tuple, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
         started = time.monotonic()
         with Client(url, timeout_s=600) as client:
@@ -245,12 +257,15 @@ def main() -> None:
                         results = run_one(client, stream, policy, budget, recall, args.verbose)
                         right[policy, budget, recall, depth] += results
                         for question, ok in zip(stream.questions, results, strict=True):
-                            by_kind[policy, budget, recall, depth][question.kind].append(ok)
+                            by_kind[policy, budget, recall, depth][question.kind].append(ok.right)
         cells = []
         for (policy, budget, recall, depth), results in right.items():
             kinds = {k: round(sum(v) / len(v), 3) for k, v in sorted(by_kind[policy, budget, recall, depth].items())}
-            cell = dict(policy=policy, budget=budget, recall=recall, depth=depth, accuracy=round(sum(results) / len(results), 3),
-                        questions=len(results), minutes=args.minutes, distractors=args.distractors, by_kind=kinds)
+            answered = [r for r in results if r.right]
+            cell = dict(policy=policy, budget=budget, recall=recall, depth=depth,
+                        accuracy=round(len(answered) / len(results), 3), questions=len(results), minutes=args.minutes,
+                        distractors=args.distractors, by_kind=kinds,
+                        cited_when_right=round(sum(r.cited for r in answered) / len(answered), 3) if answered else None)
             cells.append(cell)
             emit(**cell)
         emit(event="done", runs=len(runs) * len(depths) * args.trials, s=round(time.monotonic() - started, 1))
