@@ -23,7 +23,9 @@ from engine.model import Model
 TOKENS_PER_FRAME = 9
 VISUAL = -1  # a placeholder id: the frame's visual tokens go there
 IGNORE = -100  # a position whose prediction is not trained
-NEEDLE_FRAMES = 24  # the longest needle conversation, in frames (384 visual tokens)
+NEEDLE_FRAMES = 24  # the longest short needle conversation, in frames (384 visual tokens)
+MAX_SCENES = 40  # scenes in one needle conversation, at most
+DISTRACTOR_SHARE = 0.4  # of a needle conversation's frames, at most, are scenes
 HELD_OUT_EVERY = 10  # real frames whose index % 10 == 7 are never trained on: they test naming
 HELD_OUT_PHASE = 7
 
@@ -134,7 +136,7 @@ class Sample:
 
 def name_of(names: Sequence[str], cls: int) -> str:
     name = names[cls]
-    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+    return f"{scenes.article(name).lower()} {name}"
 
 
 def _pick(rng: np.random.Generator, options: Sequence):
@@ -145,6 +147,8 @@ def _pick(rng: np.random.Generator, options: Sequence):
 # the frozen model has only the content to learn, not a new way of answering.
 AFTER = ("What came right after the {colour} background?", "What did you see right after the {colour} screen?",
          "What came after the {colour} background?")
+TIME_QUESTIONS = ("What was shown at {when}?", "What did you see at {when}?", "What was on screen at {when}?",
+                  "What was in the video at {when}?")
 DESCRIBE = ("What do you see?", "What is in the picture?", "Describe what you see.", "What is shown?", "What is this?")
 
 
@@ -172,6 +176,17 @@ def scene_questions(scene: Scene, rng: np.random.Generator) -> list[tuple[str, s
                      "letter": ("What letter is shown?", "Which letter do you see?")}[scene.kind]
         qa.append((scene.kind, _pick(rng, questions), f"The {scene.kind} is {scene.symbol}."))
     return qa
+
+
+def _family(scene: Scene) -> str:
+    """What a question by kind calls a scene: one shape or several are both "the shape(s)"."""
+    return "shape" if scene.shape else scene.kind
+
+
+def _clock(rng: np.random.Generator, time_s: float) -> str:
+    """A whole second of a stream as a person might write it: 0:42, 1:05, 42s, 42 seconds."""
+    whole = int(time_s)
+    return _pick(rng, (f"{whole // 60}:{whole % 60:02d}", f"{whole}s", f"{whole} seconds", f"second {whole}", f"{time_s:.1f}s"))
 
 
 def _at(rng: np.random.Generator, time_s: float) -> str:
@@ -248,34 +263,76 @@ class Samples:
         return Sample(list(zip(items, times, strict=True)), [(question, answer)], "moment-" + task)
 
     def needle(self, rng: np.random.Generator, frames: int | None = None) -> Sample:
-        """`frames` (else 3 to NEEDLE_FRAMES) real frames walking through the sample videos, one a
-        second as bench.needle streams them, with one scene among them and, half the time, a plain
-        colour frame right before it; one to three questions in turn about the scene, without a
-        time: what it showed, its colour, what came right after the plain frame."""
+        """A haystack of `frames` (else 3 to NEEDLE_FRAMES) real frames walking through the sample
+        videos one a second, as bench.needle streams them, with one or more scenes among them (up
+        to DISTRACTOR_SHARE of the frames, of every kind), some right after a plain colour frame,
+        and a few plain frames alone; then one to three questions in turn, each about one frame:
+        named by what came right before it ("What came right after the red background?"), by its
+        time ("What was shown at 0:42?"), or by its kind where it is the only one of its kind
+        ("What colour was the digit?", "What shape did you see?")."""
         count = frames or int(rng.integers(3, NEEDLE_FRAMES + 1))
-        start = 0.0 if rng.random() < 0.4 else float(rng.integers(1, 150))  # streams run for minutes
+        start = 0.0 if rng.random() < 0.5 else float(rng.integers(1, 150))  # streams run for minutes
         walk = self._walk(rng, count)
-        pair = bool(self.plain) and count > 1 and rng.random() < 0.5
-        k = int(rng.integers(1 if pair else 0, count))
-        walk[k] = _pick(rng, self.scene)
-        scene = self.pool.scenes[walk[k]]
+        most = max(1, min(MAX_SCENES, int(DISTRACTOR_SHARE * count)))
+        shown = 1 if rng.random() < 0.25 else int(rng.integers(1, most + 1))
+        slots = rng.permutation(count)[:shown]
+        for at in slots:
+            walk[at] = _pick(rng, self.scene)
+        # plain frames of distinct colours: right before some scenes (after-questions), and alone
+        free = sorted(set(range(count)) - set(slots.tolist()))
+        colours = list(rng.permutation(list(self.plain))) if self.plain else []
+        before: dict[int, str] = {}  # scene position -> colour of the plain frame right before it
+        for at in slots:
+            scene = self.pool.scenes[walk[at]]
+            if at - 1 in free and colours and rng.random() < 0.6:
+                options = [c for c in colours if c not in (scene.colour, scene.background)]
+                if options:
+                    before[int(at)] = options[0]
+                    colours.remove(options[0])
+                    walk[at - 1] = _pick(rng, self.plain[options[0]])
+                    free.remove(at - 1)
+        for at in rng.permutation(free)[: int(rng.integers(0, 3))]:
+            if colours and rng.random() < 0.5:
+                walk[at] = _pick(rng, self.plain[colours.pop()])
+        times = [start + i for i in range(count)]
+        turns: list[tuple[str, str, str]] = []
+        for _ in range(int(rng.integers(1, 4))):
+            asked = self._needle_question(rng, walk, times, [int(a) for a in slots], before)
+            if asked[1:] not in [t[1:] for t in turns]:
+                turns.append(asked)
+        return Sample(list(zip(walk, times, strict=True)), [t[1:] for t in turns], turns[-1][0])
+
+    def _needle_question(self, rng: np.random.Generator, walk: list[int], times: list[float], slots: list[int],
+                         before: dict[int, str]) -> tuple[str, str, str]:
+        """(task, question, answer) about one frame of a needle conversation: a scene named by the
+        plain frame before it, by its time, or by its kind; now and then a real frame by its time."""
+        if rng.random() < 0.1:
+            at = int(rng.integers(len(walk)))
+            if self.pool.scenes[walk[at]] is None:
+                question = _pick(rng, TIME_QUESTIONS).format(when=_clock(rng, times[at]))
+                return "needle-time", question, _past(self.label(walk[at]))
+        at = _pick(rng, slots)
+        scene = self.pool.scenes[walk[at]]
+        description = scene.describe()
+        saw = f"I saw {description[0].lower()}{description[1:]}"
+        styles = ["time"] + (["after"] if at in before else [])
+        family = [s for s in slots if _family(self.pool.scenes[walk[s]]) == _family(scene)]
+        if len(family) == 1:
+            styles.append("kind")
+        style = _pick(rng, styles + ["kind", "kind"] * ("kind" in styles) + ["after", "after"] * ("after" in styles))
+        if style == "after":
+            return "needle-after", _pick(rng, AFTER).format(colour=before[at]), saw
+        if style == "time":
+            return "needle-time", _pick(rng, TIME_QUESTIONS).format(when=_clock(rng, times[at])), saw
         thing = {"shape": "shape", "count": "shapes", "digit": "digit", "letter": "letter"}[scene.kind]
         named = thing
-        if scene.shape and rng.random() < 0.5:  # "What colour was the star?"
+        same_shape = [s for s in family if self.pool.scenes[walk[s]].shape == scene.shape]
+        if scene.shape and len(same_shape) == 1 and rng.random() < 0.5:  # "What colour was the star?"
             named = scene.shape if scene.kind == "shape" else scenes._plural(scene.shape)
-        turns = []
-        for task, question, answer in scene_questions(scene, rng):
-            if task not in ("describe", "background"):
-                question = question.replace(f"the {thing}", f"the {named}")
-                turns.append(("needle-what", _in_past(question, None), _past(answer)))
-        if pair:
-            colour = _pick(rng, [c for c in scenes.COLOURS if c not in (scene.colour, scene.background)])
-            walk[k - 1] = _pick(rng, self.plain[colour])
-            question = _pick(rng, AFTER).format(colour=colour)
-            description = scene.describe()
-            turns.append(("needle-after", question, f"I saw {description[0].lower()}{description[1:]}"))
-        order = rng.permutation(len(turns))[: int(rng.integers(1, 4))]
-        return Sample([(item, start + i) for i, item in enumerate(walk)], [turns[i][1:] for i in order], turns[order[-1]][0])
+        options = [(task, question, answer) for task, question, answer in scene_questions(scene, rng)
+                   if task not in ("describe", "background")]
+        _, question, answer = _pick(rng, options)
+        return "needle-what", _in_past(question.replace(f"the {thing}", f"the {named}"), None), _past(answer)
 
     def video(self, rng: np.random.Generator) -> Sample:
         """2-6 frames of one real video: what it shows overall (the head's mean), or at a time."""

@@ -42,21 +42,28 @@ class Scene:
 
     def describe(self) -> str:
         """One sentence naming everything in the scene: the answer to "What do you see?"."""
-        ground = f"on {_article(self.background).lower()} {self.background} background" if self.background else "on a patterned background"
+        ground = f"on {article(self.background).lower()} {self.background} background" if self.background else "on a patterned background"
         if self.kind == "shape":
-            return f"{_article(self.colour)} {self.colour} {self.shape} {ground}."
+            return f"{article(self.colour)} {self.colour} {self.shape} {ground}."
         if self.kind == "plain":
             return f"A plain {self.colour} background."
         if self.kind == "count":
-            return f"{NUMBER_WORDS[self.count].capitalize()} {self.colour} {_plural(self.shape)} {ground}."
+            shapes = self.shape if self.count == 1 else _plural(self.shape)
+            return f"{NUMBER_WORDS[self.count].capitalize()} {self.colour} {shapes} {ground}."
         return f"The {self.kind} {self.symbol} in {self.colour} {ground}."
 
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six")
 
 
-def _article(word: str) -> str:
-    return "An" if word[0] in "aeiou" else "A"
+def article(word: str) -> str:
+    """"A" or "An" before `word`, by its sound: an orange, a unicycle, a European, an hourglass."""
+    w = word.lower()
+    if w.startswith(("hour", "honest", "honour", "honor", "heir")):
+        return "An"
+    if w.startswith(("eu", "one", "once")) or (len(w) > 2 and w[0] == "u" and w[1] not in "aeiou" and w[2] in "aeiou"):
+        return "A"  # a "you" or "w" sound: uni-, use-, ukulele
+    return "An" if w[0] in "aeiou" else "A"
 
 
 def _plural(shape: str) -> str:

@@ -2,6 +2,8 @@
 the trained model answers held-out questions about scenes and real frames through the engine."""
 
 import av
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -100,31 +102,52 @@ def test_the_figure_and_border_channels_name_held_out_scenes_colours(demo):
     assert all(said == background for said, background in plain)
 
 
-def test_a_needle_asks_what_came_right_after_the_plain_frame_just_before_the_scene():
-    """Needle conversations: frames one second apart, one scene among real frames, and when a plain
-    frame stands right before it, a question about what came after that colour names the scene."""
+def test_needle_conversations_ask_about_one_scene_among_several_by_what_preceded_it_its_time_or_its_kind():
+    """Needle conversations: frames one second apart, one or more scenes among real frames. A
+    question names exactly one frame: the scene right after the only plain frame of a colour, the
+    frame at a time, or the only scene of its kind; the answer describes that one."""
     from engine.demo.data import RealFrame, Samples, build_pool
 
-    frames = [RealFrame("clip.mp4", i, i / 25, np.zeros((32, 32, 3), np.uint8)) for i in range(40)]
+    frames = [RealFrame("clip.mp4", i, i / 25, np.zeros((32, 32, 3), np.uint8)) for i in range(80)]
     pool = build_pool(lambda images: (torch.zeros(len(images), 9, 4), torch.zeros(len(images), 1000)), frames,
-                      scene_count=30, crops_per_frame=0, rng=np.random.default_rng(0), plain_per_colour=2)
+                      scene_count=60, crops_per_frame=0, rng=np.random.default_rng(0), plain_per_colour=2)
     samples = Samples(pool, names=["thing"] * 1000)
     rng = np.random.default_rng(1)
-    asked_after = 0
-    for _ in range(40):
-        sample = samples.needle(rng, frames=6)
+    asked = {"after": 0, "time": 0, "kind": 0}
+    most_scenes = 0
+    for _ in range(60):
+        sample = samples.needle(rng, frames=30)
         times = [t for _, t in sample.frames]
-        assert times == [times[0] + i for i in range(6)]
-        kinds = [pool.scenes[item].kind if pool.scenes[item] else "real" for item, _ in sample.frames]
-        assert sum(kind not in ("real", "plain") for kind in kinds) == 1 and kinds.count("plain") <= 1
+        assert times == [times[0] + i for i in range(30)]
+        facts = [pool.scenes[item] for item, _ in sample.frames]
+        shown = [i for i, f in enumerate(facts) if f is not None and f.kind != "plain"]
+        most_scenes = max(most_scenes, len(shown))
+        assert 1 <= len(shown) <= 12  # at most 40% of the frames
+        plains = [f.colour for f in facts if f is not None and f.kind == "plain"]
+        assert len(plains) == len(set(plains))  # one plain frame of a colour, at most
         for question, answer in sample.turns:
             if "after the" in question:
-                asked_after += 1
-                at = kinds.index("plain")
-                plain, scene = (pool.scenes[sample.frames[i][0]] for i in (at, at + 1))
-                assert f"after the {plain.colour} " in question and plain.colour not in (scene.colour, scene.background)
-                assert answer.startswith("I saw ") and f" {scene.colour} " in answer
-    assert asked_after >= 10
+                asked["after"] += 1
+                at = next(i for i, f in enumerate(facts) if f is not None and f.kind == "plain" and f" {f.colour} " in question)
+                scene = facts[at + 1]
+                assert scene.kind != "plain" and scene.colour not in facts[at].colour
+                assert answer == "I saw " + scene.describe()[0].lower() + scene.describe()[1:]
+            elif " at " in question:
+                asked["time"] += 1
+                when = question.rsplit(" at ", 1)[1].rstrip("?")
+                minutes, _, rest = when.rpartition(":")  # 1:05, 65s, 65 seconds, second 65, 65.0s
+                seconds = int(minutes or 0) * 60 + float(re.search(r"\d+(\.\d)?", rest).group())
+                scene = facts[times.index(float(int(seconds)))]
+                if scene is not None:
+                    assert answer == "I saw " + scene.describe()[0].lower() + scene.describe()[1:]
+            else:
+                asked["kind"] += 1
+                family = {"shape": "shape", "count": "shape", "digit": "digit", "letter": "letter"}
+                kinds = [family[facts[i].kind] for i in shown]
+                words = {"digit": ("digit", "number"), "letter": ("letter",), "shape": ("shape", *scenes.SHAPES)}
+                thing = next(k for k, named in words.items() if any(word in question for word in named))
+                assert kinds.count(thing) == 1, (question, kinds)
+    assert min(asked.values()) >= 10 and most_scenes >= 8, (asked, most_scenes)
 
 
 @needs_demo
