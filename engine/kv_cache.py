@@ -192,11 +192,11 @@ class KVCache:
         # Stream places never evicted (`pin`): the opening's, then those of each pinned turn
         self.pins: list[torch.Tensor] = []
         # Since the last eviction: each layer's last queries (q_heads, w, head_dim), at most
-        # `kept_queries`, and (for policies that accumulate) the attention each key received.
+        # `_kept_queries`, and (for policies that accumulate) the attention each key received.
         self._queries: list[torch.Tensor | None] = [None] * num_layers
         self._received: list[torch.Tensor | None] = [None] * num_layers
         self._scaling = [1.0] * num_layers
-        self.kept_queries = max(policy.window_tokens if policy.needs_attention else 0, evidence_window)
+        self._kept_queries = max(policy.window_tokens if policy.needs_attention else 0, evidence_window)
         self.evictions = 0
         self.evicted_tokens = 0
         self.evict_s = 0.0
@@ -235,7 +235,7 @@ class KVCache:
         new = queries[0].detach()
         kept = self._queries[layer]
         joined = new if kept is None else torch.cat([kept, new], dim=1)
-        self._queries[layer] = joined[:, -self.kept_queries :]
+        self._queries[layer] = joined[:, -self._kept_queries :]
         self._scaling[layer] = scaling
         if self.policy.accumulates:
             received = causal_attention(new, keys[0], scaling).sum(dim=2).mean(dim=1)  # (kv_heads, N)
@@ -420,10 +420,9 @@ class KVCache:
 
     # -- read ----------------------------------------------------------------------------------
 
-    def frame_attention(self, window: int | None = None, rows: int | None = None) -> dict[float, float]:
-        """Attention the last `window` kept queries (default: up to `evidence_window`; only the
-        first `rows` of them when given) paid to the frames still held, summed over layers,
-        heads and queries, by the frame's video time."""
+    def frame_attention(self) -> dict[float, float]:
+        """Attention the last queries (up to `evidence_window`) paid to the frames still held,
+        summed over layers, heads and queries, by the frame's video time."""
         if self._queries[0] is None:
             return {}
         mass: dict[float, float] = {}
@@ -431,9 +430,8 @@ class KVCache:
             frames = self.kinds[layer] == FRAME
             if not frames.any():  # text alone: nothing to weigh
                 continue
-            queries = self._queries[layer][:, -(window or self.evidence_window) :]
-            attention = causal_attention(queries, self.rotated_keys(layer), self._scaling[layer])  # (kv_heads, group, w, N)
-            received = attention[:, :, :rows].sum(dim=(1, 2)).cpu()  # (kv_heads, N)
+            queries = self._queries[layer][:, -self.evidence_window :]
+            received = causal_attention(queries, self.rotated_keys(layer), self._scaling[layer]).sum(dim=(1, 2)).cpu()
             times, weights = self.times[layer][frames], received[frames]
             unique, slot = torch.unique(times, return_inverse=True)
             per_time = torch.zeros(unique.shape[0]).index_add_(0, slot, weights)

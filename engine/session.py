@@ -160,7 +160,7 @@ class SessionStats:
 @dataclass(frozen=True)
 class Evidence:
     time_s: float  # video time of a frame
-    weight: float  # its share of the answer's attention to frames beyond a neutral query's (0..1; see Session._top_evidence)
+    weight: float  # its share of the attention the answer paid to frames (0..1)
 
 
 @dataclass(frozen=True)
@@ -356,9 +356,6 @@ class Session:
         generator = sampling.generator()
         self._pin(self.cache.appended + len(question_ids), closing.tokens, new_turn=True)
         logits = self._run([self._part(question_ids), closing])
-        # what frames get from a query that knows nothing yet of what is asked: the question's first
-        # token (the baseline against which the answer's attention picks its evidence)
-        neutral = self.cache.frame_attention(window=min(result["prompt_tokens"], self.cache.kept_queries), rows=1)
         if policy.evict_on_question:
             self.cache.evict()
         answer_ids: list[int] = []
@@ -400,7 +397,7 @@ class Session:
             self.cache.give_back()
             self.cache.evict()
             self._open_answer = None
-            result["evidence"] = self._top_evidence(evidence, neutral)
+            result["evidence"] = self._top_evidence(evidence)
             if borrowed:
                 result["recalled_s"] = sorted(self.cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
 
@@ -413,21 +410,10 @@ class Session:
         for time_s, mass in self.cache.frame_attention().items():
             evidence[time_s] = evidence.get(time_s, 0.0) + mass
 
-    def _top_evidence(self, attention: dict[float, float], neutral: dict[float, float]) -> list[Evidence]:
-        """The frames the answer attended to beyond what a neutral query paid them, strongest
-        first: each frame's share of the answer's attention to frames less its share of the
-        neutral query's (floored at 0), as a share of the sum of those excesses. The first frame
-        and the newest draw attention whatever is asked; this way they are evidence only when the
-        answer looked at them more than that. Plain shares where nothing exceeds the baseline."""
-        total, base = sum(attention.values()), sum(neutral.values())
-        if total <= 0:
-            return []
-        share = {t: mass / total for t, mass in attention.items()}
-        excess = {t: max(0.0, s - (neutral.get(t, 0.0) / base if base > 0 else 0.0)) for t, s in share.items()}
-        weights = excess if sum(excess.values()) > 0 else share
-        total = sum(weights.values())
-        best = sorted(weights.items(), key=lambda item: -item[1])[: self.config.evidence_top_k]
-        return [Evidence(round(t, 3), round(w / total, 4)) for t, w in best if w > 0]
+    def _top_evidence(self, evidence: dict[float, float]) -> list[Evidence]:
+        total = sum(evidence.values())
+        best = sorted(evidence.items(), key=lambda item: -item[1])[: self.config.evidence_top_k]
+        return [Evidence(round(t, 3), round(mass / total, 4)) for t, mass in best] if total > 0 else []
 
     def _part(self, ids: Sequence[int], time_s: float | None = None) -> Part:
         """Text tokens, taken at `time_s` (the current video time when None)."""

@@ -182,7 +182,7 @@ export class Conversation {
     weight.className = "chip-weight";
     weight.textContent = percent(evidence.weight);
     button.append(time, " ", weight);
-    button.title = `${percent(evidence.weight)} of what the answer looked at among frames, beyond what any question looks at`;
+    button.title = `${percent(evidence.weight)} of the answer's attention to frames`;
     button.setAttribute("aria-label", `Show ${videoTime(evidence.time_s)} (${percent(evidence.weight)} of the attention)`);
     button.addEventListener("click", () => this.onFocus({ evidence: [evidence.time_s], recalled, seek_s: evidence.time_s }));
     li.append(button);

@@ -83,10 +83,9 @@ def test_borrowing_everything_evicted_answers_exactly_as_the_full_cache(model):
     expected = full.ask("What was first?", max_new_tokens=12)
     answer = recalling.ask("What was first?", max_new_tokens=12)
     assert "".join(answer) == "".join(expected)
-    # a random model's attention is near even, and an evidence weight is a frame's excess over a
-    # neutral query's share: small differences in attention move it. The strongest frames agree.
-    assert [e.time_s for e in answer.evidence[:2]] == [e.time_s for e in expected.evidence[:2]]
-    assert [e.weight for e in answer.evidence[:2]] == pytest.approx([e.weight for e in expected.evidence[:2]], abs=0.05)
+    weights = {e.time_s: e.weight for e in expected.evidence}  # near-even on a random model: compare all
+    assert {e.time_s: e.weight for e in answer.evidence} == pytest.approx(weights, abs=1e-4)
+    assert len(weights) == 16
     assert answer.recalled_s == list(range(16))[: len(answer.recalled_s)] and len(answer.recalled_s) >= 8
 
 
