@@ -286,7 +286,8 @@ class Trainer:
         if kind == "long":
             frames = int(rng.integers(self.config.long_frames[0], self.config.long_frames[1] + 1))
             count = max(1, self.config.long_batch_frames // frames)
-            return [(lambda sample: replace(sample, task="long-" + sample.task))(samples.needle(rng, frames)) for _ in range(count)]
+            needles = [samples.needle(rng, frames) for _ in range(count)]
+            return [replace(needle, task="long-" + needle.task) for needle in needles]
         return [samples.generators[kind](rng) for _ in range(count)]
 
     @torch.no_grad()
