@@ -4,8 +4,8 @@ A `Pool` holds every image once, as the projector reads it (pooled encoder featu
 is known of it: a generated scene's facts, or a real frame's ImageNet probabilities by the
 encoder's own head. Samples are conversations drawn from the pool by seeded generators: a
 single scene or real frame with one to three questions, a few frames with time markers and a
-question about one moment, a "needle" (a scene among real frames) asked about without a time, and
-a run of real video frames. `Layout` turns a sample into exactly the token stream a `Session`
+question about one moment, a "needle" (scenes among real frames, one of them asked about by what
+came right before it, its time or its kind), and a run of real video frames. `Layout` turns a sample into exactly the token stream a `Session`
 runs (engine/session.py): per frame `[t.ts]`, its visual tokens and a newline, then the question,
 the chat's turn markers and the answer.
 """
