@@ -5,9 +5,9 @@ is known of it: a generated scene's facts, or a real frame's ImageNet probabilit
 encoder's own head. Samples are conversations drawn from the pool by seeded generators: a
 single scene or real frame with one to three questions, a few frames with time markers and a
 question about one moment, a "needle" (scenes among real frames, one of them asked about by what
-came right before it, its time or its kind), and a run of real video frames. `Layout` turns a sample into exactly the token stream a `Session`
-runs (engine/session.py): per frame `[t.ts]`, its visual tokens and a newline, then the question,
-the chat's turn markers and the answer.
+came right before it, its time or its kind), and a run of real video frames. `Layout` turns a
+sample into exactly the token stream a `Session` runs (engine/session.py): per frame `[t.ts]`,
+its visual tokens and a newline, then the question, the chat's turn markers and the answer.
 """
 
 from collections.abc import Callable, Sequence
@@ -275,11 +275,11 @@ class Samples:
         walk = self._walk(rng, count)
         most = max(1, min(MAX_SCENES, int(DISTRACTOR_SHARE * count)))
         shown = 1 if rng.random() < 0.25 else int(rng.integers(1, most + 1))
-        slots = rng.permutation(count)[:shown]
+        slots = [int(at) for at in rng.permutation(count)[:shown]]
         for at in slots:
             walk[at] = _pick(rng, self.scene)
         # plain frames of distinct colours: right before some scenes (after-questions), and alone
-        free = sorted(set(range(count)) - set(slots.tolist()))
+        free = sorted(set(range(count)) - set(slots))
         colours = list(rng.permutation(list(self.plain))) if self.plain else []
         before: dict[int, str] = {}  # scene position -> colour of the plain frame right before it
         for at in slots:
@@ -287,7 +287,7 @@ class Samples:
             if at - 1 in free and colours and rng.random() < 0.6:
                 options = [c for c in colours if c not in (scene.colour, scene.background)]
                 if options:
-                    before[int(at)] = options[0]
+                    before[at] = options[0]
                     colours.remove(options[0])
                     walk[at - 1] = _pick(rng, self.plain[options[0]])
                     free.remove(at - 1)
@@ -297,7 +297,7 @@ class Samples:
         times = [start + i for i in range(count)]
         turns: list[tuple[str, str, str]] = []
         for _ in range(int(rng.integers(1, 4))):
-            asked = self._needle_question(rng, walk, times, [int(a) for a in slots], before)
+            asked = self._needle_question(rng, walk, times, slots, before)
             if asked[1:] not in [t[1:] for t in turns]:
                 turns.append(asked)
         return Sample(list(zip(walk, times, strict=True)), [t[1:] for t in turns], turns[-1][0])
