@@ -379,6 +379,8 @@ def main() -> None:
         frames = frames[:: max(1, len(frames) // args.engine_eval)][: args.engine_eval]
         scores = engine_scores(model, frames, names, args.engine_eval, seed=1000 + config.seed)
         log(event="engine_eval", scores=scores, per_task=args.engine_eval, s=round(time.monotonic() - started, 1))
+        # saved again with the scores: the weights were written before the check, so a check that
+        # fails does not lose the training
         metadata |= {"engine_eval": json.dumps({"per_task": args.engine_eval, "scores": scores}),
                      "total_s": f"{time.monotonic() - started:.0f}"}
         save_projector(trainer.projector, args.out, metadata)
