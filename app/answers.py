@@ -14,41 +14,15 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
-from app.sessions import waking
 from streamvqa import protocol
 from streamvqa.pending import enqueue
 from streamvqa.redis_client import xread
 from streamvqa.protocol import (
-    AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, Sampling, SessionRecord, TokenEvent,
+    AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, Sampling, SessionRecord, TokenEvent, scripts,
 )
 
 READ_BLOCK_MS = 1000
 KEEPALIVE_S = 15  # `events` yields None after this long without an event
-
-# Queues a question unless ARGV[1] already wait, records its id, and marks the session to be
-# brought back to a worker if it left its worker idle. KEYS = the question stream, the session's
-# asked ids, its hash, the asked questions' text; ARGV = backlog, the message, the answer id, the
-# time, the asked ids' bound, TTL (s), the question. Returns {1 when queued (or found queued: a
-# call retried after its reply was lost), 0 when the backlog is full, -1 when the session is
-# gone, -2 when it failed; 1 when the session must be queued for a worker}.
-SUBMIT_LUA = waking("""
-if redis.call('ZSCORE', KEYS[2], ARGV[3]) then return 1 end
-if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
-if redis.call('HGET', KEYS[3], 'state') == 'error' then return -2 end
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
-redis.call('HSET', KEYS[4], ARGV[3], ARGV[7])
-local forgotten = redis.call('ZRANGE', KEYS[2], 0, -tonumber(ARGV[5]) - 1)
-if #forgotten > 0 then
-  redis.call('ZREM', KEYS[2], unpack(forgotten))
-  redis.call('HDEL', KEYS[4], unpack(forgotten))
-end
-redis.call('EXPIRE', KEYS[2], ARGV[6])
-redis.call('EXPIRE', KEYS[4], ARGV[6])
-wake(KEYS[3], ARGV[4])
-return 1
-""")
 
 
 class QuestionsBacklogFull(Exception):
@@ -114,7 +88,7 @@ async def submit(
         answer_id=answer_id, question=question, max_new_tokens=max_new_tokens, asked_at=asked_at, sampling=sampling
     )
     queued, woke = await redis.eval(
-        SUBMIT_LUA, 4, keys.questions(session.id), keys.asked(session.id), keys.session(session.id),
+        scripts.SUBMIT_QUESTION_LUA, 4, keys.questions(session.id), keys.asked(session.id), keys.session(session.id),
         keys.asked_questions(session.id),
         protocol.QUESTIONS_BACKLOG, message.model_dump_json(), answer_id, asked_at, protocol.ASKED_MAXLEN, session_ttl_s,
         question,

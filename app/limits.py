@@ -9,23 +9,7 @@ from redis.asyncio import Redis
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ApiError
-
-# A token bucket per caller, shared by every gateway. KEYS[1] = the bucket; ARGV = tokens per
-# second, bucket size. Returns 0 when the request may go on, else the milliseconds until it may.
-TAKE_LUA = """
-local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
-local now = redis.call('TIME')
-now = tonumber(now[1]) + tonumber(now[2]) / 1000000
-local bucket = redis.call('HMGET', KEYS[1], 'tokens', 'at')
-local tokens = tonumber(bucket[1]) or burst
-local at = tonumber(bucket[2]) or now
-tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
-local wait_ms = 0
-if tokens >= 1 then tokens = tokens - 1 else wait_ms = math.ceil((1 - tokens) / rate * 1000) end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
-redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
-return wait_ms
-"""
+from streamvqa.protocol import scripts
 
 
 def key_id(api_key: str) -> str:
@@ -35,7 +19,7 @@ def key_id(api_key: str) -> str:
 
 class RateLimiter:
     def __init__(self, redis: Redis, bucket_key, per_s: float, burst: int) -> None:
-        self._take = redis.register_script(TAKE_LUA)
+        self._take = redis.register_script(scripts.RATE_BUCKET_LUA)
         self._bucket_key = bucket_key  # caller -> Redis key
         self.per_s, self.burst = per_s, burst
 

@@ -11,116 +11,13 @@ from collections.abc import AsyncIterator
 from redis.asyncio import Redis
 
 from streamvqa import protocol
-from streamvqa.pending import REQUEUE_AFTER_S, enqueue, leave
+from streamvqa.pending import enqueue, leave
 from streamvqa.redis_client import FAILURES
-from streamvqa.protocol import Keys, SessionOptions, SessionRecord, SessionState, WorkerInfo
+from streamvqa.protocol import (
+    Keys, MediaEntry, MediaKind, SessionOptions, SessionRecord, SessionState, WorkerInfo, scripts,
+)
 
-# Marks a session that no worker holds (it left its worker idle) as waiting for a worker of its
-# model, once (`queued` holds when; after REQUEUE_AFTER_S without a worker, a lost entry is
-# replaced): a Lua function the scripts that bring work to a session call. `waking` wraps such a
-# script so that it returns {its result, 1 when it marked the session}; the caller then queues it
-# (`streamvqa.pending.enqueue`: the queue is a global key, in another slot than the session's).
-WAKE_LUA = f"""
-local woke = 0
-local function wake(hash, now)
-  local found = redis.call('HMGET', hash, 'worker', 'queued', 'state')
-  local waiting = found[2] and tonumber(now) - tonumber(found[2]) < {REQUEUE_AFTER_S}
-  if (not found[1] or found[1] == '') and not waiting and found[3] ~= 'error' then
-    redis.call('HSET', hash, 'queued', now)
-    woke = 1
-  end
-end
-local function body()
-"""
-
-
-def waking(body: str) -> str:
-    """A script whose body may call `wake(hash, now)`; it returns {the body's result, woke}."""
-    return WAKE_LUA + body + "\nend\nreturn {body(), woke}\n"
-
-
-# Stores a new session, queued (`queued` is the time), with its media and question streams and
-# their group, for CREATE_GRACE_S: it gets SESSION_TTL_S once it holds its places. KEYS = the
-# hash, media and question streams; ARGV = the grace TTL (s), the time, then the hash's field,
-# value pairs.
-CREATE_LUA = """
-redis.call('HSET', KEYS[1], 'queued', ARGV[2], unpack(ARGV, 3))
-redis.call('XGROUP', 'CREATE', KEYS[2], 'workers', '0', 'MKSTREAM')
-redis.call('XGROUP', 'CREATE', KEYS[3], 'workers', '0', 'MKSTREAM')
-for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
-return 1
-"""
 CREATE_GRACE_S = 60  # a session whose gateway died while creating it is gone this soon
-# Adds ARGV[2] to its owner's set (KEYS[1]) unless it holds ARGV[1] sessions already, and gives
-# the set a TTL of ARGV[3] s. Returns 1, or 0 when it is full.
-TAKE_OWNED_LUA = """
-if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('SADD', KEYS[1], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
-# Adds ARGV[2] to a model's admitted sessions (KEYS[1]) at time ARGV[3], unless they hold the
-# ARGV[1] places of its live workers already. Returns 1, or 0 when they are full.
-TAKE_PLACE_LUA = """
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-return 1
-"""
-# Removes members of a sorted set whose score is still the one read (ARGV: member, score pairs),
-# so that one added again since it was read stays. Returns how many went.
-DROP_UNCHANGED_LUA = """
-local dropped = 0
-for i = 1, #ARGV, 2 do
-  if tonumber(redis.call('ZSCORE', KEYS[1], ARGV[i])) == tonumber(ARGV[i + 1]) then
-    dropped = dropped + redis.call('ZREM', KEYS[1], ARGV[i])
-  end
-end
-return dropped
-"""
-# Claims a live session's media slot for an upload, marks it ingesting and claims its media for
-# this request (renewed while it lives: a worker gives up an upload whose claim lapsed). KEYS =
-# its hash, the streamer claim; ARGV = the time, the upload's connection id, the claim's TTL
-# (ms). Returns 1 when claimed, 0 when the session already has media, -1 when it is gone.
-START_UPLOAD_LUA = waking("""
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if redis.call('HSETNX', KEYS[1], 'media', 'upload') == 0 then return 0 end
-local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'pending' or state == 'ready' then redis.call('HSET', KEYS[1], 'state', 'ingesting') end
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-wake(KEYS[1], ARGV[1])
-return 1
-""")
-# Adds an upload's entry while the session lives, once: ARGV[2] is the upload's bytes queued
-# before it, ARGV[3] its own (a call retried after its reply was lost finds them counted).
-# KEYS = hash, media stream; ARGV = MAXLEN, offset, bytes, then the entry's field, value pairs.
-# Returns 1, -1 when the session is gone, -2 when bytes before it are missing (Redis lost them).
-UPLOAD_ADD_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local queued = tonumber(redis.call('HGET', KEYS[1], 'upload_queued') or '0')
-if queued > tonumber(ARGV[2]) then return 1 end
-if queued < tonumber(ARGV[2]) then return -2 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 4))
-redis.call('HINCRBY', KEYS[1], 'upload_queued', ARGV[3])
-return 1
-"""
-# Gives up an unfinished upload: tells the worker to drop its bytes, frees the media slot and
-# puts the session back to ready (pending while no worker ever held it). KEYS = hash, media
-# stream; ARGV[1] = the media stream's MAXLEN. Nothing is written for a session that is gone.
-ABORT_UPLOAD_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'abort')
-redis.call('HDEL', KEYS[1], 'media', 'upload_queued')
-if redis.call('HGET', KEYS[1], 'state') == 'ingesting' then
-  redis.call('HSET', KEYS[1], 'state', redis.call('HEXISTS', KEYS[1], 'worker') == 1 and 'ready' or 'pending')
-end
-return 1
-"""
-# Deletes a session with every answer it was asked, at once. KEYS = the session's keys (the
-# asked set first); ARGV = the answer keys' prefix.
-DELETE_LUA = """
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do redis.call('DEL', ARGV[1] .. id) end
-return redis.call('DEL', unpack(KEYS))
-"""
 ROOM_POLL_S = (0.02, 0.2)  # first and longest wait between checks of a full media backlog
 
 
@@ -149,16 +46,16 @@ class SessionStore:
         self.redis = redis
         self.keys = keys
         self.session_ttl_s = session_ttl_s
-        self._create = redis.register_script(CREATE_LUA)
-        self._take_owned = redis.register_script(TAKE_OWNED_LUA)
-        self._take_place = redis.register_script(TAKE_PLACE_LUA)
-        self._drop_unchanged = redis.register_script(DROP_UNCHANGED_LUA)
-        self._start_upload = redis.register_script(START_UPLOAD_LUA)
-        self._upload_add = redis.register_script(UPLOAD_ADD_LUA)
-        self._abort_upload = redis.register_script(ABORT_UPLOAD_LUA)
-        self._delete = redis.register_script(DELETE_LUA)
-        self._renew_claim = redis.register_script(protocol.RENEW_CLAIM_LUA)
-        self._release = redis.register_script(protocol.RELEASE_LUA)
+        self._create = redis.register_script(scripts.CREATE_SESSION_LUA)
+        self._take_owned = redis.register_script(scripts.TAKE_OWNED_LUA)
+        self._take_place = redis.register_script(scripts.TAKE_PLACE_LUA)
+        self._drop_unchanged = redis.register_script(scripts.DROP_UNCHANGED_LUA)
+        self._start_upload = redis.register_script(scripts.START_UPLOAD_LUA)
+        self._upload_add = redis.register_script(scripts.ADD_UPLOAD_ENTRY_LUA)
+        self._abort_upload = redis.register_script(scripts.ABORT_UPLOAD_LUA)
+        self._delete = redis.register_script(scripts.DELETE_SESSION_LUA)
+        self._renew_claim = redis.register_script(scripts.RENEW_MEDIA_CLAIM_LUA)
+        self._release = redis.register_script(scripts.RELEASE_LUA)
 
     async def workers(self) -> list[WorkerInfo]:
         """Every worker in the registry, alive or not (those silent for an hour are forgotten)."""
@@ -322,11 +219,11 @@ class SessionStore:
                 if total + len(chunk) > max_bytes:
                     raise UploadRefused(413, "upload_too_large", f"the upload exceeds the limit of {max_bytes} bytes")
                 await self._wait_for_room(session_key, stream, stall_s)
-                await self._add_upload_entry(session, total, {"type": "data", "data": chunk})
+                await self._add_upload_entry(session, total, MediaEntry(MediaKind.DATA, data=chunk))
                 total += len(chunk)
             if total == 0:
                 raise UploadRefused(400, "empty_upload", "the upload is empty")
-            await self._add_upload_entry(session, total, {"type": "end", "bytes": str(total)})
+            await self._add_upload_entry(session, total, MediaEntry(MediaKind.END, upload_bytes=total))
             finished = True
         finally:
             holding.cancel()
@@ -344,12 +241,11 @@ class SessionStore:
             except FAILURES:
                 pass  # the upload's own next step fails too, and says so
 
-    async def _add_upload_entry(self, session: SessionRecord, offset: int, fields: dict[str, bytes | str]) -> None:
+    async def _add_upload_entry(self, session: SessionRecord, offset: int, entry: MediaEntry) -> None:
         """Add the upload's entry that follows its first `offset` bytes."""
-        pairs = [item for pair in fields.items() for item in pair]
+        pairs = [item for pair in entry.fields().items() for item in pair]
         keys = [self.keys.session(session.id), self.keys.media(session.id)]
-        size = len(fields["data"]) if "data" in fields else 0
-        added = await self._upload_add(keys=keys, args=[protocol.MEDIA_MAXLEN, offset, size, *pairs])
+        added = await self._upload_add(keys=keys, args=[protocol.MEDIA_MAXLEN, offset, len(entry.data), *pairs])
         if added == -1:
             raise UploadRefused(404, "session_not_found", "the session was deleted during the upload")
         if added == -2:

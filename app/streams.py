@@ -27,7 +27,7 @@ from app.deps import SESSION_ID, caller_of
 from app.errors import ApiError
 from app.limits import MessageRate
 from app.metrics import GatewayMetrics
-from app.sessions import SessionStore, waking
+from app.sessions import SessionStore
 from app.settings import GatewaySettings
 from streamvqa import protocol
 from streamvqa.pending import enqueue
@@ -42,12 +42,15 @@ from streamvqa.protocol import (
     CloseCode,
     EventEnvelope,
     Keys,
+    MediaEntry,
     MediaErrorEvent,
+    MediaKind,
     SessionRecord,
     StartedEvent,
     StartMessage,
     WarningEvent,
     parse_frame_header,
+    scripts,
 )
 
 log = logging.getLogger(__name__)
@@ -61,61 +64,6 @@ CLAIM_WAIT_S = 2.0  # how long a connecting socket waits for the previous one's 
 EVENTS_BLOCK_MS = 1000
 CLEANUP_WAIT_S = 2.0  # how long a closing socket waits for its tasks to end
 
-# Claims a session's media for a stream socket. KEYS = hash, streamer key; ARGV = format,
-# connection id, claim TTL (ms), the connection it resumes ('' for none). Returns [stream bytes
-# received so far, last frame time or ''], or -1 when the session is gone, -2 when it has other
-# media, -3 when another socket streams into it (one that is not the resumed one), -4 when it failed.
-CLAIM_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if redis.call('HGET', KEYS[1], 'state') == 'error' then return -4 end
-local media = redis.call('HGET', KEYS[1], 'media')
-if media and media ~= ARGV[1] then return -2 end
-local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= ARGV[4] then return -3 end
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-redis.call('HSET', KEYS[1], 'media', ARGV[1])
-local found = redis.call('HMGET', KEYS[1], 'stream_bytes', 'last_frame_s')
-return {tonumber(found[1] or '0'), found[2] or ''}
-"""
-# Adds a media entry to a live session, once, and marks the session to be brought back to a
-# worker if it left its worker idle. A container stream's bytes carry the stream's byte count
-# before them (ARGV[6]), a frame its time (ARGV[4]): a call retried after its reply was lost, or
-# a frame sent again after a reconnection, is found there and not added twice. KEYS = hash, media
-# stream, streamer key; ARGV = MAXLEN, stream bytes to count, this connection, a frame's time
-# ('' for none), the time, the offset ('' for none), then the entry's field, value pairs.
-# Returns {1 (added, or found added), 0 for a frame not after the last one, -1 when the session
-# is gone (nothing outlives a session), -2 when it failed, -3 when another connection took the
-# stream over, -4 when bytes before these are missing (Redis lost them: the client sends on from
-# `bytes_received`); 1 when the session must be queued for a worker}.
-ADD_LUA = waking("""
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if redis.call('HGET', KEYS[1], 'state') == 'error' then return -2 end
-local holder = redis.call('GET', KEYS[3])
-if holder and holder ~= ARGV[3] then return -3 end
-if ARGV[4] ~= '' and tonumber(ARGV[4]) <= tonumber(redis.call('HGET', KEYS[1], 'last_frame_s') or '-1') then return 0 end
-if ARGV[6] ~= '' then
-  local received = tonumber(redis.call('HGET', KEYS[1], 'stream_bytes') or '0')
-  if received > tonumber(ARGV[6]) then return 1 end
-  if received < tonumber(ARGV[6]) then return -4 end
-end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 7))
-if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[1], 'stream_bytes', ARGV[2]) end
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'last_frame_s', ARGV[4]) end
-wake(KEYS[1], ARGV[5])
-return 1
-""")
-# Counts a socket among its session's open sockets, unless ARGV[3] are open. KEYS[1] = the
-# session's sockets (a sorted set: connection id -> expiry, ms); ARGV = connection id, TTL (ms),
-# limit. Sockets whose gateway died expire. Returns 1 when counted (or renewed), 0 when full.
-OPEN_SOCKET_LUA = """
-local now = redis.call('TIME')
-now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
 _END = object()  # the client's `end` message, in the inbox
 _LEFT = object()  # the client closed the socket: what it sent before is forwarded, then the socket ends
 
@@ -195,11 +143,11 @@ class StreamConnection:
         self._sent_while_paused = 0
         self._ended = False
         self._send_lock = asyncio.Lock()
-        self._claim = redis.register_script(CLAIM_LUA)
-        self._add_entry = redis.register_script(ADD_LUA)
-        self._renew = redis.register_script(protocol.RENEW_CLAIM_LUA)
-        self._release = redis.register_script(protocol.RELEASE_LUA)
-        self._open_socket = redis.register_script(OPEN_SOCKET_LUA)
+        self._claim = redis.register_script(scripts.CLAIM_MEDIA_LUA)
+        self._add_entry = redis.register_script(scripts.ADD_STREAM_ENTRY_LUA)
+        self._renew = redis.register_script(scripts.RENEW_MEDIA_CLAIM_LUA)
+        self._release = redis.register_script(scripts.RELEASE_LUA)
+        self._open_socket = redis.register_script(scripts.OPEN_SOCKET_LUA)
 
     async def run(self, token: str | None) -> None:
         self.record = record = await self._authenticate(token)
@@ -216,7 +164,7 @@ class StreamConnection:
             try:
                 since = await self._last_event_id()
                 if self.format:
-                    await self._add({"type": "connect", "format": self.format, "connection": self.id})
+                    await self._add(MediaEntry(MediaKind.CONNECT, format=self.format, connection=self.id))
                 await self.send(
                     StartedEvent(
                         format=self.format,
@@ -232,7 +180,7 @@ class StreamConnection:
                 for task in self._asking:
                     task.cancel()
                 if self.format:
-                    await self._add({"type": "disconnect", "connection": self.id}, closing=True)
+                    await self._add(MediaEntry(MediaKind.DISCONNECT, connection=self.id), closing=True)
                     await self._release(keys=[self.keys.streamer(self.session_id)], args=[self.id])
         finally:
             await self.redis.zrem(sockets, self.id)
@@ -437,7 +385,7 @@ class StreamConnection:
             if item is _LEFT or self._stopping:
                 return
             if item is _END:
-                await self._add({"type": "end"})
+                await self._add(MediaEntry(MediaKind.END))
                 continue
             await self._forward_media(item)
             self._inbox_bytes -= len(item)
@@ -451,14 +399,14 @@ class StreamConnection:
                 await self.send(MediaErrorEvent(code="bad_frame", message=str(err), connection=self.id))
                 return
             await self._wait_for_room()
-            if not await self._add({"type": "frame", "data": message}, len(message), frame_s=time_s):
+            if not await self._add(MediaEntry(MediaKind.FRAME, data=message), len(message), frame_s=time_s):
                 message = f"frame at {time_s:.3f} s skipped: not after the previous frame the session received"
                 await self.send(WarningEvent(code="frame_skipped", message=message))
             return
         for start in range(0, len(message), protocol.MEDIA_CHUNK_BYTES):
             chunk = message[start : start + protocol.MEDIA_CHUNK_BYTES]
             await self._wait_for_room()
-            await self._add({"type": "data", "data": chunk}, len(chunk))
+            await self._add(MediaEntry(MediaKind.DATA, data=chunk), len(chunk))
 
     async def _wait_for_room(self) -> None:
         """Return when the media backlog has room; tell the client while it has none."""
@@ -479,12 +427,14 @@ class StreamConnection:
         self._paused = False
         await self.send(BackpressureEvent(paused=False, backlog=backlog))
 
-    async def _add(self, fields: dict, stream_bytes: int = 0, closing: bool = False, frame_s: float | None = None) -> bool:
+    async def _add(
+        self, entry: MediaEntry, stream_bytes: int = 0, closing: bool = False, frame_s: float | None = None
+    ) -> bool:
         """Add a media entry, unless the session is gone or failed or another socket took the
         stream over (then close, unless `closing`); False for a frame not after the last one."""
-        pairs = [item for pair in fields.items() for item in pair]
+        pairs = [item for pair in entry.fields().items() for item in pair]
         keys = [self.keys.session(self.session_id), self.keys.media(self.session_id), self.keys.streamer(self.session_id)]
-        offset = self._stream_bytes if fields["type"] == "data" else None
+        offset = self._stream_bytes if entry.kind == MediaKind.DATA else None
         now = time.time()
         args = [
             protocol.MEDIA_MAXLEN, stream_bytes, self.id, "" if frame_s is None else repr(frame_s), now,

@@ -11,9 +11,7 @@ entry Redis lost).
 from redis.asyncio import Redis, RedisCluster
 
 from streamvqa import protocol
-from streamvqa.protocol import Keys
-
-REQUEUE_AFTER_S = 30  # a session queued this long ago without a worker is queued again at its next work
+from streamvqa.protocol import REQUEUE_AFTER_S, Keys
 
 
 async def enqueue(redis: Redis | RedisCluster, keys: Keys, session_id: str, model: str, now: float) -> None:

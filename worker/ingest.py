@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from streamvqa.protocol import FRAME_HEADER_BYTES, parse_frame_header
+from streamvqa.protocol import FRAME_HEADER_BYTES, MediaEntry, MediaKind, parse_frame_header
 from streamvqa.sampling import FrameSampler
 from worker import containers
 from worker.buffers import ByteFeed, FeedAborted, FrameQueue
@@ -72,17 +72,17 @@ class UploadIngest:
     def has_work(self) -> bool:
         return self._frames is not None and not self.finished
 
-    def receive(self, kind: str, fields: dict[bytes, bytes]) -> None:
+    def receive(self, entry: MediaEntry) -> None:
         if self._file is None:
             raise DecodeError("media arrived after the end of the upload")
-        if kind == "data":
-            data = fields[b"data"]
+        if entry.kind == MediaKind.DATA:
+            data = entry.data
             self.bytes_received += len(data)
             if self.bytes_received > self.max_bytes:
                 raise DecodeError(f"the upload exceeds the limit of {self.max_bytes} bytes")
             self._file.write(data)
             self._file.flush()  # acknowledged next: the bytes must be in the file, for another worker
-        elif kind == "end":
+        elif entry.kind == MediaKind.END:
             self._file.close()
             self._file = None
             if self.bytes_received == 0:
@@ -90,7 +90,7 @@ class UploadIngest:
             self.info = probe(self.spool_path)
             self._frames = sample_file(self.spool_path, self.fps, self.max_side, self.info)
         else:
-            raise DecodeError(f"unexpected media entry {kind!r} in an upload")
+            raise DecodeError(f"unexpected media entry {entry.kind!r} in an upload")
 
     @classmethod
     def resume(cls, state: dict, fps: float, max_side: int, max_bytes: int, after_s: float | None) -> "UploadIngest":
@@ -213,18 +213,18 @@ class FramesIngest(_LiveIngest):
         """Every frame received is in the cache (or dropped) and no client is sending."""
         return self.settling and len(self.queue) == 0
 
-    def receive(self, kind: str, fields: dict[bytes, bytes]) -> None:
-        if kind == "connect":
-            self.connect(fields[b"connection"].decode())
-        elif kind == "end":
+    def receive(self, entry: MediaEntry) -> None:
+        if entry.kind == MediaKind.CONNECT:
+            self.connect(entry.connection)
+        elif entry.kind == MediaKind.END:
             self.ended = True
-        elif kind == "disconnect":
+        elif entry.kind == MediaKind.DISCONNECT:
             self.connected = False
-        elif kind == "frame":
+        elif entry.kind == MediaKind.FRAME:
             self.connected = True
-            self._receive_frame(fields[b"data"])
+            self._receive_frame(entry.data)
         else:
-            self._fail(f"unexpected media entry {kind!r} in a frames stream", "bad_frame")
+            self._fail(f"unexpected media entry {entry.kind!r} in a frames stream", "bad_frame")
 
     def _receive_frame(self, message: bytes) -> None:
         try:
@@ -300,23 +300,23 @@ class StreamIngest(_LiveIngest):
             idle = not self._pending and (self._decoding is None or self._decoding.feed.starved)
         return self.settling and idle and len(self.queue) == 0
 
-    def receive(self, kind: str, fields: dict[bytes, bytes]) -> None:
-        if kind == "connect":
-            self.connect(fields[b"connection"].decode())
+    def receive(self, entry: MediaEntry) -> None:
+        if entry.kind == MediaKind.CONNECT:
+            self.connect(entry.connection)
             self._joining = True
             self._seeking = False
             if self._current is not None and self._current.failed:
                 self._end_stream()
-        elif kind == "data":
+        elif entry.kind == MediaKind.DATA:
             self.connected = True
-            self._receive_bytes(fields[b"data"])
-        elif kind == "end":
+            self._receive_bytes(entry.data)
+        elif entry.kind == MediaKind.END:
             self.ended = True
             self._end_stream()
-        elif kind == "disconnect":  # the client may come back and go on with the same stream
+        elif entry.kind == MediaKind.DISCONNECT:  # the client may come back and go on with the same stream
             self.connected = False
         else:
-            self._fail(f"unexpected media entry {kind!r} in a {self.format} stream")
+            self._fail(f"unexpected media entry {entry.kind!r} in a {self.format} stream")
 
     def state(self) -> dict:
         init = self.init_segment.hex() if self.init_segment is not None else None

@@ -43,7 +43,9 @@ from streamvqa.protocol import (
     EventEnvelope,
     IngestEvent,
     Keys,
+    MediaEntry,
     MediaErrorEvent,
+    MediaKind,
     MemoryReport,
     MemorySpan,
     Question,
@@ -53,6 +55,8 @@ from streamvqa.protocol import (
     TokenEvent,
     WarningEvent,
     WorkerInfo,
+    check_transition,
+    scripts,
 )
 from worker.answering import AnswerRun, engine_sampling
 from worker.decode import INTERNAL, DecodeError
@@ -77,105 +81,6 @@ MEMORY_INTERVAL_S = 1.0  # the shortest time between two memory reports of a ses
 STOP_GRACE_S = 5.0  # on SIGTERM, answers under way may go on this long before they are cut (session_reset)
 SWEEP_INTERVAL_S = 60.0  # how often spool and snapshot files of sessions that are gone are deleted
 SWEEP_MIN_AGE_S = 60.0  # a file younger than this is never deleted by a sweep
-
-# Updates a live session: KEYS = its hash, media and question streams; ARGV[1] = TTL (s),
-# ARGV[2] = a state to set ('' for none), ARGV[3] = the state it must replace ('' for any),
-# ARGV[4..] = field, value pairs, written before the state. A session that is gone is not
-# brought back: returns 0 and writes nothing.
-UPDATE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if #ARGV > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4)) end
-if ARGV[2] ~= '' and (ARGV[3] == '' or redis.call('HGET', KEYS[1], 'state') == ARGV[3]) then
-  redis.call('HSET', KEYS[1], 'state', ARGV[2])
-end
-for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
-return 1
-"""
-# Renews a lease while this worker (ARGV[1]) holds it, and takes it back when nobody does and
-# the hash still names this worker (a restarted Redis forgets leases that lapsed while it was
-# down; a session queued again for another worker no longer names it). KEYS = the lease, the
-# session's hash; ARGV[2] = TTL (ms). Returns 1 when the worker holds the lease, 0 when it does
-# not or the session is gone.
-RENEW_LUA = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
-local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if holder or redis.call('HGET', KEYS[2], 'worker') ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
-# Takes a session's lease and names this worker in its hash, in one step, so that a worker that
-# dies while opening the session leaves it to be queued again. KEYS = the lease, the hash;
-# ARGV = worker id, TTL (ms). Returns 1 when taken, 0 when held by another, -1 when gone.
-CLAIM_LUA = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
-redis.call('HSET', KEYS[2], 'worker', ARGV[1])
-redis.call('HDEL', KEYS[2], 'queued')
-return 1
-"""
-# Records an upload's progress and acknowledges its media entry in one step. KEYS = the hash,
-# the media stream; ARGV = the entry id, then field, value pairs. A session that is gone is not
-# brought back: returns 0 and only acknowledges.
-UPLOAD_ACK_LUA = """
-redis.call('XACK', KEYS[2], 'workers', ARGV[1])
-redis.call('XDEL', KEYS[2], ARGV[1])
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-return 1
-"""
-# Sets KEYS[2] to ARGV[1] with a TTL of ARGV[2] seconds while the session (hash KEYS[1]) lives.
-SET_IF_LIVE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
-return 1
-"""
-# Adds an answer event while the session lives (a deleted session's answers are not brought
-# back, and its answer stops), once: the event is the answer's ARGV[4]-th (from 0), and a call
-# retried after its reply was lost finds it there. KEYS = the hash, the answer stream; ARGV =
-# the event, MAXLEN, TTL (s), its index. Returns 0 when the session is gone.
-PUBLISH_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if redis.call('XLEN', KEYS[2]) > tonumber(ARGV[4]) then return 1 end
-redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], '*', 'm', ARGV[1])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-return 1
-"""
-# Marks a dead worker's session as waiting for a worker again, once: KEYS = its hash, its lease;
-# ARGV = the dead worker's id, the time. Returns 1 when marked (the lease has lapsed and the
-# hash still names the dead worker); the caller then queues it (`streamvqa.pending.enqueue`).
-REQUEUE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-if redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'worker', '', 'queued', ARGV[2])
-return 1
-"""
-# Lets an idle (or failed) session go: KEYS = its hash, lease, question stream, media stream,
-# streamer claim; ARGV = worker id, '1' for a failed session. Refused (0) while the lease is
-# another's, a question waits, or (unless failed) media waits or a socket streams into it; the
-# gateway queues it again at its next question or media. The caller then takes it out of the
-# model's admitted sessions (`streamvqa.pending.leave`).
-PARK_LUA = """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
-if redis.call('XLEN', KEYS[3]) > 0 then return 0 end
-if ARGV[2] ~= '1' and (redis.call('XLEN', KEYS[4]) > 0 or redis.call('EXISTS', KEYS[5]) == 1) then return 0 end
-redis.call('DEL', KEYS[2])
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('HSET', KEYS[1], 'worker', '')
-  redis.call('HDEL', KEYS[1], 'queued')
-end
-return 1
-"""
-# Gives up an upload whose connection is gone (its gateway died part-way): frees the session's
-# media slot for another upload. KEYS = the hash, the streamer claim, the media stream. Refused
-# (0) while the claim is held or entries wait.
-ABANDON_UPLOAD_LUA = """
-if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('XLEN', KEYS[3]) > 0 then return 0 end
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HDEL', KEYS[1], 'media', 'upload_bytes', 'upload_ended', 'media_duration_s', 'upload_queued')
-if redis.call('HGET', KEYS[1], 'state') == 'ingesting' then redis.call('HSET', KEYS[1], 'state', 'ready') end
-return 1
-"""
 
 
 def available_kv_memory(device: torch.device) -> int:
@@ -293,16 +198,16 @@ class Worker:
         self._decode_thread = ThreadPoolExecutor(1, thread_name_prefix="decode")  # uploads' frames
         self._media_thread = ThreadPoolExecutor(1, thread_name_prefix="media")  # media entries into ingests
         self._stopping = asyncio.Event()
-        self._update = redis.register_script(UPDATE_LUA)
-        self._renew = redis.register_script(RENEW_LUA)
-        self._release = redis.register_script(protocol.RELEASE_LUA)
-        self._requeue_script = redis.register_script(REQUEUE_LUA)
-        self._take_lease = redis.register_script(CLAIM_LUA)
-        self._upload_ack = redis.register_script(UPLOAD_ACK_LUA)
-        self._set_if_live = redis.register_script(SET_IF_LIVE_LUA)
-        self._publish_script = redis.register_script(PUBLISH_LUA)
-        self._park_script = redis.register_script(PARK_LUA)
-        self._abandon_upload = redis.register_script(ABANDON_UPLOAD_LUA)
+        self._update = redis.register_script(scripts.UPDATE_RECORD_LUA)
+        self._renew = redis.register_script(scripts.RENEW_LEASE_LUA)
+        self._release = redis.register_script(scripts.RELEASE_LUA)
+        self._requeue_script = redis.register_script(scripts.REQUEUE_LUA)
+        self._take_lease = redis.register_script(scripts.TAKE_LEASE_LUA)
+        self._upload_ack = redis.register_script(scripts.UPLOAD_ACK_LUA)
+        self._set_if_live = redis.register_script(scripts.SET_IF_LIVE_LUA)
+        self._publish_script = redis.register_script(scripts.PUBLISH_ANSWER_LUA)
+        self._park_script = redis.register_script(scripts.PARK_LUA)
+        self._abandon_upload = redis.register_script(scripts.ABANDON_UPLOAD_LUA)
         self._claiming: set[str] = set()  # sessions being opened: advertised, not yet held
         self.frames_ingested = self.evictions = self.answers = 0  # since start, advertised for GET /metrics
         # brought back from host tiers for questions, since start
@@ -475,7 +380,7 @@ class Worker:
         if hosted.ingest is None:
             return
         if hosted.ingest.live:
-            await self._in_thread(self._media_thread, hosted.ingest.receive, "disconnect", {})
+            await self._in_thread(self._media_thread, hosted.ingest.receive, MediaEntry(MediaKind.DISCONNECT))
             log.info("session %s: its stream's connection is gone", session_id)
             return
         keys = [self.keys.session(session_id), self.keys.streamer(session_id), self.keys.media(session_id)]
@@ -911,25 +816,25 @@ class Worker:
         spooled, with its byte count; a live stream's once a snapshot covers them."""
         hosted = self.sessions[session_id]
         hosted.active_at = hosted.media_at = time.monotonic()
-        kind = fields.get(b"type", b"").decode()
+        entry = MediaEntry.read(fields)
         media = self.keys.media(session_id)
         try:
-            if kind == "abort":  # the gateway gave up on this upload and freed the slot; drop its bytes
+            if entry.kind == MediaKind.ABORT:  # the gateway gave up on this upload and freed the slot; drop its bytes
                 await self._close_ingest(hosted)
                 await self._consume(media, entry_id)
                 return
-            if kind == "connect":
-                await self._connect(session_id, hosted, fields[b"format"].decode(), fields[b"connection"].decode())
+            if entry.kind == MediaKind.CONNECT:
+                await self._connect(session_id, hosted, entry.format, entry.connection)
             elif hosted.ingest is None:
                 hosted.ingest = UploadIngest(
                     self._spool(session_id), hosted.record.fps, self.settings.max_frame_side,
                     self.settings.max_upload_bytes,
                 )
-            elif hosted.ingest.live and hosted.settled and kind in ("data", "frame"):
+            elif hosted.ingest.live and hosted.settled and entry.kind in (MediaKind.DATA, MediaKind.FRAME):
                 await self._unsettle(session_id, hosted)  # media again, without a new connection
-            await self._in_thread(self._media_thread, hosted.ingest.receive, kind, fields)
+            await self._in_thread(self._media_thread, hosted.ingest.receive, entry)
             if not hosted.ingest.live:
-                await self._received_upload(session_id, hosted, kind, entry_id)
+                await self._received_upload(session_id, hosted, entry.kind, entry_id)
             else:
                 hosted.unacked.append(entry_id)
         except DecodeError as err:
@@ -963,7 +868,7 @@ class Worker:
         taking over finds the spool file and the count in agreement."""
         ingest = hosted.ingest
         fields: dict[str, object] = {"upload_bytes": ingest.bytes_received}
-        if kind == "end":
+        if kind == MediaKind.END:
             hosted.media_closed = True
             fields |= {"upload_ended": True, "media_duration_s": ingest.info.duration_s if ingest.info else None}
         pairs = [item for pair in protocol.to_hash(**fields).items() for item in pair]
@@ -1163,8 +1068,11 @@ class Worker:
         from_state: SessionState | None = None,
         **fields: object,
     ) -> bool:
-        """Write fields, then the state (only from `from_state` when given), and restart the
-        session's idle clock, atomically. False when the session is gone."""
+        """Write fields, then the state (only from `from_state` when given, a change that
+        protocol.TRANSITIONS allows), and restart the session's idle clock, atomically. False
+        when the session is gone."""
+        if state is not None and from_state is not None:
+            check_transition(from_state, state)
         pairs = [item for pair in protocol.to_hash(**fields).items() for item in pair]
         args = [self.settings.session_ttl_s, state or "", from_state or "", *pairs]
         return bool(await self._update(keys=list(self.keys.session_data(session_id)), args=args))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from streamvqa.protocol import Keys
+from streamvqa.protocol import Keys, scripts
 
 
 @dataclass(frozen=True)
@@ -24,21 +24,10 @@ class Snapshot:
     taken_at: float
 
 
-# Replaces a session's snapshot while the session lives (a deleted session's is not brought
-# back). KEYS = the session's hash, its snapshot; ARGV = TTL (s), then field, value pairs.
-STORE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], unpack(ARGV, 2))
-redis.call('EXPIRE', KEYS[2], ARGV[1])
-return 1
-"""
-
-
 class SnapshotStore:
     def __init__(self, redis: Redis, keys: Keys, directory: Path, redis_max_bytes: int, ttl_s: int) -> None:
         self.redis = redis
-        self._store = redis.register_script(STORE_LUA)
+        self._store = redis.register_script(scripts.STORE_SNAPSHOT_LUA)
         self.keys = keys
         self.directory = directory
         self.redis_max_bytes = redis_max_bytes

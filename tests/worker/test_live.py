@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 
+from streamvqa.protocol import MediaEntry, MediaKind
 from tests.media import random_cuts, stream_bytes, timed_jpeg
 from worker.buffers import ByteFeed, FrameQueue
 from worker.decode import Frame
@@ -91,7 +92,7 @@ def _moof_offsets(data: bytes) -> list[int]:
 
 
 def _connect(ingest, media_format: str, connection: str) -> None:
-    ingest.receive("connect", {b"connection": connection.encode(), b"format": media_format.encode()})
+    ingest.receive(MediaEntry(MediaKind.CONNECT, format=media_format, connection=connection))
 
 
 @pytest.mark.parametrize("codec", ["libx264", "libvpx"])
@@ -102,8 +103,8 @@ def test_a_new_stream_on_the_same_session_continues_its_video_times(codec):
         for connection in ("first", "second"):  # a client that restarts its recorder
             _connect(ingest, media_format, connection)
             for piece in random_cuts(data, seed=5, pieces=6):
-                ingest.receive("data", {b"data": piece})
-        ingest.receive("end", {})
+                ingest.receive(MediaEntry(MediaKind.DATA, data=piece))
+        ingest.receive(MediaEntry(MediaKind.END))
         assert _drain(ingest) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
         assert ingest.take_errors() == []
     finally:
@@ -117,8 +118,8 @@ def test_a_stream_rejoined_mid_way_resumes_at_its_next_fragment():
     ingest = StreamIngest(media_format, fps=1.0, max_side=768, limits=LIMITS)
     try:
         _connect(ingest, media_format, "first")
-        ingest.receive("data", {b"data": data[:cut]})
-        ingest.receive("end", {})
+        ingest.receive(MediaEntry(MediaKind.DATA, data=data[:cut]))
+        ingest.receive(MediaEntry(MediaKind.END))
         assert _drain(ingest) == [0.0, 1.0, 2.0]
         [(code, connection, message)] = ingest.take_errors()  # it ended inside a fragment
         assert (code, connection) == ("decode_failed", "first") and "corrupt" in message
@@ -126,8 +127,8 @@ def test_a_stream_rejoined_mid_way_resumes_at_its_next_fragment():
 
         _connect(ingest, media_format, "second")  # its decoder is gone: the init segment goes first
         for piece in random_cuts(data[cut:], seed=9, pieces=4):
-            ingest.receive("data", {b"data": piece})
-        ingest.receive("end", {})
+            ingest.receive(MediaEntry(MediaKind.DATA, data=piece))
+        ingest.receive(MediaEntry(MediaKind.END))
         assert _drain(ingest) == [3.0, 4.0, 5.0]
         assert ingest.take_errors() == []
     finally:
@@ -139,7 +140,7 @@ def test_bytes_without_a_header_on_a_new_session_are_refused():
     ingest = StreamIngest(media_format, fps=1.0, max_side=768, limits=LIMITS)
     try:
         _connect(ingest, media_format, "late")
-        ingest.receive("data", {b"data": data[100:]})
+        ingest.receive(MediaEntry(MediaKind.DATA, data=data[100:]))
         assert ingest.take_errors() == [
             ("decode_failed", "late", "the stream does not start with a header, and none was seen before")
         ]
@@ -151,9 +152,9 @@ def test_frames_keep_the_first_at_each_sampling_point_and_report_bad_images():
     ingest = FramesIngest(fps=1.0, max_side=768, limits=LIMITS)
     _connect(ingest, "frames", "camera")
     for time_s in [0.0, 0.4, 1.2, 1.9, 3.0]:
-        ingest.receive("frame", {b"data": timed_jpeg(time_s)})
-    ingest.receive("frame", {b"data": timed_jpeg(4.0)[:40]})  # a cut-off JPEG
-    ingest.receive("end", {})
+        ingest.receive(MediaEntry(MediaKind.FRAME, data=timed_jpeg(time_s)))
+    ingest.receive(MediaEntry(MediaKind.FRAME, data=timed_jpeg(4.0)[:40]))  # a cut-off JPEG
+    ingest.receive(MediaEntry(MediaKind.END))
     assert [f.time_s for f in ingest.next_frames(8).frames] == [0.0, 1.2, 3.0]
     [(code, connection, message)] = ingest.take_errors()
     assert (code, connection) == ("bad_frame", "camera") and message.startswith("frame at 4.000 s")
@@ -166,10 +167,10 @@ def test_a_new_stream_after_a_drop_inside_a_fragment_is_decoded():
     ingest = StreamIngest(media_format, fps=1.0, max_side=768, limits=LIMITS)
     try:
         _connect(ingest, media_format, "dropped")
-        ingest.receive("data", {b"data": data[: fragments[2] - 100]})  # the connection drops here
+        ingest.receive(MediaEntry(MediaKind.DATA, data=data[: fragments[2] - 100]))  # the connection drops here
         _connect(ingest, media_format, "restarted")  # a restarted recorder: a new header
-        ingest.receive("data", {b"data": data})
-        ingest.receive("end", {})
+        ingest.receive(MediaEntry(MediaKind.DATA, data=data))
+        ingest.receive(MediaEntry(MediaKind.END))
         # the first stream's frames up to its cut, then the new one's from 1/fps after the last kept
         assert _drain(ingest) == [0.0, 1.0, 2.0, 3.0, 4.0]
         [(code, connection, _)] = ingest.take_errors()  # the cut-off stream, not the new one
@@ -184,14 +185,14 @@ def test_a_connection_that_never_reached_a_fragment_does_not_spoil_the_next():
     ingest = StreamIngest(media_format, fps=1.0, max_side=768, limits=LIMITS)
     try:
         _connect(ingest, media_format, "first")
-        ingest.receive("data", {b"data": data})
-        ingest.receive("end", {})
+        ingest.receive(MediaEntry(MediaKind.DATA, data=data))
+        ingest.receive(MediaEntry(MediaKind.END))
         assert _drain(ingest) == [0.0, 1.0, 2.0]
         _connect(ingest, media_format, "mid-way")  # bytes from inside a fragment, then gone
-        ingest.receive("data", {b"data": data[fragments[1] + 50 : fragments[1] + 400]})
+        ingest.receive(MediaEntry(MediaKind.DATA, data=data[fragments[1] + 50 : fragments[1] + 400]))
         _connect(ingest, media_format, "fresh")
-        ingest.receive("data", {b"data": data})
-        ingest.receive("end", {})
+        ingest.receive(MediaEntry(MediaKind.DATA, data=data))
+        ingest.receive(MediaEntry(MediaKind.END))
         assert _drain(ingest) == [3.0, 4.0, 5.0]
         assert ingest.take_errors() == []
     finally:
@@ -208,8 +209,8 @@ def test_the_init_segment_is_exact_wherever_the_cuts_fall(seed):
         cuts = [first - 2, first + 1, first + 5, *range(first + 6, first + 12)]  # inside the size, the type
         pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
         for piece in pieces[: seed * 3]:
-            ingest.receive("data", {b"data": piece})
-        ingest.receive("data", {b"data": b"".join(pieces[seed * 3 :])})
+            ingest.receive(MediaEntry(MediaKind.DATA, data=piece))
+        ingest.receive(MediaEntry(MediaKind.DATA, data=b"".join(pieces[seed * 3 :])))
         assert ingest.init_segment == data[:first]
     finally:
         ingest.close()

@@ -1,0 +1,117 @@
+"""The Redis protocol between gateways and workers: keys, bounds, messages and scripts.
+
+Both sides import this package; it imports neither torch nor fastapi. One module per job:
+
+- `keys`: every Redis key, the bounds on what each holds, the cache arithmetic both sides share;
+- `media`: a session's media stream entries (`MediaKind`, `MediaEntry`) and the `frames` message;
+- `options`: what a client chooses for a session and for each answer;
+- `records`: the session record, its states and their legal changes, memory reports, workers;
+- `events`: questions, answer and session events, stream socket messages;
+- `scripts`: every Lua script, each named for what it guards.
+
+`docs/protocol.md` lists every key with its owner and bound.
+"""
+
+from streamvqa.protocol import scripts
+from streamvqa.protocol.events import (
+    AnswerDoneEvent,
+    AnswerEnvelope,
+    AnswerErrorEvent,
+    AnswerEvent,
+    AnswerStartedEvent,
+    AnswerTokenEvent,
+    AskMessage,
+    BackpressureEvent,
+    CloseCode,
+    DoneEvent,
+    ErrorEvent,
+    EventEnvelope,
+    Evidence,
+    IngestEvent,
+    MediaErrorEvent,
+    Question,
+    SessionEvent,
+    StartedEvent,
+    StartMessage,
+    StateEvent,
+    TokenEvent,
+    WarningEvent,
+)
+from streamvqa.protocol.keys import (
+    ANSWER_MAXLEN,
+    ANSWER_TTL_S,
+    ASKED_MAXLEN,
+    DEFAULT_BUDGET_TOKENS,
+    EVENTS_MAXLEN,
+    GROUP,
+    HOST_BUDGET_MULTIPLE,
+    HOST_TOKEN_OVERHEAD_BYTES,
+    MAX_ANSWER_TOKENS,
+    MAX_HOST_BUDGET_TOKENS,
+    MAX_QUESTION_CHARS,
+    MAX_QUESTION_TOKENS,
+    MAX_SYSTEM_PROMPT_CHARS,
+    MEDIA_BACKLOG_ENTRIES,
+    MEDIA_CHUNK_BYTES,
+    MEDIA_MAXLEN,
+    PENDING_MAXLEN,
+    PROMPT_RESERVE_TOKENS,
+    QUESTIONS_BACKLOG,
+    REQUEUE_AFTER_S,
+    STREAMER_TTL_S,
+    Keys,
+    peak_cache_tokens,
+    reserved_device_bytes,
+    session_peak_tokens,
+)
+from streamvqa.protocol.media import (
+    FRAME_HEADER_BYTES,
+    IMAGE_SIGNATURES,
+    MAX_VIDEO_TIME_S,
+    MediaEntry,
+    MediaKind,
+    frame_message,
+    parse_frame_header,
+)
+from streamvqa.protocol.options import (
+    DEFAULT_RECENT,
+    DEFAULT_SINKS,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    POLICIES,
+    POLICY_KNOBS,
+    AskOptions,
+    Policy,
+    PolicyOptions,
+    Sampling,
+    SessionOptions,
+)
+from streamvqa.protocol.records import (
+    TRANSITIONS,
+    MemoryReport,
+    MemorySpan,
+    SessionRecord,
+    SessionState,
+    WorkerInfo,
+    check_transition,
+    to_hash,
+)
+
+__all__ = [
+    "ANSWER_MAXLEN", "ANSWER_TTL_S", "ASKED_MAXLEN", "DEFAULT_BUDGET_TOKENS", "DEFAULT_RECENT", "DEFAULT_SINKS",
+    "EVENTS_MAXLEN", "FRAME_HEADER_BYTES", "GROUP", "HOST_BUDGET_MULTIPLE", "HOST_TOKEN_OVERHEAD_BYTES",
+    "IMAGE_SIGNATURES", "MAX_ANSWER_TOKENS", "MAX_HOST_BUDGET_TOKENS", "MAX_QUESTION_CHARS", "MAX_QUESTION_TOKENS",
+    "MAX_SEED", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_SYSTEM_PROMPT_CHARS", "MAX_TEMPERATURE", "MAX_TOP_K",
+    "MAX_VIDEO_TIME_S", "MEDIA_BACKLOG_ENTRIES", "MEDIA_CHUNK_BYTES", "MEDIA_MAXLEN", "PENDING_MAXLEN", "POLICIES",
+    "POLICY_KNOBS", "PROMPT_RESERVE_TOKENS", "QUESTIONS_BACKLOG", "REQUEUE_AFTER_S", "STREAMER_TTL_S", "TRANSITIONS",
+    "AnswerDoneEvent", "AnswerEnvelope", "AnswerErrorEvent", "AnswerEvent", "AnswerStartedEvent", "AnswerTokenEvent",
+    "AskMessage", "AskOptions", "BackpressureEvent", "CloseCode", "DoneEvent", "ErrorEvent", "EventEnvelope",
+    "Evidence", "IngestEvent", "Keys", "MediaEntry", "MediaErrorEvent", "MediaKind", "MemoryReport", "MemorySpan",
+    "Policy", "PolicyOptions", "Question", "Sampling", "SessionEvent", "SessionOptions", "SessionRecord",
+    "SessionState", "StartMessage", "StartedEvent", "StateEvent", "TokenEvent", "WarningEvent", "WorkerInfo",
+    "check_transition", "frame_message", "parse_frame_header", "peak_cache_tokens", "reserved_device_bytes",
+    "scripts", "session_peak_tokens", "to_hash",
+]

@@ -1,0 +1,198 @@
+"""The messages of the streams and sockets: questions and answer events (worker to gateway),
+session events, and what a stream socket sends and receives (docs/streaming.md).
+
+Streams carry one JSON document per entry in the field `m` (media entries are media.py's).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from streamvqa.protocol.keys import MAX_QUESTION_CHARS
+from streamvqa.protocol.options import AskOptions, Sampling
+from streamvqa.protocol.records import SessionState
+
+
+class CloseCode(IntEnum):
+    """Why the gateway closes a streaming WebSocket (besides the standard 1000, 1009, 1011)."""
+
+    UNDECODABLE = 1007  # the media cannot be decoded (an `error` event says why)
+    TRY_AGAIN_LATER = 1013  # the session's worker stopped reading the stream
+    BAD_REQUEST = 4400  # no valid `start` message, or a message that breaks the protocol
+    UNAUTHORIZED = 4401  # no token, or not this session's token
+    NOT_FOUND = 4404  # no such session (or it expired)
+    CONFLICT = 4409  # the session already has other media, or another socket streams into it
+    TOO_MANY = 4429  # messages after a `backpressure` event, over the message rate, or sockets on the session
+
+
+class Question(BaseModel):
+    answer_id: str
+    question: str
+    max_new_tokens: int
+    asked_at: float | None = None  # unix time the gateway received it; answer times count from it
+    sampling: Sampling = Field(default_factory=Sampling)  # absent (older gateways): greedy
+
+
+class TokenEvent(BaseModel):
+    type: Literal["token"] = "token"
+    text: str
+
+
+class Evidence(BaseModel):
+    time_s: float = Field(description="Video time of a frame the answer attended to.")
+    weight: float = Field(description="That frame's share of the answer's attention to frames (0 to 1).")
+
+
+class DoneEvent(BaseModel):
+    type: Literal["done"] = "done"
+    answer: str
+    tokens: int  # generated tokens
+    evidence: list[Evidence] = []
+    recalled_s: list[int] = []
+    finish_reason: Literal["stop", "length"] = "stop"
+    prompt_tokens: int = 0  # tokens the question added to the cache, with its turn's markers
+    video_time_s: float
+    cache_tokens: int
+    worker_ms: float  # from the worker reading the question to the last token
+    ttft_ms: float | None = None  # from `asked_at` to the first token (None: no asked_at)
+    total_ms: float | None = None  # from `asked_at` to the last token
+
+
+class ErrorEvent(BaseModel):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+
+
+AnswerEvent = Annotated[TokenEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
+
+
+class AnswerEnvelope(BaseModel):
+    event: AnswerEvent
+
+
+class IngestEvent(BaseModel):
+    type: Literal["ingest"] = "ingest"
+    frames: int = Field(description="Frames in the session so far.")
+    times: list[float] = Field(description="Video times of the frames this step appended.")
+    video_time_s: float
+    lag_s: float = Field(description="How far behind real time the last frame was appended (live only).")
+    dropped: int = Field(description="Live frames dropped so far because the worker fell behind.")
+    cache_tokens: int
+
+
+class StateEvent(BaseModel):
+    type: Literal["state"] = "state"
+    state: SessionState
+    connection: str | None = Field(
+        None,
+        description="For a live stream, the connection it concerns: the one that connected (`ingesting`), "
+        "or the last one that sent (`ingested`).",
+    )
+
+
+class WarningEvent(BaseModel):
+    type: Literal["warning"] = "warning"
+    code: str
+    message: str
+
+
+class MediaErrorEvent(BaseModel):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+    connection: str | None = Field(None, description="The stream connection it concerns (closed with 1007).")
+
+
+class StartedEvent(BaseModel):
+    """The gateway's reply to a stream's `start`."""
+
+    type: Literal["started"] = "started"
+    format: str | None = Field(description="The media format, or null for a socket that only watches and asks.")
+    connection: str
+    bytes_received: int = Field(description="Stream bytes received before this connection (send on from here).")
+    last_frame_s: float | None = Field(
+        None, description="`frames`: the video time of the last frame received before this connection (send on after it)."
+    )
+    frames: int
+    video_time_s: float
+
+
+class BackpressureEvent(BaseModel):
+    """From the gateway: the worker is behind; stop sending until `paused` is false."""
+
+    type: Literal["backpressure"] = "backpressure"
+    paused: bool
+    backlog: int = Field(description="Media entries waiting for the worker.")
+
+
+SessionEvent = Annotated[
+    IngestEvent | StateEvent | WarningEvent | MediaErrorEvent | StartedEvent | BackpressureEvent,
+    Field(discriminator="type"),
+]
+
+
+class EventEnvelope(BaseModel):
+    event: SessionEvent
+
+
+class StartMessage(BaseModel):
+    """A stream socket's first message. Without a format the socket only watches and asks: it
+    sends no media, so any number of them (up to the per-session socket limit) may be open."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["start"]
+    format: Literal["webm", "mp4", "frames"] | None = None
+    resume: str | None = Field(
+        None, max_length=64,
+        description="The `connection` of this client's previous socket: if it still holds the stream (its gateway "
+        "or Redis went away before it could let go), this socket takes the stream over at once.",
+    )
+
+
+class AskMessage(AskOptions):
+    """A question asked on a stream socket; its answer comes back as `answer_*` events."""
+
+    type: Literal["ask"]
+    question: str = Field(min_length=1, max_length=MAX_QUESTION_CHARS)
+    ref: str | None = Field(None, max_length=200, description="The client's own name for the question, echoed back.")
+
+
+class AnswerStartedEvent(BaseModel):
+    type: Literal["answer_started"] = "answer_started"
+    answer_id: str
+    ref: str | None = None
+
+
+class AnswerTokenEvent(BaseModel):
+    type: Literal["answer_token"] = "answer_token"
+    answer_id: str
+    ref: str | None = None
+    text: str
+
+
+class AnswerDoneEvent(BaseModel):
+    type: Literal["answer_done"] = "answer_done"
+    answer_id: str
+    ref: str | None = None
+    answer: str
+    tokens: int
+    evidence: list[Evidence]
+    recalled_s: list[int] = []
+    finish_reason: Literal["stop", "length"] = "stop"
+    video_time_s: float
+    cache_tokens: int
+    ttft_ms: float | None
+    total_ms: float | None
+
+
+class AnswerErrorEvent(BaseModel):
+    type: Literal["answer_error"] = "answer_error"
+    answer_id: str | None = None  # None: the question was refused before it was queued
+    ref: str | None = None
+    code: str
+    message: str

@@ -1,0 +1,176 @@
+"""What Redis stores about sessions and workers: the session record and its states, the
+memory report a worker writes for each session, and each worker's entry in the registry."""
+
+from __future__ import annotations
+
+import json
+import time
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from streamvqa.protocol.keys import reserved_device_bytes
+from streamvqa.protocol.options import Policy
+
+
+class SessionState(StrEnum):
+    PENDING = "pending"  # created, no worker holds it yet
+    READY = "ready"  # a worker holds it; no media yet
+    INGESTING = "ingesting"  # media is arriving or being decoded
+    INGESTED = "ingested"  # all media so far is in the cache
+    ERROR = "error"  # media failed; `error` says why
+
+# The legal changes of a session's state: from each state, those it may become (writing the
+# state it holds is no change). A session is created pending; error is final. The writers: the
+# worker's record writer (`worker.loop.Worker._set`, which checks the changes it asks for), the
+# gateway's upload scripts (scripts.START_UPLOAD_LUA, scripts.ABORT_UPLOAD_LUA) and the worker's
+# scripts.ABANDON_UPLOAD_LUA.
+TRANSITIONS: dict[SessionState, frozenset[SessionState]] = {
+    # a worker takes it; an upload starts before any does; the worker cannot open it
+    SessionState.PENDING: frozenset({SessionState.READY, SessionState.INGESTING, SessionState.ERROR}),
+    # media comes
+    SessionState.READY: frozenset({SessionState.INGESTING, SessionState.ERROR}),
+    # all of it is in the cache; an upload aborted or abandoned, or a stream ended with no frame
+    # (back to pending when no worker ever held the session); media failed
+    SessionState.INGESTING: frozenset(
+        {SessionState.INGESTED, SessionState.READY, SessionState.PENDING, SessionState.ERROR}
+    ),
+    # a stream socket connects again, or more media comes
+    SessionState.INGESTED: frozenset({SessionState.INGESTING, SessionState.ERROR}),
+    SessionState.ERROR: frozenset(),
+}
+
+
+def check_transition(old: SessionState, new: SessionState) -> None:
+    """ValueError when a session in state `old` may not become `new`."""
+    if new != old and new not in TRANSITIONS[old]:
+        raise ValueError(f"a session's state may not go from {old} to {new}")
+
+
+class SessionRecord(BaseModel):
+    """A session as stored in its Redis hash and returned by `GET /sessions/{id}`."""
+
+    id: str
+    model: str
+    policy: Policy
+    budget_tokens: int
+    fps: float
+    policy_options: dict[str, bool | int | float | str] = Field(default_factory=dict)
+    system_prompt: str | None = None
+    recall: bool = False
+    host_budget_tokens: int = Field(0, description="With recall, the host tier's bound per layer; 0 without.")
+    retrieval_tokens: int = Field(0, description="With recall, what one question may bring back per layer; 0 without.")
+    pin_turns: int = 0
+    state: SessionState = SessionState.PENDING
+    error: str | None = None
+    worker: str | None = None
+    media: Literal["upload", "webm", "mp4", "frames"] | None = None
+    upload_bytes: int = 0
+    upload_ended: bool = Field(False, description="Every byte of the upload reached the worker.")
+    media_duration_s: float | None = Field(None, description="An upload's video duration, once known.")
+    stream_bytes: int = Field(0, description="Bytes received on the session's stream sockets.")
+    last_frame_s: float | None = Field(None, description="Video time of the last `frames` message received.")
+    frames_dropped: int = Field(0, description="Live frames dropped because the worker fell behind.")
+    ingest_lag_s: float = Field(0.0, description="How far behind real time the last live frame was ingested.")
+    frames_ingested: int = 0
+    video_time_s: float = 0.0
+    cache_tokens: int = 0
+    context_tokens: int = Field(0, description="The most tokens the cache may hold: the model's context (0: not known).")
+    context_full: bool = Field(
+        False, description="The cache reached the context: later frames are not taken, and only questions that fit are."
+    )
+    created_at: float = Field(default_factory=time.time)
+
+    @field_validator("policy_options", mode="before")
+    @classmethod
+    def _from_json(cls, value: object) -> object:
+        return json.loads(value) if isinstance(value, str) else value
+
+    @classmethod
+    def from_hash(cls, fields: dict[bytes, bytes]) -> SessionRecord:
+        return cls.model_validate({k.decode(): v.decode() for k, v in fields.items()})
+
+
+def to_hash(**fields: object) -> dict[str, str]:
+    """Redis hash fields for a partial record update; None values are left out, dicts are JSON."""
+    def text(value: object) -> str:
+        if isinstance(value, StrEnum):
+            return value.value
+        return json.dumps(value) if isinstance(value, dict) else str(value)
+
+    return {k: text(v) for k, v in fields.items() if v is not None}
+
+
+class MemorySpan(BaseModel):
+    start_s: int = Field(description="The span is [start_s, end_s) of video time.")
+    end_s: int
+    frame_seen: int = Field(description="Frame tokens appended from it.")
+    frame_held: float = Field(description="Of those, held now (mean over layers and KV heads).")
+    text_seen: int = Field(description="Text tokens (questions, answers) appended while it was the latest video time.")
+    text_held: float
+    frame_host: float = Field(0.0, description="Of the frame tokens, in the host tier now (recall), and so recallable.")
+    text_host: float = 0.0
+
+
+class MemoryReport(BaseModel):
+    """What a session's bounded cache holds now, written by its worker after it changes."""
+
+    policy: str
+    budget_tokens: int | None = Field(description="Tokens each layer keeps after an eviction; null: never evicts.")
+    cache_tokens: int
+    frame_tokens: float = Field(description="Frame tokens held (mean over layers and KV heads).")
+    text_tokens: float
+    evictions: int
+    evicted_tokens: int = Field(description="Tokens evicted so far, per layer.")
+    frames: int = Field(description="Frames appended so far.")
+    video_time_s: float
+    spans: list[MemorySpan] = Field(
+        description="The stream so far in at most 600 equal spans of whole seconds. What was seen and is neither "
+        "held nor in the host tier was dropped."
+    )
+    recall: bool = False
+    host_budget_tokens: int = Field(0, description="The host tier's bound, per layer; 0 without recall.")
+    host_tokens: int = Field(0, description="Tokens in the host tier now, per layer.")
+    host_bytes: int = Field(0, description="Host memory the tier takes.")
+    retrievals: int = Field(0, description="Questions that brought tokens back from the host tier.")
+    updated_at: float = Field(description="Unix time the worker wrote this report.")
+
+
+class WorkerInfo(BaseModel):
+    id: str
+    model: str
+    sessions: int
+    max_sessions: int
+    expires_at: float  # unix time after which the worker counts as gone
+    session_ids: list[str] = []  # the sessions it holds (at most max_sessions)
+    kv_bytes_per_token: int = 0  # its model's cache bytes per token (0: unknown)
+    kv_free_bytes: int = 0  # cache memory not reserved by its sessions (each reserves its peak)
+    context_tokens: int = 0  # the most tokens a session's cache may hold: its model's context (0: unknown)
+    host_bytes_per_token: int = 0  # a host tier token's bytes, over all layers (0: unknown)
+    index_bytes_per_host_token: float = 0.0  # cache memory a host tier token's share of its index takes
+    host_free_bytes: int = 0  # host memory for host tiers not reserved by its sessions (each reserves its bound)
+    # counters since the worker started, and its live sessions' ingest lag, for GET /metrics
+    frames_ingested: int = 0
+    evictions: int = 0
+    answers: int = 0
+    ingest_lag_s: float = 0.0
+    host_bytes: int = 0  # its sessions' host tiers now
+    retrieved_tokens: int = 0  # host tokens brought back per layer for questions, since it started
+    retrieved_pages: int = 0  # host pages questions borrowed from (in the first layer), since it started
+    retrieval_ms: float = 0.0  # time spent choosing and bringing them back
+
+    def fits(self, peak_tokens: int, host_tokens: int = 0) -> bool:
+        """Whether a session whose cache peaks at `peak_tokens` (and its host tier) fits now: by
+        count, by cache memory and by host memory."""
+        if self.sessions >= self.max_sessions:
+            return False
+        cache = reserved_device_bytes(peak_tokens, host_tokens, self.kv_bytes_per_token, self.index_bytes_per_host_token)
+        host = host_tokens * self.host_bytes_per_token
+        return (self.kv_bytes_per_token == 0 or cache <= self.kv_free_bytes) and (
+            self.host_bytes_per_token == 0 or host <= self.host_free_bytes
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.expires_at > time.time()

@@ -1,0 +1,351 @@
+"""Every Lua script of the protocol, each defined once and named for what it guards.
+
+A script runs atomically on one Redis node; each touches the keys of one session (one hash
+slot on a Redis Cluster) or one global key, never both. Above each: what it guards, its KEYS and
+ARGV, and what it returns. Callers register them (`redis.register_script`) where they run them.
+"""
+
+from streamvqa.protocol.keys import REQUEUE_AFTER_S
+
+# Marks a session that no worker holds (it left its worker idle) as waiting for a worker of its
+# model, once (`queued` holds when; after REQUEUE_AFTER_S without a worker, a lost entry is
+# replaced): a Lua function the scripts that bring work to a session call. `waking` wraps such a
+# script so that it returns {its result, 1 when it marked the session}; the caller then queues it
+# (`streamvqa.pending.enqueue`: the queue is a global key, in another slot than the session's).
+WAKE_LUA = f"""
+local woke = 0
+local function wake(hash, now)
+  local found = redis.call('HMGET', hash, 'worker', 'queued', 'state')
+  local waiting = found[2] and tonumber(now) - tonumber(found[2]) < {REQUEUE_AFTER_S}
+  if (not found[1] or found[1] == '') and not waiting and found[3] ~= 'error' then
+    redis.call('HSET', hash, 'queued', now)
+    woke = 1
+  end
+end
+local function body()
+"""
+
+
+def waking(body: str) -> str:
+    """A script whose body may call `wake(hash, now)`; it returns {the body's result, woke}."""
+    return WAKE_LUA + body + "\nend\nreturn {body(), woke}\n"
+
+
+# -- a session's life and the global sets (the gateway) --------------------------------------------
+
+# Stores a new session, queued (`queued` is the time), with its media and question streams and
+# their group, for CREATE_GRACE_S: it gets SESSION_TTL_S once it holds its places. KEYS = the
+# hash, media and question streams; ARGV = the grace TTL (s), the time, then the hash's field,
+# value pairs.
+CREATE_SESSION_LUA = """
+redis.call('HSET', KEYS[1], 'queued', ARGV[2], unpack(ARGV, 3))
+redis.call('XGROUP', 'CREATE', KEYS[2], 'workers', '0', 'MKSTREAM')
+redis.call('XGROUP', 'CREATE', KEYS[3], 'workers', '0', 'MKSTREAM')
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+return 1
+"""
+# Adds ARGV[2] to its owner's set (KEYS[1]) unless it holds ARGV[1] sessions already, and gives
+# the set a TTL of ARGV[3] s. Returns 1, or 0 when it is full.
+TAKE_OWNED_LUA = """
+if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('SADD', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+# Adds ARGV[2] to a model's admitted sessions (KEYS[1]) at time ARGV[3], unless they hold the
+# ARGV[1] places of its live workers already. Returns 1, or 0 when they are full.
+TAKE_PLACE_LUA = """
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+return 1
+"""
+# Removes members of a sorted set whose score is still the one read (ARGV: member, score pairs),
+# so that one added again since it was read stays. Returns how many went.
+DROP_UNCHANGED_LUA = """
+local dropped = 0
+for i = 1, #ARGV, 2 do
+  if tonumber(redis.call('ZSCORE', KEYS[1], ARGV[i])) == tonumber(ARGV[i + 1]) then
+    dropped = dropped + redis.call('ZREM', KEYS[1], ARGV[i])
+  end
+end
+return dropped
+"""
+# Deletes a session with every answer it was asked, at once. KEYS = the session's keys (the
+# asked set first); ARGV = the answer keys' prefix.
+DELETE_SESSION_LUA = """
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do redis.call('DEL', ARGV[1] .. id) end
+return redis.call('DEL', unpack(KEYS))
+"""
+
+
+# -- a caller's request rate (the gateway) ---------------------------------------------------------
+
+# A token bucket per caller, shared by every gateway. KEYS[1] = the bucket; ARGV = tokens per
+# second, bucket size. Returns 0 when the request may go on, else the milliseconds until it may.
+RATE_BUCKET_LUA = """
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = redis.call('TIME')
+now = tonumber(now[1]) + tonumber(now[2]) / 1000000
+local bucket = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens = tonumber(bucket[1]) or burst
+local at = tonumber(bucket[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+local wait_ms = 0
+if tokens >= 1 then tokens = tokens - 1 else wait_ms = math.ceil((1 - tokens) / rate * 1000) end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
+return wait_ms
+"""
+
+
+# -- a session's media: its one writer, and its entries (the gateway) ------------------------------
+
+# Claims a live session's media slot for an upload, marks it ingesting and claims its media for
+# this request (renewed while it lives: a worker gives up an upload whose claim lapsed). KEYS =
+# its hash, the streamer claim; ARGV = the time, the upload's connection id, the claim's TTL
+# (ms). Returns 1 when claimed, 0 when the session already has media, -1 when it is gone.
+START_UPLOAD_LUA = waking("""
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HSETNX', KEYS[1], 'media', 'upload') == 0 then return 0 end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'pending' or state == 'ready' then redis.call('HSET', KEYS[1], 'state', 'ingesting') end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+wake(KEYS[1], ARGV[1])
+return 1
+""")
+# Adds an upload's entry while the session lives, once: ARGV[2] is the upload's bytes queued
+# before it, ARGV[3] its own (a call retried after its reply was lost finds them counted).
+# KEYS = hash, media stream; ARGV = MAXLEN, offset, bytes, then the entry's field, value pairs.
+# Returns 1, -1 when the session is gone, -2 when bytes before it are missing (Redis lost them).
+ADD_UPLOAD_ENTRY_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local queued = tonumber(redis.call('HGET', KEYS[1], 'upload_queued') or '0')
+if queued > tonumber(ARGV[2]) then return 1 end
+if queued < tonumber(ARGV[2]) then return -2 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 4))
+redis.call('HINCRBY', KEYS[1], 'upload_queued', ARGV[3])
+return 1
+"""
+# Gives up an unfinished upload: tells the worker to drop its bytes (a media.MediaKind.ABORT entry),
+# frees the media slot and puts the session back to ready (pending while no worker ever held it:
+# records.TRANSITIONS). KEYS = hash, media stream; ARGV[1] = the media stream's MAXLEN. Nothing is
+# written for a session that is gone.
+ABORT_UPLOAD_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'abort')
+redis.call('HDEL', KEYS[1], 'media', 'upload_queued')
+if redis.call('HGET', KEYS[1], 'state') == 'ingesting' then
+  redis.call('HSET', KEYS[1], 'state', redis.call('HEXISTS', KEYS[1], 'worker') == 1 and 'ready' or 'pending')
+end
+return 1
+"""
+# Claims a session's media for a stream socket (the media's one writer: the gateway's claim, not a
+# worker's lease). KEYS = hash, streamer key; ARGV = format, connection id, claim TTL (ms), the
+# connection it resumes ('' for none). Returns [stream bytes received so far, last frame time or
+# ''], or -1 when the session is gone, -2 when it has other media, -3 when another socket streams
+# into it (one that is not the resumed one), -4 when it failed.
+CLAIM_MEDIA_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HGET', KEYS[1], 'state') == 'error' then return -4 end
+local media = redis.call('HGET', KEYS[1], 'media')
+if media and media ~= ARGV[1] then return -2 end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[4] then return -3 end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+redis.call('HSET', KEYS[1], 'media', ARGV[1])
+local found = redis.call('HMGET', KEYS[1], 'stream_bytes', 'last_frame_s')
+return {tonumber(found[1] or '0'), found[2] or ''}
+"""
+# Renews a media claim (`session:{id}:streamer`, a stream socket's or an upload's) for ARGV[2] ms
+# while ARGV[1] holds it; 0 when it does not.
+RENEW_MEDIA_CLAIM_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+# Adds a media entry to a live session, once, and marks the session to be brought back to a
+# worker if it left its worker idle. A container stream's bytes carry the stream's byte count
+# before them (ARGV[6]), a frame its time (ARGV[4]): a call retried after its reply was lost, or
+# a frame sent again after a reconnection, is found there and not added twice. KEYS = hash, media
+# stream, streamer key; ARGV = MAXLEN, stream bytes to count, this connection, a frame's time
+# ('' for none), the time, the offset ('' for none), then the entry's field, value pairs.
+# Returns {1 (added, or found added), 0 for a frame not after the last one, -1 when the session
+# is gone (nothing outlives a session), -2 when it failed, -3 when another connection took the
+# stream over, -4 when bytes before these are missing (Redis lost them: the client sends on from
+# `bytes_received`); 1 when the session must be queued for a worker}.
+ADD_STREAM_ENTRY_LUA = waking("""
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HGET', KEYS[1], 'state') == 'error' then return -2 end
+local holder = redis.call('GET', KEYS[3])
+if holder and holder ~= ARGV[3] then return -3 end
+if ARGV[4] ~= '' and tonumber(ARGV[4]) <= tonumber(redis.call('HGET', KEYS[1], 'last_frame_s') or '-1') then return 0 end
+if ARGV[6] ~= '' then
+  local received = tonumber(redis.call('HGET', KEYS[1], 'stream_bytes') or '0')
+  if received > tonumber(ARGV[6]) then return 1 end
+  if received < tonumber(ARGV[6]) then return -4 end
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 7))
+if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[1], 'stream_bytes', ARGV[2]) end
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'last_frame_s', ARGV[4]) end
+wake(KEYS[1], ARGV[5])
+return 1
+""")
+# Counts a socket among its session's open sockets, unless ARGV[3] are open. KEYS[1] = the
+# session's sockets (a sorted set: connection id -> expiry, ms); ARGV = connection id, TTL (ms),
+# limit. Sockets whose gateway died expire. Returns 1 when counted (or renewed), 0 when full.
+OPEN_SOCKET_LUA = """
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+# -- a session's questions (the gateway) -----------------------------------------------------------
+
+# Queues a question unless ARGV[1] already wait, records its id, and marks the session to be
+# brought back to a worker if it left its worker idle. KEYS = the question stream, the session's
+# asked ids, its hash, the asked questions' text; ARGV = backlog, the message, the answer id, the
+# time, the asked ids' bound, TTL (s), the question. Returns {1 when queued (or found queued: a
+# call retried after its reply was lost), 0 when the backlog is full, -1 when the session is
+# gone, -2 when it failed; 1 when the session must be queued for a worker}.
+SUBMIT_QUESTION_LUA = waking("""
+if redis.call('ZSCORE', KEYS[2], ARGV[3]) then return 1 end
+if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
+if redis.call('HGET', KEYS[3], 'state') == 'error' then return -2 end
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
+redis.call('HSET', KEYS[4], ARGV[3], ARGV[7])
+local forgotten = redis.call('ZRANGE', KEYS[2], 0, -tonumber(ARGV[5]) - 1)
+if #forgotten > 0 then
+  redis.call('ZREM', KEYS[2], unpack(forgotten))
+  redis.call('HDEL', KEYS[4], unpack(forgotten))
+end
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+redis.call('EXPIRE', KEYS[4], ARGV[6])
+wake(KEYS[3], ARGV[4])
+return 1
+""")
+
+
+# -- a session's lease: the one worker that holds it (the worker) ----------------------------------
+
+# Takes a session's lease (its one worker) and names this worker in its hash, in one step, so that a
+# worker that dies while opening the session leaves it to be queued again. KEYS = the lease, the
+# hash; ARGV = worker id, TTL (ms). Returns 1 when taken, 0 when held by another, -1 when gone.
+TAKE_LEASE_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[2], 'worker', ARGV[1])
+redis.call('HDEL', KEYS[2], 'queued')
+return 1
+"""
+# Renews a lease while this worker (ARGV[1]) holds it, and takes it back when nobody does and
+# the hash still names this worker (a restarted Redis forgets leases that lapsed while it was
+# down; a session queued again for another worker no longer names it). KEYS = the lease, the
+# session's hash; ARGV[2] = TTL (ms). Returns 1 when the worker holds the lease, 0 when it does
+# not or the session is gone.
+RENEW_LEASE_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if holder or redis.call('HGET', KEYS[2], 'worker') ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+# Deletes a key (a worker's lease, a socket's claim) only while it holds ARGV[1], its holder.
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# Marks a dead worker's session as waiting for a worker again, once: KEYS = its hash, its lease;
+# ARGV = the dead worker's id, the time. Returns 1 when marked (the lease has lapsed and the
+# hash still names the dead worker); the caller then queues it (`streamvqa.pending.enqueue`).
+REQUEUE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'worker', '', 'queued', ARGV[2])
+return 1
+"""
+# Lets an idle (or failed) session go: KEYS = its hash, lease, question stream, media stream,
+# streamer claim; ARGV = worker id, '1' for a failed session. Refused (0) while the lease is
+# another's, a question waits, or (unless failed) media waits or a socket streams into it; the
+# gateway queues it again at its next question or media. The caller then takes it out of the
+# model's admitted sessions (`streamvqa.pending.leave`).
+PARK_LUA = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+if redis.call('XLEN', KEYS[3]) > 0 then return 0 end
+if ARGV[2] ~= '1' and (redis.call('XLEN', KEYS[4]) > 0 or redis.call('EXISTS', KEYS[5]) == 1) then return 0 end
+redis.call('DEL', KEYS[2])
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'worker', '')
+  redis.call('HDEL', KEYS[1], 'queued')
+end
+return 1
+"""
+
+
+# -- a held session's record, answers and snapshot (the worker) ------------------------------------
+
+# Updates a live session's record (a state change is one of records.TRANSITIONS): KEYS = its hash,
+# media and question streams; ARGV[1] = TTL (s), ARGV[2] = a state to set ('' for none), ARGV[3] =
+# the state it must replace ('' for any), ARGV[4..] = field, value pairs, written before the state.
+# A session that is gone is not brought back: returns 0 and writes nothing.
+UPDATE_RECORD_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if #ARGV > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4)) end
+if ARGV[2] ~= '' and (ARGV[3] == '' or redis.call('HGET', KEYS[1], 'state') == ARGV[3]) then
+  redis.call('HSET', KEYS[1], 'state', ARGV[2])
+end
+for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+return 1
+"""
+# Sets KEYS[2] to ARGV[1] with a TTL of ARGV[2] seconds while the session (hash KEYS[1]) lives.
+SET_IF_LIVE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
+# Records an upload's progress and acknowledges its media entry in one step. KEYS = the hash,
+# the media stream; ARGV = the entry id, then field, value pairs. A session that is gone is not
+# brought back: returns 0 and only acknowledges.
+UPLOAD_ACK_LUA = """
+redis.call('XACK', KEYS[2], 'workers', ARGV[1])
+redis.call('XDEL', KEYS[2], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+return 1
+"""
+# Gives up an upload whose connection is gone (its gateway died part-way): frees the session's
+# media slot for another upload. KEYS = the hash, the streamer claim, the media stream. Refused
+# (0) while the claim is held or entries wait.
+ABANDON_UPLOAD_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('XLEN', KEYS[3]) > 0 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[1], 'media', 'upload_bytes', 'upload_ended', 'media_duration_s', 'upload_queued')
+if redis.call('HGET', KEYS[1], 'state') == 'ingesting' then redis.call('HSET', KEYS[1], 'state', 'ready') end
+return 1
+"""
+# Adds an answer event while the session lives (a deleted session's answers are not brought
+# back, and its answer stops), once: the event is the answer's ARGV[4]-th (from 0), and a call
+# retried after its reply was lost finds it there. KEYS = the hash, the answer stream; ARGV =
+# the event, MAXLEN, TTL (s), its index. Returns 0 when the session is gone.
+PUBLISH_ANSWER_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('XLEN', KEYS[2]) > tonumber(ARGV[4]) then return 1 end
+redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], '*', 'm', ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+# Replaces a session's snapshot while the session lives (a deleted session's is not brought
+# back). KEYS = the session's hash, its snapshot; ARGV = TTL (s), then field, value pairs.
+STORE_SNAPSHOT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return 1
+"""
