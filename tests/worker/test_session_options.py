@@ -5,7 +5,7 @@ from dataclasses import fields
 import pytest
 
 from engine import SessionConfig
-from engine.policies import POLICY_CLASSES
+from engine.policies import POLICY_CLASSES, make_policy
 from streamvqa.protocol import POLICY_KNOBS, SessionOptions
 
 
@@ -22,3 +22,22 @@ def test_each_policy_takes_the_knobs_its_engine_class_has():
     for policy, knobs in POLICY_KNOBS.items():
         if policy != "full":
             assert set(knobs) == {f.name for f in fields(POLICY_CLASSES[policy])} - {"budget_tokens"}, policy
+
+
+@pytest.mark.parametrize("policy", [policy for policy in POLICY_KNOBS if policy != "full"])
+@pytest.mark.parametrize(
+    ("knobs", "taken"),
+    [({"sinks": 128}, False), ({"sinks": 127}, True), ({"recent": 252}, False), ({"recent": 251}, True)],
+)
+def test_the_gateway_refuses_the_budgets_the_engine_refuses(policy, knobs, taken):
+    """With 256 tokens, a budget must exceed sinks + recent: the gateway counts the knobs left
+    unset (sinks 4, recent 128 or, for h2o, half the budget) as the engine does."""
+    def accepted(make) -> bool:
+        try:
+            make()
+        except ValueError:
+            return False
+        return True
+
+    assert accepted(lambda: SessionOptions(policy=policy, budget_tokens=256, policy_options=knobs)) == taken
+    assert accepted(lambda: make_policy(policy, budget_tokens=256, **knobs)) == taken
