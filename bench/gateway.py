@@ -107,7 +107,7 @@ def _baseline_app() -> Starlette:
                         await asyncio.sleep(0.05)
                     await websocket.send_json({"type": "backpressure", "paused": False})
                 async with client.pipeline(transaction=False) as pipe:
-                    pipe.xadd(keys.media, {"type": "frame", "data": message}, maxlen=protocol.MEDIA_MAXLEN, approximate=True)
+                    pipe.xadd(keys.media, protocol.MediaEntry(protocol.MediaKind.FRAME, data=message).fields(), maxlen=protocol.MEDIA_MAXLEN, approximate=True)
                     pipe.incrby(keys.media_bytes, len(message))
                     await pipe.execute()
         except WebSocketDisconnect:
