@@ -18,7 +18,7 @@ from streamvqa import protocol
 from streamvqa.pending import enqueue
 from streamvqa.redis_client import xread
 from streamvqa.protocol import (
-    AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, Sampling, SessionRecord, TokenEvent, scripts,
+    Answer, AnswerEnvelope, DoneEvent, ErrorEvent, Keys, Question, Sampling, SessionRecord, TokenEvent, scripts,
 )
 
 READ_BLOCK_MS = 1000
@@ -39,27 +39,6 @@ class QuestionRefused(Exception):
 
 class AnswerTimeout(Exception):
     pass
-
-
-class Answer(BaseModel):
-    answer_id: str
-    answer: str
-    tokens: int
-    evidence: list[Evidence] = Field(description="The frames the answer attended to most, strongest first.")
-    recalled_s: list[int] = Field(
-        [], description="With recall: whole seconds of video whose tokens the answer brought back from the host tier."
-    )
-    finish_reason: Literal["stop", "length"] = Field(
-        "stop", description="stop: the model ended its answer, or a stop string came; length: it reached max_new_tokens."
-    )
-    video_time_s: float = Field(description="Video time of the last frame the answer could see.")
-    cache_tokens: int = Field(description="KV cache tokens when the answer finished.")
-    ttft_ms: float | None = Field(description="From the question reaching the gateway to the first answer token.")
-    total_ms: float | None = Field(description="From the question reaching the gateway to the last answer token.")
-
-    @classmethod
-    def of(cls, answer_id: str, done: DoneEvent) -> "Answer":
-        return cls(answer_id=answer_id, **done.model_dump(include=set(cls.model_fields) - {"answer_id"}))
 
 
 class AnswerStatus(BaseModel):
@@ -168,7 +147,7 @@ async def status(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> A
         elif event.type == "done":
             return AnswerStatus(
                 answer_id=answer_id, status="done", answer=event.answer, tokens=event.tokens,
-                last_event_id=last_id, result=Answer.of(answer_id, event),
+                last_event_id=last_id, result=event.answered(answer_id),
             )
         else:
             return AnswerStatus(

@@ -10,12 +10,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from app import answers, sse
-from app.answers import Answer, AnswerStatus, AskedAnswer
+from app.answers import AnswerStatus, AskedAnswer
 from app.deps import AuthorizedSession, KeysDep, Metrics, RedisDep, Settings
 from app.errors import ApiError, ErrorBody
 from app.metrics import GatewayMetrics
 from streamvqa import protocol
-from streamvqa.protocol import MAX_QUESTION_CHARS, AskOptions, DoneEvent, ErrorEvent, SessionRecord, SessionState
+from streamvqa.protocol import MAX_QUESTION_CHARS, Answer, AskOptions, DoneEvent, ErrorEvent, SessionRecord, SessionState
 
 router = APIRouter(tags=["questions"])
 ANSWER_ID = re.compile(r"[0-9a-f]{32}")
@@ -101,7 +101,7 @@ async def ask(
                 raise refusal(event)
             if event.type == "done":
                 metrics.answered(event)
-                return Answer.of(answer_id, event)
+                return event.answered(answer_id)
     except answers.AnswerTimeout as err:
         if body.wait_s is None:
             raise ApiError(504, "answer_timeout", f"no answer within {settings.ask_timeout_s} s (answer {answer_id})") from err
@@ -195,7 +195,7 @@ async def _answer_events(
             event_id, event = item
             if isinstance(event, DoneEvent):
                 metrics.answered(event)
-                yield sse.frame("done", Answer.of(answer_id, event).model_dump(mode="json"), event_id)
+                yield sse.frame("done", event.answered(answer_id).model_dump(mode="json"), event_id)
             elif isinstance(event, ErrorEvent):
                 metrics.answers.labels("error").inc()
                 yield sse.frame("error", {"code": event.code, "message": event.message}, event_id)

@@ -128,6 +128,8 @@ class Usage(BaseModel):
 class AnswerDetails(BaseModel):
     """What streamvqa says of an answer beyond OpenAI's fields (see `POST /sessions/{id}/ask`)."""
 
+    # the fields of its protocol.Answer that OpenAI's have no place for, and the session
+
     answer_id: str
     session_id: str
     evidence: list[Evidence]
@@ -241,10 +243,11 @@ async def chat_completions(
             metrics.answers.labels("error").inc()
             raise refusal(done)
     metrics.answered(done)
+    details = done.answered(answer_id).model_dump(include=set(AnswerDetails.model_fields))
     return ChatCompletion(
         id=f"chatcmpl-{answer_id}", created=created, model=name,
         choices=[Choice(message=ChatMessage(content=done.answer), finish_reason=done.finish_reason)],
-        usage=_usage(done), streamvqa=_details(answer_id, session.id, done),
+        usage=_usage(done), streamvqa=AnswerDetails(**details, session_id=session.id),
     )
 
 
@@ -310,10 +313,3 @@ def _error_data(code: str, message: str) -> str:
 
 def _usage(done: DoneEvent) -> Usage:
     return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.tokens, total_tokens=done.prompt_tokens + done.tokens)
-
-
-def _details(answer_id: str, session_id: str, done: DoneEvent) -> AnswerDetails:
-    return AnswerDetails(
-        answer_id=answer_id, session_id=session_id, evidence=done.evidence, recalled_s=done.recalled_s,
-        video_time_s=done.video_time_s, cache_tokens=done.cache_tokens, ttft_ms=done.ttft_ms, total_ms=done.total_ms,
-    )

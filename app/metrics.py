@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from streamvqa.protocol import DoneEvent, WorkerInfo
+from streamvqa.protocol import Answer, WorkerInfo
 
 LATENCY_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -45,12 +45,12 @@ class GatewayMetrics:
             "streamvqa_gateway_rate_limited", "Requests and sockets refused for going over a rate.", registry=r
         )
 
-    def answered(self, done: DoneEvent) -> None:
+    def answered(self, answer: Answer) -> None:
         self.answers.labels("done").inc()
-        if done.ttft_ms is not None:
-            self.ttft.observe(done.ttft_ms / 1000)
-        if done.total_ms is not None:
-            self.answer_time.observe(done.total_ms / 1000)
+        if answer.ttft_ms is not None:
+            self.ttft.observe(answer.ttft_ms / 1000)
+        if answer.total_ms is not None:
+            self.answer_time.observe(answer.total_ms / 1000)
 
     def render(self, workers: list[WorkerInfo]) -> bytes:
         cluster = CollectorRegistry()

@@ -355,8 +355,7 @@ class StreamConnection:
                     await self.send(AnswerTokenEvent(answer_id=answer_id, ref=ref, text=event.text))
                 elif event.type == "done":
                     self.metrics.answered(event)
-                    fields = event.model_dump(include=set(AnswerDoneEvent.model_fields) - {"type", "answer_id", "ref"})
-                    await self.send(AnswerDoneEvent(answer_id=answer_id, ref=ref, **fields))
+                    await self.send(AnswerDoneEvent.of(event.answered(answer_id), ref))
                 else:
                     self.metrics.answers.labels("error").inc()
                     await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code=event.code, message=event.message))

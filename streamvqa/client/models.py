@@ -6,6 +6,10 @@ import json
 from dataclasses import dataclass, field
 
 import httpx
+from pydantic import ConfigDict
+
+from streamvqa import protocol
+from streamvqa.protocol import Evidence  # an answer's evidence, as the client exports it
 
 # Why a stream socket was closed, as an error `code` (docs/streaming.md, "Close codes").
 CLOSE_CODES = {
@@ -55,41 +59,20 @@ class StreamvqaError(Exception):
         return cls(None, "unreachable", f"cannot reach the gateway at {url}: {err or type(err).__name__}")
 
 
-@dataclass(frozen=True)
-class Evidence:
-    time_s: float  # video time of a frame the answer attended to
-    weight: float  # that frame's share of the answer's attention to frames (0 to 1)
+class Answer(protocol.Answer):
+    """An answer as the gateway gives it on every API (`streamvqa.protocol.Answer`: `answer`,
+    `tokens`, `evidence` strongest first, `video_time_s`, `ttft_ms`, ...), and its question."""
 
+    model_config = ConfigDict(frozen=True)
 
-@dataclass(frozen=True)
-class Answer:
-    answer_id: str
-    answer: str
-    tokens: int  # generated tokens
-    evidence: list[Evidence]  # strongest first
-    video_time_s: float  # video time of the last frame the answer could see
-    cache_tokens: int  # KV cache tokens when the answer finished
-    ttft_ms: float | None = None  # question at the gateway to the first token (None where not reported)
+    ttft_ms: float | None = None  # None where the gateway does not report it
     total_ms: float | None = None
     question: str = ""
-    recalled_s: list[int] = field(default_factory=list)  # seconds of video brought back from the host tier (recall)
-    finish_reason: str = "stop"  # "stop": the answer ended (or a stop string came); "length": max_new_tokens reached
 
     @classmethod
     def from_json(cls, body: dict, question: str = "") -> Answer:
-        return cls(
-            answer_id=body.get("answer_id") or "",
-            answer=body["answer"],
-            tokens=body["tokens"],
-            evidence=[Evidence(e["time_s"], e["weight"]) for e in body.get("evidence", [])],
-            video_time_s=body["video_time_s"],
-            cache_tokens=body["cache_tokens"],
-            ttft_ms=body.get("ttft_ms"),
-            total_ms=body.get("total_ms"),
-            question=question,
-            recalled_s=list(body.get("recalled_s", [])),
-            finish_reason=body.get("finish_reason", "stop"),
-        )
+        """The answer in a reply, an SSE `done` event or a socket's `answer_done` event."""
+        return cls.model_validate({**body, "question": question})
 
 
 @dataclass

@@ -14,6 +14,7 @@ Both sides import this package; it imports neither torch nor fastapi. One module
 
 from streamvqa.protocol import scripts
 from streamvqa.protocol.events import (
+    Answer,
     AnswerDoneEvent,
     AnswerEnvelope,
     AnswerErrorEvent,
@@ -107,7 +108,7 @@ __all__ = [
     "MAX_SEED", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_SYSTEM_PROMPT_CHARS", "MAX_TEMPERATURE", "MAX_TOP_K",
     "MAX_VIDEO_TIME_S", "MEDIA_BACKLOG_ENTRIES", "MEDIA_CHUNK_BYTES", "MEDIA_MAXLEN", "PENDING_MAXLEN", "POLICIES",
     "POLICY_KNOBS", "PROMPT_RESERVE_TOKENS", "QUESTIONS_BACKLOG", "REQUEUE_AFTER_S", "STREAMER_TTL_S", "TRANSITIONS",
-    "AnswerDoneEvent", "AnswerEnvelope", "AnswerErrorEvent", "AnswerEvent", "AnswerStartedEvent", "AnswerTokenEvent",
+    "Answer", "AnswerDoneEvent", "AnswerEnvelope", "AnswerErrorEvent", "AnswerEvent", "AnswerStartedEvent", "AnswerTokenEvent",
     "AskMessage", "AskOptions", "BackpressureEvent", "CloseCode", "DoneEvent", "ErrorEvent", "EventEnvelope",
     "Evidence", "IngestEvent", "Keys", "MediaEntry", "MediaErrorEvent", "MediaKind", "MemoryReport", "MemorySpan",
     "Policy", "PolicyOptions", "Question", "Sampling", "SessionEvent", "SessionOptions", "SessionRecord",

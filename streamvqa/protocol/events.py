@@ -46,19 +46,44 @@ class Evidence(BaseModel):
     weight: float = Field(description="That frame's share of the answer's attention to frames (0 to 1).")
 
 
-class DoneEvent(BaseModel):
-    type: Literal["done"] = "done"
+# A finished answer, the one shape every API gives it: the body of `POST /sessions/{id}/ask`, the
+# data of a Server-Sent `done` event, a looked-up answer's `result`, the fields of a stream socket's
+# `answer_done` after its `type` and `ref`; the OpenAI route's `streamvqa` object is a part of it,
+# and the Python client parses it. The worker's `DoneEvent` carries it. (No docstring: it would be
+# the OpenAPI schema's description.)
+class Answer(BaseModel):
+    answer_id: str
     answer: str
-    tokens: int  # generated tokens
+    tokens: int  # generated
+    evidence: list[Evidence] = Field(description="The frames the answer attended to most, strongest first.")
+    recalled_s: list[int] = Field(
+        [], description="With recall: whole seconds of video whose tokens the answer brought back from the host tier."
+    )
+    finish_reason: Literal["stop", "length"] = Field(
+        "stop", description="stop: the model ended its answer, or a stop string came; length: it reached max_new_tokens."
+    )
+    video_time_s: float = Field(description="Video time of the last frame the answer could see.")
+    cache_tokens: int = Field(description="KV cache tokens when the answer finished.")
+    ttft_ms: float | None = Field(description="From the question reaching the gateway to the first answer token.")
+    total_ms: float | None = Field(description="From the question reaching the gateway to the last answer token.")
+
+
+class DoneEvent(Answer):
+    """An answer's last event, from its worker: the answer, and what only the gateway reads. Its
+    id is left out (the key of the answer's stream names it); a worker may leave out the evidence
+    and the times (None: the question came without `asked_at`)."""
+
+    type: Literal["done"] = "done"
+    answer_id: str = Field("", exclude=True)
     evidence: list[Evidence] = []
-    recalled_s: list[int] = []
-    finish_reason: Literal["stop", "length"] = "stop"
+    ttft_ms: float | None = None
+    total_ms: float | None = None
     prompt_tokens: int = 0  # tokens the question added to the cache, with its turn's markers
-    video_time_s: float
-    cache_tokens: int
     worker_ms: float  # from the worker reading the question to the last token
-    ttft_ms: float | None = None  # from `asked_at` to the first token (None: no asked_at)
-    total_ms: float | None = None  # from `asked_at` to the last token
+
+    def answered(self, answer_id: str) -> Answer:
+        """The answer as the APIs give it."""
+        return Answer(**self.model_dump(include=set(Answer.model_fields) - {"answer_id"}), answer_id=answer_id)
 
 
 class ErrorEvent(BaseModel):
@@ -162,37 +187,35 @@ class AskMessage(AskOptions):
     ref: str | None = Field(None, max_length=200, description="The client's own name for the question, echoed back.")
 
 
-class AnswerStartedEvent(BaseModel):
+class _AnswerEventHead(BaseModel):
+    """The first fields of each `answer_*` event of a stream socket."""
+
+    type: str
+    answer_id: str
+    ref: str | None = None  # the `ref` of the `ask`, echoed
+
+
+class AnswerStartedEvent(_AnswerEventHead):
     type: Literal["answer_started"] = "answer_started"
-    answer_id: str
-    ref: str | None = None
 
 
-class AnswerTokenEvent(BaseModel):
+class AnswerTokenEvent(_AnswerEventHead):
     type: Literal["answer_token"] = "answer_token"
-    answer_id: str
-    ref: str | None = None
     text: str
 
 
-class AnswerDoneEvent(BaseModel):
+class AnswerDoneEvent(Answer, _AnswerEventHead):
+    """The answer, after `type`, `answer_id` and `ref` (the order of the bases puts them first)."""
+
     type: Literal["answer_done"] = "answer_done"
-    answer_id: str
-    ref: str | None = None
-    answer: str
-    tokens: int
-    evidence: list[Evidence]
-    recalled_s: list[int] = []
-    finish_reason: Literal["stop", "length"] = "stop"
-    video_time_s: float
-    cache_tokens: int
-    ttft_ms: float | None
-    total_ms: float | None
+
+    @classmethod
+    def of(cls, answer: Answer, ref: str | None) -> AnswerDoneEvent:
+        return cls(**answer.model_dump(), ref=ref)
 
 
-class AnswerErrorEvent(BaseModel):
+class AnswerErrorEvent(_AnswerEventHead):
     type: Literal["answer_error"] = "answer_error"
     answer_id: str | None = None  # None: the question was refused before it was queued
-    ref: str | None = None
     code: str
     message: str
