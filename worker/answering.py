@@ -1,12 +1,28 @@
-"""An answer under way on a worker: the engine's token iterator and what its events need."""
+"""A worker's answers: a question's start (refused, or its prefill and first token), one token
+per step after it, the answer's events published once each, and the questions a dead worker
+left behind.
 
+An answer's events go to its own stream by a script that adds each at its index once, so a
+step retried after Redis failed, or a worker that takes a session over, never sends one twice.
+"""
+
+import logging
 import time
 from dataclasses import dataclass, field
 
-from engine import Sampling, Session
+from redis.asyncio import Redis
+
+from engine import ContextFull, Model, Sampling, Session
 from engine.session import Answer, SessionStats
 from streamvqa import protocol
-from streamvqa.protocol import DoneEvent, Evidence, Question, TokenEvent
+from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, TokenEvent, scripts
+from worker.capacity import Counters
+from worker.decode import INTERNAL
+from worker.hosted import Hosted
+from worker.records import RecordWriter, progress
+from worker.threads import Threads
+
+log = logging.getLogger(__name__)
 
 
 def engine_sampling(options: protocol.Sampling) -> Sampling:
@@ -56,3 +72,157 @@ class AnswerRun:
             ttft_ms=round(max(0.0, (self.first_token_at or finished_at) - self.asked_at) * 1000, 1),
             total_ms=round(max(0.0, finished_at - self.asked_at) * 1000, 1),
         )
+
+
+class Answering:
+    def __init__(
+        self, redis: Redis, keys: Keys, model: Model, threads: Threads, records: RecordWriter, counters: Counters
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.model = model
+        self.threads = threads
+        self.records = records
+        self.counters = counters
+        self._publish = redis.register_script(scripts.PUBLISH_ANSWER_LUA)
+
+    async def start(self, session_id: str, hosted: Hosted) -> None:
+        """A question's step: refused, or its prefill and first token."""
+        entry_id, fields = hosted.questions.popleft()
+        questions = self.keys.questions(session_id)
+        try:
+            question = Question.model_validate_json(fields[b"m"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("session %s: dropped a malformed (or deleted) question", session_id)
+            await self.records.consume(questions, entry_id)
+            return
+        stream = self.keys.answer(session_id, question.answer_id)
+        if await self.redis.xlen(stream):  # the same question twice (a retried submit): answered once
+            log.warning("session %s: answer %s already has events; not answering again", session_id, question.answer_id)
+            await self.records.consume(questions, entry_id)
+            return
+        if hosted.failed:
+            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="session_error", message=hosted.error))
+            return
+        before = hosted.engine.stats()
+        if before.frames == 0 and self.model.sees_frames:
+            message = "the session has no video yet: upload a file or stream to it, then ask"
+            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="no_video", message=message))
+            return
+
+        def begin() -> tuple[int, AnswerRun | None, str | None]:  # on the engine's thread
+            tokens = len(self.model.tokenize(question.question, user=True))
+            if tokens > protocol.MAX_QUESTION_TOKENS:
+                return tokens, None, None
+            pieces = hosted.engine.ask(question.question, question.max_new_tokens, engine_sampling(question.sampling))
+            run = AnswerRun(entry_id, question, stream, pieces, before)
+            return tokens, run, next(run.pieces, None)
+
+        try:
+            tokens, run, piece = await self.threads.engine(begin)
+        except ContextFull as err:
+            message = f"{err}: ask a shorter question, or start a session with a policy that evicts"
+            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="context_full", message=message))
+            return
+        except Exception:
+            log.exception("session %s: answering failed", session_id)
+            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
+            return
+        if run is None:
+            message = f"the question is {tokens} tokens long; at most {protocol.MAX_QUESTION_TOKENS} are taken"
+            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="question_too_long", message=message))
+            return
+        hosted.answer = run
+        await self._send(session_id, hosted, piece)
+
+    async def step(self, session_id: str, hosted: Hosted) -> None:
+        """An answer's step: its next token (after sending what Redis did not take before)."""
+        run = hosted.answer
+        if run.outbox:
+            await self._send(session_id, hosted, "")
+            return
+        try:
+            piece = await self.threads.engine(next, run.pieces, None)
+        except Exception:
+            log.exception("session %s: answering failed", session_id)
+            await self.cancel(session_id, hosted, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
+            return
+        await self._send(session_id, hosted, piece)
+
+    async def cancel(self, session_id: str, hosted: Hosted, error: ErrorEvent | None = None) -> None:
+        """Stop an answer under way (its turn still ends in the cache), with `error` as its last event."""
+        run, hosted.answer = hosted.answer, None
+        hosted.changed = True
+        await self.threads.engine(run.pieces.close)
+        if error is not None:
+            await self._publish_event(session_id, run.stream, error, run.published)
+        await self.records.consume(self.keys.questions(session_id), run.entry_id)
+
+    async def drop(self, hosted: Hosted) -> None:
+        """Forget the answer under way, publishing nothing (the session left this worker)."""
+        if hosted.answer is not None:
+            await self.threads.engine(hosted.answer.pieces.close)
+            hosted.answer = None
+
+    async def reclaim(self, session_id: str, hosted: Hosted, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """A question a dead worker had read: answered already (acknowledged), begun (ended with
+        `session_reset`), or not begun (queued to be answered)."""
+        questions = self.keys.questions(session_id)
+        try:
+            question = Question.model_validate_json(fields[b"m"])
+        except (KeyError, ValueError):
+            await self.records.consume(questions, entry_id)
+            return
+        stream = self.keys.answer(session_id, question.answer_id)
+        events = await self.redis.xrange(stream)
+        kinds = {AnswerEnvelope.model_validate_json(f[b"m"]).event.type for _, f in events}
+        if kinds & {"done", "error"}:
+            await self.records.consume(questions, entry_id)  # answered before the worker died
+        elif kinds:
+            message = "the worker answering this question stopped part-way; ask again"
+            await self._publish_event(session_id, stream, ErrorEvent(code="session_reset", message=message), len(events))
+            await self.records.consume(questions, entry_id)
+        else:
+            hosted.questions.append((entry_id, fields))
+
+    async def _send(self, session_id: str, hosted: Hosted, piece: str | None) -> None:
+        """Send a generated piece (None: the answer is over). A session found gone stops here."""
+        run = hosted.answer
+        run.add(piece or "")
+        while run.outbox:
+            if not await self._publish_event(session_id, run.stream, run.outbox[0], run.published):
+                await self.cancel(session_id, hosted)  # deleted: nobody will read on
+                hosted.lost = True
+                return
+            run.outbox.pop(0)
+            run.published += 1
+        if piece is None:
+            await self._finish(session_id, hosted)
+
+    async def _finish(self, session_id: str, hosted: Hosted) -> None:
+        run = hosted.answer
+        if not await self._publish_event(session_id, run.stream, run.done(hosted.engine), run.published):  # Redis failing: tried again
+            hosted.lost = True  # deleted meanwhile
+        hosted.answer = None
+        hosted.changed = True
+        stats, counters = hosted.engine.stats(), self.counters
+        counters.answers += 1
+        counters.evictions += stats.evictions - run.before.evictions
+        counters.retrieved_tokens += stats.retrieved_tokens - run.before.retrieved_tokens
+        counters.retrieved_pages += stats.retrieved_pages - run.before.retrieved_pages
+        counters.retrieval_ms += stats.retrieval_ms - run.before.retrieval_ms
+        hosted.host_bytes = stats.host_bytes
+        await self.records.consume(self.keys.questions(session_id), run.entry_id)
+        await self.records.set(session_id, **progress(hosted.engine))
+        await self.records.report_memory(session_id, hosted, force=True)
+
+    async def _refuse(self, session_id: str, entry_id: bytes, stream: str, error: ErrorEvent) -> None:
+        await self._publish_event(session_id, stream, error, 0)
+        await self.records.consume(self.keys.questions(session_id), entry_id)
+
+    async def _publish_event(self, session_id: str, stream: str, event: TokenEvent | DoneEvent | ErrorEvent, index: int) -> bool:
+        """Add an answer's `index`-th event (from 0); False when the session is gone."""
+        document = AnswerEnvelope(event=event).model_dump_json()
+        keys = [self.keys.session(session_id), stream]
+        args = [document, protocol.ANSWER_MAXLEN, protocol.ANSWER_TTL_S, index]
+        return bool(await self._publish(keys=keys, args=args))

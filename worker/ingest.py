@@ -1,31 +1,29 @@
 """A session's media on its way from the media stream to frames with their video times.
 
-Three kinds, one interface for the worker's loop:
+The worker's loop knows one interface, `Ingest`; three kinds implement it:
 
-- `UploadIngest`: a file, spooled to disk as its bytes arrive, then sampled (decord, PyAV);
-  nothing is dropped, the worker goes as fast as it can.
+- `worker.upload.UploadIngest`: a file, spooled to disk as its bytes arrive, then sampled;
 - `StreamIngest`: a live WebM or fragmented-MP4 byte stream, decoded by a thread of its own
-  while the bytes arrive; it survives reconnections.
+  while the bytes arrive; it survives reconnections;
 - `FramesIngest`: live images, one per message, each with its capture time.
 
 Live frames pass through a `FrameQueue` (real time: late frames are dropped, see there). Every
-method but `next_frames` of an upload is quick; the loop runs them all on its decode thread.
+method but an upload's `next_frames` is quick (`frames_block` says which); `worker.threads`
+says on which thread the worker runs each.
 """
 
-import itertools
 import logging
 import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import BinaryIO
+from typing import Protocol
 
 from streamvqa.protocol import FRAME_HEADER_BYTES, MediaEntry, MediaKind, parse_frame_header
 from streamvqa.sampling import FrameSampler
 from worker import containers
 from worker.buffers import ByteFeed, FeedAborted, FrameQueue
-from worker.decode import INTERNAL, DecodeError, Frame, VideoInfo, decode_image, decode_stream, probe, sample_file
+from worker.decode import INTERNAL, DecodeError, Frame, decode_image, decode_stream
 
 log = logging.getLogger(__name__)
 
@@ -47,97 +45,62 @@ class Batch:
     warnings: list[str] = field(default_factory=list)  # things the client should hear about
 
 
-class UploadIngest:
-    """Bytes arrive with `receive('data')`; after `receive('end')`, `next_frames` yields sampled
-    frames until `finished`."""
+class Ingest(Protocol):
+    """What the worker asks of a session's media, whatever its kind."""
 
-    live = False
-
-    def __init__(self, spool_path: Path, fps: float, max_side: int, max_bytes: int) -> None:
-        self.spool_path = spool_path
-        self.fps = fps
-        self.max_side = max_side
-        self.max_bytes = max_bytes
-        self.bytes_received = 0
-        self.info: VideoInfo | None = None
-        self.finished = False
-        self._file: BinaryIO | None = spool_path.open("wb")
-        self._frames = None
+    format: str  # "upload", or the live format: "webm", "mp4", "frames"
+    connection: str  # the stream socket whose media arrives (or came last); "" for an upload
+    frames_block: bool  # `next_frames` decodes (seconds): the worker runs it ahead, on its decode thread
 
     @property
     def accepts_media(self) -> bool:
-        return self._file is not None
+        """Room for the next media entries (the worker reads its media stream only then)."""
+
+    @property
+    def expects_media(self) -> bool:
+        """More media is to come from a connection: an upload not ended, a live client sending."""
 
     @property
     def has_work(self) -> bool:
-        return self._frames is not None and not self.finished
+        """Frames (or errors and warnings) to take."""
+
+    @property
+    def finished(self) -> bool:
+        """Every frame received is taken and no more is expected."""
+
+    @property
+    def backlog(self) -> int:
+        """Frames received and waiting to be taken (in no snapshot yet)."""
+
+    @property
+    def dropped(self) -> int:
+        """Frames dropped so far because the engine fell behind."""
 
     def receive(self, entry: MediaEntry) -> None:
-        if self._file is None:
-            raise DecodeError("media arrived after the end of the upload")
-        if entry.kind == MediaKind.DATA:
-            data = entry.data
-            self.bytes_received += len(data)
-            if self.bytes_received > self.max_bytes:
-                raise DecodeError(f"the upload exceeds the limit of {self.max_bytes} bytes")
-            self._file.write(data)
-            self._file.flush()  # acknowledged next: the bytes must be in the file, for another worker
-        elif entry.kind == MediaKind.END:
-            self._file.close()
-            self._file = None
-            if self.bytes_received == 0:
-                raise DecodeError("the upload is empty")
-            self.info = probe(self.spool_path)
-            self._frames = sample_file(self.spool_path, self.fps, self.max_side, self.info)
-        else:
-            raise DecodeError(f"unexpected media entry {entry.kind!r} in an upload")
+        """One media entry; DecodeError when the media cannot go on."""
 
-    @classmethod
-    def resume(cls, state: dict, fps: float, max_side: int, max_bytes: int, after_s: float | None) -> "UploadIngest":
-        """The upload a `state` describes; frames up to `after_s` (already in the cache) are skipped.
-        DecodeError when its spool file is gone or shorter than it was."""
-        spool = Path(state["spool"])
-        if not spool.is_file() or spool.stat().st_size < state["bytes"]:
-            raise DecodeError("the upload was lost with the worker that held it; upload it again to a new session")
-        ingest = cls.__new__(cls)
-        ingest.spool_path, ingest.fps, ingest.max_side, ingest.max_bytes = spool, fps, max_side, max_bytes
-        ingest.bytes_received, ingest.info, ingest.finished, ingest._frames = state["bytes"], None, False, None
-        with spool.open("r+b") as file:
-            file.truncate(state["bytes"])  # bytes written after the snapshot come again from the media stream
-        ingest._file = None if state["ended"] else spool.open("ab")
-        if state["ended"]:
-            ingest.info = probe(spool)
-            frames = sample_file(spool, fps, max_side, ingest.info)
-            ingest._frames = (f for f in frames if after_s is None or f.time_s > after_s)
-        return ingest
+    def receipt(self, kind: str) -> dict[str, object] | None:
+        """Record fields to write as the entry just received is acknowledged, when it is safe
+        once received; None: it is acknowledged once a snapshot covers it."""
 
-    def next_frames(self, count: int) -> Batch:
-        """Up to `count` more frames; blocking (decoding)."""
-        if self._frames is None:
-            return Batch([])
-        frames = list(itertools.islice(self._frames, count))
-        if len(frames) < count:
-            self.finished = True
-        return Batch(frames)
+    def next_frames(self, count: int) -> "Batch":
+        """Up to `count` frames, with the warnings since the last call."""
+
+    def take_errors(self) -> list[tuple[str, str, str]]:
+        """(code, connection, message) of the errors since the last call."""
+
+    def state(self) -> dict | None:
+        """What a snapshot keeps to go on elsewhere; None when the record has it all."""
 
     def close(self, delete: bool = True) -> None:
-        """Release the spool file, and delete it unless another worker goes on with it; safe to
-        call twice."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._frames is not None:
-            self._frames.close()
-            self._frames = None
-        if delete:
-            self.spool_path.unlink(missing_ok=True)
+        """Stop, and drop what waits (`delete`: its files too)."""
 
 
 class _LiveIngest:
     """What both live kinds share: the frame queue, video times that only increase, errors
     raised on the decoder's side and reported by the loop."""
 
-    live = True
+    frames_block = False  # frames are decoded as they arrive; taking them is quick
 
     def __init__(self, fps: float, max_side: int, limits: LiveLimits) -> None:
         self.fps = fps
@@ -162,9 +125,20 @@ class _LiveIngest:
         return len(self.queue) > 0 or bool(self._errors) or bool(self._warnings)
 
     @property
+    def backlog(self) -> int:
+        return len(self.queue)
+
+    @property
     def settling(self) -> bool:
         """No client is sending: it said `end`, or it went away (it may connect again)."""
         return self.ended or not self.connected
+
+    @property
+    def expects_media(self) -> bool:
+        return not self.settling
+
+    def receipt(self, kind: str) -> None:
+        return None  # its frames are in no file: a snapshot must cover them first
 
     def connect(self, connection: str) -> None:
         self.connection = connection

@@ -1,0 +1,310 @@
+"""A held session's media, from its media stream into its cache: each entry handed to the
+session's ingest (`worker.ingest.Ingest`), the frames that are ready appended one step at a time,
+the end noticed, a lost connection handled, a failure reported. Each moves the session's phase
+(`worker.hosted.Phase`); progress, warnings and errors go to the session's events stream (the
+gateway relays them to stream sockets).
+
+An upload's entries are acknowledged once spooled, with its byte count; a live stream's once a
+snapshot covers them (`Ingest.receipt` says which).
+"""
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from redis.asyncio import Redis
+
+from engine import ContextFull
+from streamvqa import protocol
+from streamvqa.protocol import (
+    IngestEvent,
+    Keys,
+    MediaEntry,
+    MediaErrorEvent,
+    MediaKind,
+    SessionRecord,
+    SessionState,
+    StateEvent,
+    WarningEvent,
+)
+from streamvqa.redis_client import FAILURES
+from worker.capacity import Counters
+from worker.decode import INTERNAL, DecodeError
+from worker.hosted import Hosted, Phase
+from worker.ingest import Batch, LiveLimits, open_live
+from worker.records import RecordWriter, progress
+from worker.settings import WorkerSettings
+from worker.snapshots import Snapshots
+from worker.threads import Threads
+from worker.upload import UploadIngest
+
+log = logging.getLogger(__name__)
+
+
+class MediaIntake:
+    def __init__(
+        self, redis: Redis, keys: Keys, settings: WorkerSettings, spool_dir: Path, live_limits: LiveLimits,
+        threads: Threads, records: RecordWriter, snapshots: Snapshots, counters: Counters,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.spool_dir = spool_dir
+        self.live_limits = live_limits
+        self.threads = threads
+        self.records = records
+        self.snapshots = snapshots
+        self.counters = counters
+
+    def spool(self, session_id: str) -> Path:
+        return self.spool_dir / f"{session_id}.upload"
+
+    # -- opening -------------------------------------------------------------------------------
+
+    async def reopen(self, session_id: str, hosted: Hosted, live_state: dict | None) -> None:
+        """Go on with the media of a session taken over: a live stream from its snapshot's
+        `live_state`, an upload not yet in the cache from its spool file."""
+        record = hosted.record
+        if live_state is not None and live_state.get("kind") == "live":
+            hosted.ingest = self._open_live(live_state["format"], record)
+            hosted.ingest.resume(live_state)
+            hosted.phase = Phase.STREAMING if record.state == SessionState.INGESTING else Phase.SETTLED
+        if record.media == "upload" and record.upload_bytes > 0 and record.state == SessionState.INGESTING:
+            stats = hosted.engine.stats()
+            after_s = stats.video_time_s if stats.frames else None
+            state = {"spool": str(self.spool(session_id)), "bytes": record.upload_bytes, "ended": record.upload_ended}
+            try:
+                hosted.ingest = await self.threads.decode(
+                    UploadIngest.resume, state, record.fps, self.settings.max_frame_side,
+                    self.settings.max_upload_bytes, after_s,
+                )
+                hosted.phase = Phase.SAMPLING if record.upload_ended else Phase.UPLOADING
+            except DecodeError as err:
+                hosted.fail(str(err))
+
+    def _open_live(self, media_format: str, record: SessionRecord):
+        return open_live(media_format, record.fps, self.settings.max_frame_side, self.live_limits)
+
+    # -- entries -------------------------------------------------------------------------------
+
+    async def receive(self, session_id: str, hosted: Hosted, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """Hand a media entry to the session's ingest (opening one for its first media)."""
+        hosted.active_at = hosted.media_at = time.monotonic()
+        entry = MediaEntry.read(fields)
+        media = self.keys.media(session_id)
+        if hosted.failed:  # read before it failed: nothing takes it now
+            await self.records.consume(media, entry_id)
+            return
+        try:
+            if entry.kind == MediaKind.ABORT:  # the gateway gave up on this upload and freed the slot; drop its bytes
+                await self.close(hosted)
+                hosted.move(Phase.WAITING)
+                await self.records.consume(media, entry_id)
+                return
+            if entry.kind == MediaKind.CONNECT:
+                await self._connect(session_id, hosted, entry.format, entry.connection)
+            elif hosted.ingest is None:
+                hosted.ingest = UploadIngest(
+                    self.spool(session_id), hosted.record.fps, self.settings.max_frame_side, self.settings.max_upload_bytes
+                )
+                hosted.move(Phase.UPLOADING)
+            elif hosted.phase is Phase.SETTLED and entry.kind in (MediaKind.DATA, MediaKind.FRAME):
+                await self._unsettle(session_id, hosted)  # media again, without a new connection
+            await self.threads.media(hosted.ingest.receive, entry)
+            receipt = hosted.ingest.receipt(entry.kind)
+            if receipt is None:
+                hosted.unacked.append(entry_id)
+            else:
+                if entry.kind == MediaKind.END:
+                    hosted.move(Phase.SAMPLING)
+                await self.records.consume_upload(session_id, entry_id, receipt)
+        except DecodeError as err:
+            await self.records.consume(media, entry_id)
+            await self.fail(session_id, hosted, str(err))
+        except FAILURES:
+            raise
+        except Exception:
+            log.exception("session %s: receiving media failed", session_id)
+            await self.records.consume(media, entry_id)
+            await self.fail(session_id, hosted, f"receiving media failed {INTERNAL}")
+
+    async def _connect(self, session_id: str, hosted: Hosted, media_format: str, connection: str) -> None:
+        """A stream socket connected: keep the session's live ingest (a reconnection) or open one."""
+        if hosted.ingest is None or hosted.ingest.format != media_format:
+            await self.close(hosted)
+            hosted.ingest = self._open_live(media_format, hosted.record)
+        await self._unsettle(session_id, hosted, connection)
+
+    async def _unsettle(self, session_id: str, hosted: Hosted, connection: str | None = None) -> None:
+        """Ingesting again: the stream socket `connection` connected (by default, media came
+        again from the connection that sent last)."""
+        hosted.move(Phase.STREAMING)
+        await self.records.set(session_id, SessionState.INGESTING)
+        await self.records.event(session_id, StateEvent(state=SessionState.INGESTING, connection=connection or hosted.connection))
+
+    # -- frames --------------------------------------------------------------------------------
+
+    def decode_ahead(self, sessions: Mapping[str, Hosted]) -> None:
+        """Start decoding the next frames of each ingest that decodes slowly (an upload), on the
+        decode thread, while the engine works."""
+        for hosted in sessions.values():
+            ingest = hosted.ingest
+            if hosted.batch is None and ingest is not None and ingest.frames_block and ingest.has_work and hosted.held:
+                hosted.batch = self.threads.decode_ahead(ingest.next_frames, self.settings.frames_per_step)
+
+    async def step(self, session_id: str, hosted: Hosted) -> None:
+        """Append the frames that are ready (decoded ahead, or taken from a live queue), report,
+        and notice an upload's end."""
+        ingest = hosted.ingest
+        try:
+            if ingest.frames_block:
+                batch: Batch = await hosted.batch  # done: the scheduler chose this step for it
+                hosted.batch = None
+            else:
+                batch = ingest.next_frames(self.settings.frames_per_step)
+            appended = 0
+            if batch.frames and not hosted.record.context_full:  # past the context, frames are let go
+                images, times = [f.image for f in batch.frames], [f.time_s for f in batch.frames]
+                before = hosted.engine.stats()
+                try:
+                    await self.threads.engine(hosted.engine.append_frames, images, times)
+                except ContextFull as err:
+                    await self._context_full(session_id, hosted, err)
+                hosted.changed = True
+                stats = hosted.engine.stats()
+                appended = stats.frames - before.frames
+                self.counters.frames_ingested += appended
+                self.counters.evictions += stats.evictions - before.evictions
+                hosted.host_bytes = stats.host_bytes
+                hosted.lag_s = batch.lag_s
+        except DecodeError as err:
+            await self.fail(session_id, hosted, str(err))
+            return
+        except Exception:
+            log.exception("session %s: ingest failed", session_id)
+            await self.fail(session_id, hosted, f"ingest failed {INTERNAL}")
+            return
+        for message in batch.warnings:
+            await self.records.event(session_id, WarningEvent(code="frame_skipped", message=message))
+        for code, connection, message in ingest.take_errors():
+            await self.records.event(session_id, MediaErrorEvent(code=code, message=message, connection=connection))
+        if appended:
+            stats = hosted.engine.stats()
+            await self.records.event(
+                session_id,
+                IngestEvent(
+                    frames=stats.frames,
+                    times=[f.time_s for f in batch.frames[:appended]],
+                    video_time_s=stats.video_time_s,
+                    lag_s=round(batch.lag_s, 3),
+                    dropped=ingest.dropped,
+                    cache_tokens=stats.cache_tokens,
+                ),
+            )
+            fields = {"frames_dropped": ingest.dropped, "ingest_lag_s": round(batch.lag_s, 3), **progress(hosted.engine)}
+            await self.records.set(session_id, **fields)
+            await self.records.report_memory(session_id, hosted)
+        if hosted.phase is Phase.SAMPLING and ingest.finished:
+            await self.finish(session_id, hosted)
+
+    async def _context_full(self, session_id: str, hosted: Hosted, err: ContextFull) -> None:
+        """The cache reached the model's context: later frames are not taken (said once)."""
+        hosted.record.context_full = True
+        await self.records.set(session_id, context_full=True)
+        message = f"{err}: later frames are not taken; ask about what it holds, or use a policy that evicts"
+        await self.records.event(session_id, WarningEvent(code="context_full", message=message))
+
+    # -- ends ----------------------------------------------------------------------------------
+
+    async def tend(self, session_id: str, hosted: Hosted) -> None:
+        """Between steps: a connection found gone handled, the end of the media noticed."""
+        if hosted.orphaned:
+            await self._connection_lost(session_id, hosted)
+        ingest = hosted.ingest
+        if ingest is not None and hosted.phase in (Phase.UPLOADING, Phase.SAMPLING, Phase.STREAMING) and hosted.answer is None:
+            if ingest.finished and hosted.batch is None and not ingest.has_work:
+                await self.finish(session_id, hosted)
+
+    async def finish(self, session_id: str, hosted: Hosted) -> None:
+        """All media so far is in the cache: an upload is done (its spool goes once a snapshot
+        covers it), a live stream's client ended or left (its ingest stays, for a client that
+        connects again)."""
+        if hosted.phase is Phase.SAMPLING:
+            if not await self.snapshots.maybe_take(session_id, hosted, force=True):
+                return  # the spool stays until a snapshot covers the whole upload; tried again next turn
+            await self.close(hosted)
+            if hosted.engine.stats().frames == 0:
+                await self.fail(session_id, hosted, "the video has no frames")
+                return
+            hosted.move(Phase.INGESTED)
+        else:
+            hosted.move(Phase.SETTLED)
+        if hosted.engine.stats().frames == 0:
+            await self.records.set(session_id, SessionState.READY, SessionState.INGESTING)
+            message = "the stream ended before any frame could be decoded"
+            await self.records.event(session_id, MediaErrorEvent(code="empty_stream", message=message, connection=hosted.ingest.connection))
+            return
+        await self.records.report_memory(session_id, hosted, force=True)
+        await self.records.set(session_id, SessionState.INGESTED, SessionState.INGESTING, **progress(hosted.engine))
+        await self.records.event(session_id, StateEvent(state=SessionState.INGESTED, connection=hosted.connection))
+
+    async def find_orphaned(self, sessions: Mapping[str, Hosted]) -> None:
+        """Mark the sessions whose ingest waits for media from a connection that no longer holds
+        its claim (renewed every STREAMER_TTL_S / 3 while it lives) and sent nothing for as long."""
+        now = time.monotonic()
+        waiting = [
+            (session_id, hosted) for session_id, hosted in sessions.items()
+            if hosted.awaits_media and now - hosted.media_at >= protocol.STREAMER_TTL_S
+        ]
+        if not waiting:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id, _ in waiting:
+                pipe.exists(self.keys.streamer(session_id))
+                pipe.xlen(self.keys.media(session_id))
+            found = await pipe.execute()
+        for (_, hosted), claimed, backlog in zip(waiting, found[::2], found[1::2], strict=True):
+            hosted.orphaned = not claimed and not backlog
+
+    async def _connection_lost(self, session_id: str, hosted: Hosted) -> None:
+        """The connection sending the session's media is gone without a word (its gateway died):
+        a live stream counts as left (its client may connect again), an upload is given up so
+        that it can be sent again."""
+        hosted.orphaned = False
+        if hosted.phase is Phase.STREAMING:
+            await self.threads.media(hosted.ingest.receive, MediaEntry(MediaKind.DISCONNECT))
+            log.info("session %s: its stream's connection is gone", session_id)
+            return
+        if hosted.phase is not Phase.UPLOADING or not await self.records.abandon_upload(session_id):
+            return
+        await self.close(hosted)
+        hosted.move(Phase.WAITING)
+        message = "the upload stopped part-way (its connection was lost); upload the file again"
+        await self.records.event(session_id, MediaErrorEvent(code="upload_abandoned", message=message))
+        log.info("session %s: %s", session_id, message)
+
+    async def fail(self, session_id: str, hosted: Hosted, message: str) -> None:
+        """The session's media failed: it takes no more (questions are refused), and it lets its
+        place go once the questions it had are answered."""
+        hosted.fail(message)
+        if hosted.unacked:  # nothing will ever replay them
+            await self.records.consume(self.keys.media(session_id), *hosted.unacked)
+            hosted.unacked = []
+        await self.close(hosted)
+        await self.records.set(session_id, SessionState.ERROR, error=message)
+        await self.records.event(session_id, MediaErrorEvent(code="session_error", message=message))
+        log.info("session %s failed: %s", session_id, message)
+
+    async def close(self, hosted: Hosted, delete: bool = True) -> None:
+        """Close the session's ingest (one that decodes slowly after the frames being decoded, on
+        the same thread)."""
+        ingest, batch, hosted.ingest, hosted.batch = hosted.ingest, hosted.batch, None, None
+        if batch is not None:
+            batch.add_done_callback(lambda done: done.cancelled() or done.exception())  # its result is not wanted
+        if ingest is None:
+            return
+        if ingest.frames_block:
+            await self.threads.decode(ingest.close, delete)
+        else:
+            ingest.close(delete)

@@ -1,0 +1,119 @@
+"""An uploaded file on its way to frames: its bytes spooled to disk as they arrive, then sampled
+(decord, PyAV). Nothing is dropped; the worker goes as fast as it can. One `worker.ingest.Ingest`."""
+
+import itertools
+from pathlib import Path
+from typing import BinaryIO
+
+from streamvqa.protocol import MediaEntry, MediaKind
+from worker.decode import DecodeError, VideoInfo, probe, sample_file
+from worker.ingest import Batch
+
+
+class UploadIngest:
+    """Bytes arrive with `receive('data')`; after `receive('end')`, `next_frames` yields sampled
+    frames until `finished`."""
+
+    format = "upload"
+    connection = ""  # an upload's media is not a stream socket's
+    frames_block = True  # `next_frames` decodes the file
+    backlog = 0  # frames are decoded when taken: none wait
+    dropped = 0
+
+    def __init__(self, spool_path: Path, fps: float, max_side: int, max_bytes: int) -> None:
+        self.spool_path = spool_path
+        self.fps = fps
+        self.max_side = max_side
+        self.max_bytes = max_bytes
+        self.bytes_received = 0
+        self.info: VideoInfo | None = None
+        self.finished = False
+        self._file: BinaryIO | None = spool_path.open("wb")
+        self._frames = None
+
+    @property
+    def accepts_media(self) -> bool:
+        return self._file is not None
+
+    @property
+    def expects_media(self) -> bool:
+        """Its end has not come yet."""
+        return self._file is not None
+
+    @property
+    def has_work(self) -> bool:
+        return self._frames is not None and not self.finished
+
+    def receive(self, entry: MediaEntry) -> None:
+        if self._file is None:
+            raise DecodeError("media arrived after the end of the upload")
+        if entry.kind == MediaKind.DATA:
+            data = entry.data
+            self.bytes_received += len(data)
+            if self.bytes_received > self.max_bytes:
+                raise DecodeError(f"the upload exceeds the limit of {self.max_bytes} bytes")
+            self._file.write(data)
+            self._file.flush()  # acknowledged next: the bytes must be in the file, for another worker
+        elif entry.kind == MediaKind.END:
+            self._file.close()
+            self._file = None
+            if self.bytes_received == 0:
+                raise DecodeError("the upload is empty")
+            self.info = probe(self.spool_path)
+            self._frames = sample_file(self.spool_path, self.fps, self.max_side, self.info)
+        else:
+            raise DecodeError(f"unexpected media entry {entry.kind!r} in an upload")
+
+    def receipt(self, kind: str) -> dict[str, object]:
+        """The received bytes are in the spool file: the record fields that go with the entry's
+        acknowledgement, so that a worker taking over finds the file and the count in agreement."""
+        fields: dict[str, object] = {"upload_bytes": self.bytes_received}
+        if kind == MediaKind.END:
+            fields |= {"upload_ended": True, "media_duration_s": self.info.duration_s if self.info else None}
+        return fields
+
+    @classmethod
+    def resume(cls, state: dict, fps: float, max_side: int, max_bytes: int, after_s: float | None) -> "UploadIngest":
+        """The upload a `state` describes; frames up to `after_s` (already in the cache) are skipped.
+        DecodeError when its spool file is gone or shorter than it was."""
+        spool = Path(state["spool"])
+        if not spool.is_file() or spool.stat().st_size < state["bytes"]:
+            raise DecodeError("the upload was lost with the worker that held it; upload it again to a new session")
+        ingest = cls.__new__(cls)
+        ingest.spool_path, ingest.fps, ingest.max_side, ingest.max_bytes = spool, fps, max_side, max_bytes
+        ingest.bytes_received, ingest.info, ingest.finished, ingest._frames = state["bytes"], None, False, None
+        with spool.open("r+b") as file:
+            file.truncate(state["bytes"])  # bytes written after the snapshot come again from the media stream
+        ingest._file = None if state["ended"] else spool.open("ab")
+        if state["ended"]:
+            ingest.info = probe(spool)
+            frames = sample_file(spool, fps, max_side, ingest.info)
+            ingest._frames = (f for f in frames if after_s is None or f.time_s > after_s)
+        return ingest
+
+    def next_frames(self, count: int) -> Batch:
+        """Up to `count` more frames; blocking (decoding)."""
+        if self._frames is None:
+            return Batch([])
+        frames = list(itertools.islice(self._frames, count))
+        if len(frames) < count:
+            self.finished = True
+        return Batch(frames)
+
+    def take_errors(self) -> list[tuple[str, str, str]]:
+        return []  # an upload's errors end it: raised as DecodeError
+
+    def state(self) -> None:
+        return None  # its progress is in the session's record (`upload_bytes`, `upload_ended`)
+
+    def close(self, delete: bool = True) -> None:
+        """Release the spool file, and delete it unless another worker goes on with it; safe to
+        call twice."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._frames is not None:
+            self._frames.close()
+            self._frames = None
+        if delete:
+            self.spool_path.unlink(missing_ok=True)
