@@ -30,6 +30,7 @@ from engine.host_tier import HostTier
 from engine.kv_cache import FRAME, TEXT, KVCache
 from engine.model import Model
 from engine.policies import Policy, make_policy
+from engine.policies.base import DEFAULT_BUDGET_TOKENS
 from engine.sampling import GREEDY, Sampling
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -73,7 +74,7 @@ class Part:
 @dataclass(frozen=True)
 class SessionConfig:
     policy: str = "infmllm"  # full, sliding, h2o, snapkv, tova, knorm or infmllm
-    budget_tokens: int = 8192  # B, per layer
+    budget_tokens: int = DEFAULT_BUDGET_TOKENS  # B, per layer
     policy_options: Mapping[str, object] = field(default_factory=dict)  # the policy's other knobs
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     frames_per_prompt: int = 1  # frames appended (and evicted after) together

@@ -34,9 +34,12 @@ class Observation:
     keys: torch.Tensor | None = None
 
 
+DEFAULT_BUDGET_TOKENS = 8192  # B when none is given (the gateway's too: streamvqa/protocol/keys.py)
+
+
 @dataclass(frozen=True)
 class Policy:
-    budget_tokens: int = 2048  # B: tokens a layer keeps after each eviction
+    budget_tokens: int = DEFAULT_BUDGET_TOKENS  # B: tokens a layer keeps after each eviction
     sinks: int = 4  # S: the first tokens, always kept (attention sinks)
     recent: int = 128  # R: the last tokens, always kept
     per_layer: bool = False  # one selection shared by the KV heads of a layer, instead of one per head

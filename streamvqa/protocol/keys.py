@@ -30,7 +30,7 @@ MAX_HOST_BUDGET_TOKENS = 4_000_000
 # Host bytes per token beside its keys and values, per layer and KV head: kind (1), time (4), held (1)
 HOST_TOKEN_OVERHEAD_BYTES = 6
 
-DEFAULT_BUDGET_TOKENS = 8192  # a bounded session's budget when none is given, unless its model's context leaves less
+DEFAULT_BUDGET_TOKENS = 8192  # a bounded session's budget when none is given, unless its model's context leaves less (the engine's: tests/worker/test_session_options.py)
 
 
 def peak_cache_tokens(budget_tokens: int, retrieval_tokens: int = 0) -> int:

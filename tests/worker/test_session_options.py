@@ -6,6 +6,8 @@ import pytest
 
 from engine import SessionConfig
 from engine.policies import POLICY_CLASSES, make_policy
+from engine.policies.base import DEFAULT_BUDGET_TOKENS, Policy
+from streamvqa import protocol
 from streamvqa.protocol import POLICY_KNOBS, SessionOptions
 
 
@@ -41,3 +43,9 @@ def test_the_gateway_refuses_the_budgets_the_engine_refuses(policy, knobs, taken
 
     assert accepted(lambda: SessionOptions(policy=policy, budget_tokens=256, policy_options=knobs)) == taken
     assert accepted(lambda: make_policy(policy, budget_tokens=256, **knobs)) == taken
+
+
+def test_a_session_without_a_budget_gets_one_default_everywhere():
+    """The gateway, the session's config and a bare policy agree on the budget nobody gave."""
+    assert protocol.DEFAULT_BUDGET_TOKENS == SessionConfig().budget_tokens == Policy().budget_tokens == DEFAULT_BUDGET_TOKENS == 8192
+    assert SessionOptions(policy="infmllm").budget == 8192
