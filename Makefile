@@ -51,7 +51,7 @@ bench-chaos: $(STAMP)
 # Trains streamvqa-demo's projector from scratch on CPU (about 55 minutes on 2 cores with AMX) and
 # overwrites the committed weights, engine/demo/projector.safetensors; see docs/demo-model.md.
 train-demo: $(STAMP)
-	$(BIN)/python -m engine.demo.train $(TRAIN_ARGS)
+	$(BIN)/python -m demo_training.train $(TRAIN_ARGS)
 
 # torch first, so that its build is the one TORCH_SPEC names (a CPU wheel here; see README).
 $(STAMP): pyproject.toml

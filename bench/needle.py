@@ -51,10 +51,10 @@ import numpy as np
 from PIL import Image
 
 from bench.common import emit, split_list
+from demo_training import scenes
+from demo_training.evaluate import CHOICES, first_named
+from demo_training.train import sample_videos
 from engine import POLICIES
-from engine.demo import scenes
-from engine.demo.evaluate import CHOICES, first_named
-from engine.demo.train import sample_videos
 from streamvqa import children
 from streamvqa.client import Client
 from streamvqa.redis_server import EmbeddedRedis, free_port

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.demo import scenes
-from engine.demo.scenes import Scene
+from demo_training import scenes
+from demo_training.scenes import Scene
 from engine.model import Model
 
 TOKENS_PER_FRAME = 9

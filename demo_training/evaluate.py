@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.demo import scenes
-from engine.demo.data import DESCRIBE
+from demo_training import scenes
+from demo_training.data import DESCRIBE
 from engine.demo.model import EfficientNetTower, pooled_features
 from engine.model import Model
 from engine.session import Session, SessionConfig

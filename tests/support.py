@@ -35,7 +35,7 @@ DEMO_MISSING = demo.missing_requirements()
 needs_demo = pytest.mark.skipif(
     bool(DEMO_MISSING) or not demo.WEIGHTS.exists(),
     reason=f"streamvqa-demo needs {', '.join(DEMO_MISSING)} (make install, or see docs/demo-model.md)"
-    if DEMO_MISSING else f"no trained projector at {demo.WEIGHTS} (python -m engine.demo.train)",
+    if DEMO_MISSING else f"no trained projector at {demo.WEIGHTS} (python -m demo_training.train)",
 )
 
 

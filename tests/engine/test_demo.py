@@ -9,9 +9,9 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from demo_training import scenes
+from demo_training.evaluate import first_named, naming_accuracy, scene_accuracy
 from engine import Session, SessionConfig, load_model
-from engine.demo import scenes
-from engine.demo.evaluate import first_named, naming_accuracy, scene_accuracy
 from engine.model import _pool
 from tests.support import needs_demo, sample_video
 
@@ -106,7 +106,7 @@ def test_needle_conversations_ask_about_one_scene_among_several_by_what_preceded
     """Needle conversations: frames one second apart, one or more scenes among real frames. A
     question names exactly one frame: the scene right after the only plain frame of a colour, the
     frame at a time, or the only scene of its kind; the answer describes that one."""
-    from engine.demo.data import RealFrame, Samples, build_pool
+    from demo_training.data import RealFrame, Samples, build_pool
 
     frames = [RealFrame("clip.mp4", i, i / 25, np.zeros((32, 32, 3), np.uint8)) for i in range(80)]
     pool = build_pool(lambda images: (torch.zeros(len(images), 9, 4), torch.zeros(len(images), 1000)), frames,
@@ -153,7 +153,7 @@ def test_needle_conversations_ask_about_one_scene_among_several_by_what_preceded
 @needs_demo
 def test_training_lays_out_a_sample_as_the_session_runs_it(demo, monkeypatch):
     """The ids the trainer trains on are the ids a session tokenises, in the same order."""
-    from engine.demo.data import VISUAL, Layout, Sample
+    from demo_training.data import VISUAL, Layout, Sample
 
     seen: list[int] = []
     tokenize = demo.tokenize
@@ -188,7 +188,7 @@ def test_held_out_colours_are_answered_right_at_least_80_percent(demo):
 
 @needs_demo
 def test_real_frames_are_named_by_the_encoders_top_class_at_least_60_percent(demo):
-    from engine.demo.data import HELD_OUT_EVERY, HELD_OUT_PHASE
+    from demo_training.data import HELD_OUT_EVERY, HELD_OUT_PHASE
     from engine.demo.model import imagenet_names
 
     frames = []
