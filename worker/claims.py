@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from engine import Model, Session, SessionConfig
 from streamvqa import protocol
@@ -54,6 +55,16 @@ class Claims:
         self._no_room_until = 0.0
         self._pending_at = 0.0  # monotonic time the pending queue was last read
         self._orphans_at = 0.0  # ... and searched for entries a dead worker read but never took
+
+    async def ensure_queue(self) -> bool:
+        """Create the model's pending queue and its consumer group unless they exist; True when it did."""
+        try:
+            await self.redis.xgroup_create(self.keys.pending(self.model.name), protocol.GROUP, id="0", mkstream=True)
+            return True
+        except ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+            return False
 
     async def take_new(self, idle_block_ms: int) -> None:
         """Take up to the room left (MAX_SESSIONS, cache memory) from the pending queue of this

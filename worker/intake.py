@@ -31,8 +31,8 @@ from streamvqa.protocol import (
 from streamvqa.redis_client import FAILURES
 from worker.capacity import Counters
 from worker.decode import INTERNAL, DecodeError
-from worker.hosted import Hosted, Phase
-from worker.ingest import Batch, LiveLimits, open_live
+from worker.hosted import INGESTING, Hosted, Phase
+from worker.ingest import Batch, FramesIngest, LiveLimits, StreamIngest, open_live
 from worker.records import RecordWriter, progress
 from worker.settings import WorkerSettings
 from worker.snapshots import Snapshots
@@ -83,7 +83,7 @@ class MediaIntake:
             except DecodeError as err:
                 hosted.fail(str(err))
 
-    def _open_live(self, media_format: str, record: SessionRecord):
+    def _open_live(self, media_format: str, record: SessionRecord) -> FramesIngest | StreamIngest:
         return open_live(media_format, record.fps, self.settings.max_frame_side, self.live_limits)
 
     # -- entries -------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ class MediaIntake:
         if hosted.orphaned:
             await self._connection_lost(session_id, hosted)
         ingest = hosted.ingest
-        if ingest is not None and hosted.phase in (Phase.UPLOADING, Phase.SAMPLING, Phase.STREAMING) and hosted.answer is None:
+        if ingest is not None and hosted.phase in INGESTING and hosted.answer is None:
             if ingest.finished and hosted.batch is None and not ingest.has_work:
                 await self.finish(session_id, hosted)
 

@@ -66,6 +66,13 @@ def prefix_folder(prefix: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", prefix.rstrip(":")) or "_"
 
 
+async def _try(action: Callable) -> None:
+    try:
+        await action()
+    except FAILURES as err:
+        log.warning("Redis failed again (%s)", err)
+
+
 class Worker:
     def __init__(self, settings: WorkerSettings, model: Model, redis: Redis, reader: Redis | None = None) -> None:
         """`reader` reads the streams (XREADGROUP): a client that never retries a command by
@@ -116,7 +123,7 @@ class Worker:
         backoff_s = 0.1
         while True:  # Redis may not be up yet
             try:
-                await self._ensure_group(self.keys.pending(self.model.name))
+                await self.claims.ensure_queue()
                 await self._advertise()
                 break
             except FAILURES as err:
@@ -139,7 +146,7 @@ class Worker:
                     self._failing_since = self._failing_since or time.monotonic()
                     if isinstance(err, ResponseError) and "NOGROUP" in str(err):  # Redis lost its data
                         log.warning("a stream or its group is gone (%s); repairing", err)
-                        await self._try(self._repair)
+                        await _try(self._repair)
                     else:
                         log.warning("Redis failed (%s); retrying in %.1f s", err, backoff_s)
                     await asyncio.sleep(backoff_s)
@@ -148,13 +155,6 @@ class Worker:
             self._stopping.set()
             heartbeat.cancel()
             await self._shutdown()
-
-    @staticmethod
-    async def _try(action: Callable) -> None:
-        try:
-            await action()
-        except FAILURES as err:
-            log.warning("Redis failed again (%s)", err)
 
     # -- one turn ------------------------------------------------------------------------------
 
@@ -298,21 +298,11 @@ class Worker:
     async def _repair(self) -> bool:
         """Recreate the pending queue's group if it is gone and give up every session whose
         data is gone; True when either was needed."""
-        repaired = await self._ensure_group(self.keys.pending(self.model.name))
+        repaired = await self.claims.ensure_queue()
         for session_id, hosted in self.sessions.items():
             if await self.redis.exists(*self.keys.session_data(session_id)[:3]) < 3:
                 hosted.lost = repaired = True
         return repaired
-
-    async def _ensure_group(self, stream: str) -> bool:
-        """Create the stream and its consumer group unless they exist; True when it did."""
-        try:
-            await self.redis.xgroup_create(stream, protocol.GROUP, id="0", mkstream=True)
-            return True
-        except ResponseError as err:
-            if "BUSYGROUP" not in str(err):
-                raise
-            return False
 
     # -- heartbeat and shutdown ----------------------------------------------------------------
 
