@@ -24,6 +24,10 @@ and while the question's first tokens run, each layer's attention brings back th
 the question's keys match, merged among the cached tokens in stream order (the question's own
 tokens are placed after them). `give_back` removes them again once the answer's turn is over;
 the cache does not evict while it holds borrowed tokens.
+
+One module, over 400 lines, on purpose: the stored keys, their rotated copy, the values, each
+token's kind and time must move together at every append, gather and borrowing; split, each
+part would reach into the others' tensors.
 """
 
 import time

@@ -14,6 +14,10 @@ With `recall`, what the cache evicts goes to a bounded host tier (`engine/host_t
 each question borrows back up to `retrieval_tokens` of it for its answer: then the cache holds
 at most the budget, the retrieval, the question and the answer, and between prompts exactly
 what it would hold without recall.
+
+One module, over 400 lines, on purpose: frames, questions, answers, recall and snapshots are
+all moves of the same cache and its positions, and each reads the others' invariants (an answer
+under way blocks frames; a recall's borrowed tokens go back before the next prompt).
 """
 
 import io
