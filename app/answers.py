@@ -14,15 +14,13 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
+from app import sse
+from app.tail import TailTimeout, tail
 from streamvqa import protocol
 from streamvqa.pending import enqueue
-from streamvqa.redis_client import xread
 from streamvqa.protocol import (
     Answer, AnswerEnvelope, DoneEvent, ErrorEvent, Keys, Question, Sampling, SessionRecord, TokenEvent, scripts,
 )
-
-READ_BLOCK_MS = 1000
-KEEPALIVE_S = 15  # `events` yields None after this long without an event
 
 
 class QuestionsBacklogFull(Exception):
@@ -113,26 +111,15 @@ async def events(
     redis: Redis, keys: Keys, session_id: str, answer_id: str, timeout_s: float, since: str = "0-0"
 ) -> AsyncIterator[tuple[str, TokenEvent | DoneEvent | ErrorEvent] | None]:
     """(entry id, event) in order after `since`, ending with the done or error event; None after
-    each KEEPALIVE_S without one; AnswerTimeout after `timeout_s`."""
+    each sse.KEEPALIVE_S without one; AnswerTimeout after `timeout_s`."""
     stream = keys.answer(session_id, answer_id)
-    now = time.monotonic()
-    deadline, quiet_since = now + timeout_s, now
-    while True:
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0:
-            raise AnswerTimeout(answer_id)
-        reply = await xread(redis, {stream: since}, 256, min(READ_BLOCK_MS, remaining_ms))
-        if not reply and time.monotonic() - quiet_since >= KEEPALIVE_S:
-            quiet_since = time.monotonic()
-            yield None
-        for _, entries in reply:
-            quiet_since = time.monotonic()
-            for entry_id, fields in entries:
-                since = entry_id.decode()
-                event = AnswerEnvelope.model_validate_json(fields[b"m"]).event
-                yield since, event
-                if event.type != "token":
-                    return
+    try:
+        async for item in tail(redis, stream, since, AnswerEnvelope, 256, sse.KEEPALIVE_S, timeout_s):
+            yield item
+            if item is not None and item[1].type != "token":
+                return
+    except TailTimeout as err:
+        raise AnswerTimeout(answer_id) from err
 
 
 async def status(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> AnswerStatus:

@@ -1,7 +1,7 @@
 """The sessions API: create, list, look up, delete, upload, memory, events. Each route parses,
 calls a service, and answers."""
 
-import asyncio
+import time
 
 from fastapi import APIRouter, Request, status
 from fastapi.exceptions import RequestValidationError
@@ -11,14 +11,13 @@ from app import sse
 from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, RedisDep, Settings, Store
 from app.errors import ApiError, ErrorBody
 from app.sessions import NoPlace, TooManySessions, UploadRefused
+from app.tail import tail
 from app.uploads import file_chunks
 from streamvqa.protocol import EventEnvelope, MemoryReport, SessionOptions, SessionRecord
-from streamvqa.redis_client import xread
 
 router = APIRouter(tags=["sessions"])
 
 NO_WORKER_RETRY_S = 5
-EVENTS_BLOCK_MS = 1000
 
 
 class CreatedSession(BaseModel):
@@ -198,22 +197,17 @@ async def session_events(session: AuthorizedSession, request: Request, redis: Re
 
 
 async def _session_events(redis, keys, session_id: str, since: str):
-    stream, quiet = keys.events(session_id), 0
-    while True:
-        reply = await xread(redis, {stream: since}, 64, EVENTS_BLOCK_MS)
-        if not reply:
-            if not await redis.exists(keys.session(session_id)):
-                yield sse.frame("gone", {"type": "gone", "message": "the session was deleted or expired"})
-                return
-            quiet += 1
-            if quiet * EVENTS_BLOCK_MS >= 15_000:
-                quiet = 0
-                yield sse.KEEPALIVE
-            continue
-        quiet = 0
-        for _, entries in reply:
-            for entry_id, fields in entries:
-                since = entry_id.decode()
-                event = EventEnvelope.model_validate_json(fields[b"m"]).event
-                yield sse.frame(event.type, event.model_dump(mode="json"), since)
-        await asyncio.sleep(0)
+    """Frames of the session's events; after each read that found none, a look whether the
+    session is still there, and a keepalive once sse.KEEPALIVE_S passed without a frame."""
+    said_at = time.monotonic()
+    async for item in tail(redis, keys.events(session_id), since, EventEnvelope, 64, 0):
+        if item is not None:
+            event_id, event = item
+            said_at = time.monotonic()
+            yield sse.frame(event.type, event.model_dump(mode="json"), event_id)
+        elif not await redis.exists(keys.session(session_id)):
+            yield sse.frame("gone", {"type": "gone", "message": "the session was deleted or expired"})
+            return
+        elif time.monotonic() - said_at >= sse.KEEPALIVE_S:
+            said_at = time.monotonic()
+            yield sse.KEEPALIVE

@@ -11,6 +11,7 @@ from app.errors import ApiError
 
 EVENT_STREAM = "text/event-stream"
 KEEPALIVE = object()  # yielded by a source that waited a while with nothing to send
+KEEPALIVE_S = 15  # how long a source waits with nothing to send before it yields KEEPALIVE
 _EVENT_ID = re.compile(r"\d{1,20}-\d{1,20}")
 
 

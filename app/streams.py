@@ -29,9 +29,10 @@ from app.limits import MessageRate
 from app.metrics import GatewayMetrics
 from app.sessions import SessionStore
 from app.settings import GatewaySettings
+from app.tail import tail
 from streamvqa import protocol
 from streamvqa.pending import enqueue
-from streamvqa.redis_client import FAILURES, xread
+from streamvqa.redis_client import FAILURES
 from streamvqa.protocol import (
     AnswerDoneEvent,
     AnswerErrorEvent,
@@ -61,7 +62,6 @@ START_TIMEOUT_S = 10  # a socket that sends no `start` within this is closed
 INBOX_BYTES = 8 * 1024 * 1024  # bytes read ahead of Redis per socket; the socket is not read while over
 PAUSED_MESSAGES = 32  # messages a client may still send after `backpressure`; one more closes it (4429)
 CLAIM_WAIT_S = 2.0  # how long a connecting socket waits for the previous one's claim to be released (or lapse)
-EVENTS_BLOCK_MS = 1000
 CLEANUP_WAIT_S = 2.0  # how long a closing socket waits for its tasks to end
 
 _END = object()  # the client's `end` message, in the inbox
@@ -457,18 +457,17 @@ class StreamConnection:
     async def _relay(self, since: str) -> None:
         """The session's events to the socket; an error about this connection closes it. A
         streaming socket skips the state changes of other connections' streams."""
-        stream = self.keys.events(self.session_id)
-        while not self._stopping:
-            reply = await xread(self.redis, {stream: since}, 64, EVENTS_BLOCK_MS)
-            for _, entries in reply:
-                for entry_id, fields in entries:
-                    since = entry_id
-                    event = EventEnvelope.model_validate_json(fields[b"m"]).event
-                    if self.format and event.type == "state" and event.connection not in (None, self.id):
-                        continue  # an earlier connection's stream settled (this one has taken it over)
-                    await self.send(event)
-                    if event.type == "error" and _closes(event, self.id):
-                        raise StreamClosed(CloseCode.UNDECODABLE, event.message)
+        async for item in tail(self.redis, self.keys.events(self.session_id), since, EventEnvelope, 64, 0):
+            if self._stopping:
+                return
+            if item is None:
+                continue
+            event = item[1]
+            if self.format and event.type == "state" and event.connection not in (None, self.id):
+                continue  # an earlier connection's stream settled (this one has taken it over)
+            await self.send(event)
+            if event.type == "error" and _closes(event, self.id):
+                raise StreamClosed(CloseCode.UNDECODABLE, event.message)
 
     async def _keep_claim(self) -> None:
         """Renew the socket's place among the session's sockets and, streaming, its media claim."""
