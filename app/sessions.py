@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from redis.asyncio import Redis
 
+from app import backlog
 from streamvqa import protocol
 from streamvqa.pending import enqueue, leave
 from streamvqa.redis_client import FAILURES
@@ -18,7 +19,6 @@ from streamvqa.protocol import (
 )
 
 CREATE_GRACE_S = 60  # a session whose gateway died while creating it is gone this soon
-ROOM_POLL_S = (0.02, 0.2)  # first and longest wait between checks of a full media backlog
 
 
 def _digest(token: str) -> str:
@@ -218,7 +218,7 @@ class SessionStore:
             async for chunk in chunks:
                 if total + len(chunk) > max_bytes:
                     raise UploadRefused(413, "upload_too_large", f"the upload exceeds the limit of {max_bytes} bytes")
-                await self._wait_for_room(session_key, stream, stall_s)
+                await self._wait_for_room(session.id, stall_s)
                 await self._add_upload_entry(session, total, MediaEntry(MediaKind.DATA, data=chunk))
                 total += len(chunk)
             if total == 0:
@@ -251,16 +251,12 @@ class SessionStore:
         if added == -2:
             raise UploadRefused(503, "redis_unreachable", "Redis lost part of the upload (it restarted); upload it again")
 
-    async def _wait_for_room(self, session_key: str, stream: str, stall_s: float) -> None:
-        deadline = time.monotonic() + stall_s
-        pause_s = ROOM_POLL_S[0]
-        while await self.redis.xlen(stream) >= protocol.MEDIA_BACKLOG_ENTRIES:
-            state, error = await self.redis.hmget(session_key, "state", "error")
-            if state is None:
-                raise UploadRefused(404, "session_not_found", "the session was deleted during the upload")
-            if state == SessionState.ERROR.encode():
-                raise UploadRefused(409, "session_error", f"the session failed: {(error or b'').decode()}")
-            if time.monotonic() > deadline:
-                raise UploadRefused(503, "worker_stalled", "the session's worker stopped reading the upload")
-            await asyncio.sleep(pause_s)
-            pause_s = min(pause_s * 2, ROOM_POLL_S[1])
+    async def _wait_for_room(self, session_id: str, stall_s: float) -> None:
+        try:
+            await backlog.wait_for_room(self.redis, self.keys, session_id, stall_s)
+        except backlog.SessionGone as err:
+            raise UploadRefused(404, "session_not_found", "the session was deleted during the upload") from err
+        except backlog.SessionFailed as err:
+            raise UploadRefused(409, "session_error", f"the session failed: {err}") from err
+        except backlog.WorkerStalled as err:
+            raise UploadRefused(503, "worker_stalled", "the session's worker stopped reading the upload") from err

@@ -21,7 +21,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
 
-from app import answers
+from app import answers, backlog
 from app.asks import submit
 from app.deps import SESSION_ID, caller_of
 from app.errors import ApiError
@@ -62,6 +62,7 @@ START_TIMEOUT_S = 10  # a socket that sends no `start` within this is closed
 INBOX_BYTES = 8 * 1024 * 1024  # bytes read ahead of Redis per socket; the socket is not read while over
 PAUSED_MESSAGES = 32  # messages a client may still send after `backpressure`; one more closes it (4429)
 CLAIM_WAIT_S = 2.0  # how long a connecting socket waits for the previous one's claim to be released (or lapse)
+ROOM_POLL_S = 0.05  # between looks at a full media backlog (the client is paused meanwhile)
 CLEANUP_WAIT_S = 2.0  # how long a closing socket waits for its tasks to end
 
 _END = object()  # the client's `end` message, in the inbox
@@ -408,23 +409,26 @@ class StreamConnection:
             await self._add(MediaEntry(MediaKind.DATA, data=chunk), len(chunk))
 
     async def _wait_for_room(self) -> None:
-        """Return when the media backlog has room; tell the client while it has none."""
-        stream = self.keys.media(self.session_id)
-        backlog = await self.redis.xlen(stream)
-        if backlog < protocol.MEDIA_BACKLOG_ENTRIES:
+        """Return when the media backlog has room; tell the client while it has none (from full
+        until half full)."""
+        waiting = await backlog.entries(self.redis, self.keys, self.session_id)
+        if waiting < backlog.FULL:
             return
         self._paused, self._sent_while_paused = True, 0
-        await self.send(BackpressureEvent(paused=True, backlog=backlog))
-        deadline = asyncio.get_running_loop().time() + self.settings.upload_stall_s
-        while backlog >= protocol.MEDIA_BACKLOG_ENTRIES // 2 and not self._stopping:
-            if asyncio.get_running_loop().time() > deadline:
-                raise StreamClosed(CloseCode.TRY_AGAIN_LATER, "the session's worker stopped reading the stream")
-            if not await self.redis.exists(self.keys.session(self.session_id)):
-                raise StreamClosed(CloseCode.NOT_FOUND, "the session is gone")
-            await asyncio.sleep(0.05)
-            backlog = await self.redis.xlen(stream)
+        await self.send(BackpressureEvent(paused=True, backlog=waiting))
+        try:
+            waiting = await backlog.wait_for_room(
+                self.redis, self.keys, self.session_id, self.settings.upload_stall_s, below=backlog.FULL // 2,
+                poll_s=(ROOM_POLL_S, ROOM_POLL_S), stopping=lambda: self._stopping,
+            )
+        except backlog.SessionGone as err:
+            raise StreamClosed(CloseCode.NOT_FOUND, "the session is gone") from err
+        except backlog.SessionFailed as err:
+            raise StreamClosed(CloseCode.UNDECODABLE, "the session failed") from err
+        except backlog.WorkerStalled as err:
+            raise StreamClosed(CloseCode.TRY_AGAIN_LATER, "the session's worker stopped reading the stream") from err
         self._paused = False
-        await self.send(BackpressureEvent(paused=False, backlog=backlog))
+        await self.send(BackpressureEvent(paused=False, backlog=waiting))
 
     async def _add(
         self, entry: MediaEntry, stream_bytes: int = 0, closing: bool = False, frame_s: float | None = None
