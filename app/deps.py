@@ -1,10 +1,12 @@
-"""Typed dependencies of the routes: settings, Redis, the session store, the caller's session."""
+"""Typed dependencies of the routes, HTTP and WebSocket alike: settings, Redis, the session store,
+metrics, the rate limiter, the caller and the caller's session."""
 
 import hmac
 import re
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.requests import HTTPConnection
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from redis.asyncio import Redis
 
@@ -22,24 +24,28 @@ _api_key = APIKeyHeader(
 )
 
 
-def get_settings(request: Request) -> GatewaySettings:
-    return request.app.state.settings
+def get_settings(connection: HTTPConnection) -> GatewaySettings:
+    return connection.app.state.settings
 
 
-def get_redis(request: Request) -> Redis:
-    return request.app.state.redis
+def get_redis(connection: HTTPConnection) -> Redis:
+    return connection.app.state.redis
 
 
-def get_keys(request: Request) -> Keys:
-    return request.app.state.keys
+def get_keys(connection: HTTPConnection) -> Keys:
+    return connection.app.state.keys
 
 
-def get_store(request: Request) -> SessionStore:
-    return request.app.state.store
+def get_store(connection: HTTPConnection) -> SessionStore:
+    return connection.app.state.store
 
 
-def get_metrics(request: Request) -> GatewayMetrics:
-    return request.app.state.metrics
+def get_metrics(connection: HTTPConnection) -> GatewayMetrics:
+    return connection.app.state.metrics
+
+
+def get_rate_limiter(connection: HTTPConnection) -> RateLimiter:
+    return connection.app.state.rate_limiter
 
 
 Settings = Annotated[GatewaySettings, Depends(get_settings)]
@@ -47,6 +53,7 @@ RedisDep = Annotated[Redis, Depends(get_redis)]
 KeysDep = Annotated[Keys, Depends(get_keys)]
 Store = Annotated[SessionStore, Depends(get_store)]
 Metrics = Annotated[GatewayMetrics, Depends(get_metrics)]
+Limiter = Annotated[RateLimiter, Depends(get_rate_limiter)]
 
 
 def valid_api_key(settings: GatewaySettings, api_key: str | None) -> bool:
@@ -74,14 +81,21 @@ async def api_caller(request: Request, settings: Settings, api_key: Annotated[st
     return caller_of(settings, api_key, request.client.host if request.client else "unknown")
 
 
-async def rate_limit(request: Request, settings: Settings) -> None:
+def limited_caller(connection: HTTPConnection, settings: Settings) -> str:
+    """Who a rate limit counts: the caller's valid API key, else its address (no key needed)."""
+    address = connection.client.host if connection.client else "unknown"
+    return caller_of(settings, connection.headers.get("x-api-key"), address)
+
+
+LimitedCaller = Annotated[str, Depends(limited_caller)]
+
+
+async def rate_limit(limiter: Limiter, caller: LimitedCaller, metrics: Metrics) -> None:
     """429 when the caller (API key, else address) is over `RATE_LIMIT_PER_S`."""
-    limiter: RateLimiter = request.app.state.rate_limiter
-    address = request.client.host if request.client else "unknown"
     try:
-        await limiter.check(caller_of(settings, request.headers.get("x-api-key"), address))
+        await limiter.check(caller)
     except ApiError:
-        request.app.state.metrics.rate_limited.inc()
+        metrics.rate_limited.inc()
         raise
 
 

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from app import answers, backlog
 from app.asks import submit
-from app.deps import SESSION_ID, caller_of
+from app.deps import SESSION_ID, KeysDep, Limiter, LimitedCaller, Metrics, RedisDep, Settings, Store
 from app.errors import ApiError
 from app.limits import MessageRate
 from app.metrics import GatewayMetrics
@@ -78,22 +78,24 @@ class StreamClosed(Exception):
 
 
 @router.websocket("/sessions/{session_id}/stream")
-async def stream(websocket: WebSocket, session_id: str, token: str | None = None) -> None:
+async def stream(
+    websocket: WebSocket, session_id: str, redis: RedisDep, keys: KeysDep, store: Store, settings: Settings,
+    metrics: Metrics, limiter: Limiter, caller: LimitedCaller, token: str | None = None,
+) -> None:
     """Stream live video into a session; events come back on the same socket."""
     await websocket.accept()
     state = websocket.app.state
-    connection = StreamConnection(websocket, state.redis, state.keys, state.store, state.settings, state.metrics, session_id)
-    if state.stream_sockets >= state.settings.max_stream_sockets:
+    connection = StreamConnection(websocket, redis, keys, store, settings, metrics, session_id)
+    if state.stream_sockets >= settings.max_stream_sockets:
         await connection.close(CloseCode.TRY_AGAIN_LATER, "this gateway streams as many sockets as it may")
         return
     state.stream_sockets += 1
-    state.metrics.stream_sockets.inc()
+    metrics.stream_sockets.inc()
     try:
-        address = websocket.client.host if websocket.client else "unknown"
-        await state.rate_limiter.check(caller_of(state.settings, websocket.headers.get("x-api-key"), address))
+        await limiter.check(caller)
         await connection.run(token)
     except ApiError as err:  # over the rate limit
-        state.metrics.rate_limited.inc()
+        metrics.rate_limited.inc()
         await connection.close(CloseCode.TOO_MANY, err.message)
     except StreamClosed as closed:
         await connection.close(closed.code, closed.reason)
@@ -107,7 +109,7 @@ async def stream(websocket: WebSocket, session_id: str, token: str | None = None
         await connection.close(1011, "the gateway failed; the error is in its log")
     finally:
         state.stream_sockets -= 1
-        state.metrics.stream_sockets.dec()
+        metrics.stream_sockets.dec()
 
 
 class StreamConnection:
