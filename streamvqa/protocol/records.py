@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from enum import StrEnum
 from typing import Literal
 
@@ -135,6 +136,18 @@ class MemoryReport(BaseModel):
     host_bytes: int = Field(0, description="Host memory the tier takes.")
     retrievals: int = Field(0, description="Questions that brought tokens back from the host tier.")
     updated_at: float = Field(description="Unix time the worker wrote this report.")
+
+    @classmethod
+    def of(cls, memory: object, stats: object, recall: bool) -> MemoryReport:
+        """The report of an engine session's `memory()` and `stats()` (the dataclasses
+        engine.session.Memory and SessionStats, read field by name; where both have a field,
+        the memory's), as of now."""
+        held, counted = asdict(memory), asdict(stats)
+        return cls.model_validate({
+            **counted, **held, "recall": recall, "updated_at": time.time(),
+            "frame_tokens": round(held["frame_tokens"], 2), "text_tokens": round(held["text_tokens"], 2),
+            "video_time_s": round(counted["video_time_s"], 3),
+        })
 
 
 class WorkerInfo(BaseModel):
