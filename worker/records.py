@@ -5,7 +5,6 @@ Every write leaves a session that is gone (deleted, expired) gone: the scripts c
 """
 
 import time
-from dataclasses import asdict
 
 from redis.asyncio import Redis
 
@@ -16,7 +15,6 @@ from streamvqa.protocol import (
     Keys,
     MediaErrorEvent,
     MemoryReport,
-    MemorySpan,
     SessionState,
     StateEvent,
     WarningEvent,
@@ -90,24 +88,7 @@ class RecordWriter:
             return
         hosted.memory_at, hosted.memory_stale = time.monotonic(), False
         memory, stats = await self.threads.engine(lambda: (hosted.engine.memory(), hosted.engine.stats()))
-        report = MemoryReport(
-            policy=memory.policy,
-            budget_tokens=memory.budget_tokens,
-            cache_tokens=memory.cache_tokens,
-            frame_tokens=round(memory.frame_tokens, 2),
-            text_tokens=round(memory.text_tokens, 2),
-            evictions=stats.evictions,
-            evicted_tokens=stats.evicted_tokens,
-            frames=stats.frames,
-            video_time_s=round(stats.video_time_s, 3),
-            spans=[MemorySpan(**asdict(span)) for span in memory.spans],
-            recall=hosted.record.recall,
-            host_budget_tokens=memory.host_budget_tokens,
-            host_tokens=memory.host_tokens,
-            host_bytes=stats.host_bytes,
-            retrievals=stats.retrievals,
-            updated_at=time.time(),
-        )
+        report = MemoryReport.of(memory, stats, hosted.record.recall)
         keys = [self.keys.session(session_id), self.keys.memory(session_id)]
         await self._set_if_live(keys=keys, args=[report.model_dump_json(), self.ttl_s])
 

@@ -24,7 +24,7 @@ class SessionState(StrEnum):
 
 # The legal changes of a session's state: from each state, those it may become (writing the
 # state it holds is no change). A session is created pending; error is final. The writers: the
-# worker's record writer (`worker.loop.Worker._set`, which checks the changes it asks for), the
+# worker's record writer (`worker.records.RecordWriter.set`, which checks the changes it asks for), the
 # gateway's upload scripts (scripts.START_UPLOAD_LUA, scripts.ABORT_UPLOAD_LUA) and the worker's
 # scripts.ABANDON_UPLOAD_LUA.
 TRANSITIONS: dict[SessionState, frozenset[SessionState]] = {
