@@ -79,6 +79,7 @@ class Stream:
     frames: list[tuple[float, bytes]]  # (time in s, JPEG)
     needle_s: float  # the scene's time (the plain frame is the second before)
     questions: list[Question]
+    generated: dict[int, scenes.Scene]  # the generated frames' facts, by second (the rest are real frames)
 
 
 def haystack(frames: list, count: int, offset: int) -> list[np.ndarray]:
@@ -122,8 +123,9 @@ def build_stream(real: list, seconds: int, depth: float, trial: int, distractors
     plain = [c for c in scenes.COLOURS if c not in (scene.colour, scene.background)][int(rng.integers(9))]
     needle_at = min(seconds - 2, int(round(depth * (seconds - 2))))
     pictures = haystack(real, seconds, offset=int(rng.integers(1 << 16)))
-    pictures[needle_at] = scenes.plain(rng, plain)[0]
+    pictures[needle_at], facts = scenes.plain(rng, plain)
     pictures[needle_at + 1] = image
+    generated = {needle_at: facts, needle_at + 1: scene}
     others = np.random.default_rng([7, trial, 1])  # the needle's stream is the same with or without them
     free = [t for t in range(seconds) if t not in (needle_at, needle_at + 1)]
     kinds = ("letter", "digit" if scene.kind == "shape" else "shape")
@@ -132,9 +134,9 @@ def build_stream(real: list, seconds: int, depth: float, trial: int, distractors
             picture, distractor = scenes.draw(others, kinds[int(others.integers(2))])
             if plain not in (distractor.colour, distractor.background):
                 break
-        pictures[at] = picture
+        pictures[at], generated[int(at)] = picture, distractor
     frames = [(float(t), _jpeg(p)) for t, p in enumerate(pictures)]
-    return Stream(frames, float(needle_at + 1), questions(scene, plain, trial % 3))
+    return Stream(frames, float(needle_at + 1), questions(scene, plain, trial % 3), generated)
 
 
 def _jpeg(pixels: np.ndarray) -> bytes:
