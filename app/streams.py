@@ -8,6 +8,10 @@ progress, warnings, errors, state changes), answers questions asked on the socke
 closes with a code from `CloseCode` when something is wrong. One socket streams into a session
 at a time; a client that reconnects continues the same stream. A `start` without a format opens
 a socket that only watches and asks. docs/streaming.md is the protocol, with an example.
+
+One module, over 400 lines, on purpose: a socket's reading, forwarding, relaying and asking run
+as tasks of one connection and share its state (its claim, its inbox, its close); the Redis
+work they need is in app/backlog.py, app/tail.py and protocol/scripts.py.
 """
 
 import asyncio

@@ -28,6 +28,8 @@ answer still out is awaited, and one JSON line sums it up:
 - `stuck`: sessions left `pending` or `ingesting`, or that did not answer a last question.
 
 Targets: 0 lost, 0 twice, 0 stuck (docs/benchmarks.md has the figures).
+
+One module, over 400 lines: a benchmark's whole fault schedule, its clients and its report read best in one place.
 """
 
 import argparse

@@ -31,6 +31,8 @@ high that they never refuse: their checks still run and are measured.
 
 Prints one JSON line per metric: `metric`, `value` (gateway), `baseline`, `ratio` (value over
 baseline), and for ingest every round's values. MB is 10^6 bytes.
+
+One module, over 400 lines: the baseline app and consumer sit beside the measurements, so that what is compared is in one file.
 """
 
 import argparse
