@@ -22,7 +22,8 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the project's modules it imports anywhere in its text (a lazy import counts)."""
+    """Module -> the project's modules it imports anywhere in its text (a lazy import counts; one
+    under `if TYPE_CHECKING:`, for annotations only and never run, does not)."""
 
     def known(name: str) -> str | None:
         while name and name not in modules:
@@ -33,8 +34,18 @@ def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for statement in node.body
+            for inner in ast.walk(statement)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            elif isinstance(node, ast.Import):
                 found |= {known(alias.name) for alias in node.names}
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
