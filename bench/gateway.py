@@ -307,10 +307,26 @@ class Bench:
         url = f"ws://{self.urls['baseline'].removeprefix('http://')}/stream"
         return await _stream_frames(url, self.jpeg, self.args.frames, counted, False, self.args.deflate, cpu_s)
 
+    async def _first_frame(self, session_id: str, auth: dict[str, str]) -> None:
+        """One frame into the session's cache, since a question before any is refused (409
+        `no_video`)."""
+        host = self.urls["gateway"].removeprefix("http://")
+        url = f"ws://{host}/sessions/{session_id}/stream?token={auth['Authorization'][7:]}"
+        async with websockets.connect(url, max_size=None) as socket:
+            await socket.send(json.dumps({"type": "start", "format": "frames"}))
+            await socket.recv()
+            await socket.send(frame_message(0.0, self.jpeg))
+            deadline = time.monotonic() + 30
+            while int(await self.store.hget(self.keys.session(session_id), "frames_ingested") or 0) < 1:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"session {session_id} never took its first frame")
+                await asyncio.sleep(0.05)
+
     async def rest(self) -> None:
         """Asks and session reads, interleaved call by call, in alternating order."""
         gateway, baseline = self.urls["gateway"], self.urls["baseline"]
         session_id, auth = await _ready_session(self.http, gateway)
+        await self._first_frame(session_id, auth)
         await self.store.hset(self.baseline_keys.session, mapping=await self.store.hgetall(self.keys.session(session_id)))
         body = {"question": "What is happening?", "max_new_tokens": 1}
         worker_ms: list[float] = []
