@@ -1,5 +1,8 @@
 """Typed dependencies of the routes, HTTP and WebSocket alike: settings, Redis, the session store,
-metrics, the rate limiter, the caller and the caller's session."""
+metrics, the rate limiter, the caller and the caller's session.
+
+Each is `async def`, though none awaits: FastAPI runs a plain `def` dependency on its thread
+pool, a hop that made `GET /sessions/{id}` measurably slower (docs/benchmarks.md, "Gateway")."""
 
 import hmac
 import re
@@ -24,27 +27,27 @@ _api_key = APIKeyHeader(
 )
 
 
-def get_settings(connection: HTTPConnection) -> GatewaySettings:
+async def get_settings(connection: HTTPConnection) -> GatewaySettings:
     return connection.app.state.settings
 
 
-def get_redis(connection: HTTPConnection) -> Redis:
+async def get_redis(connection: HTTPConnection) -> Redis:
     return connection.app.state.redis
 
 
-def get_keys(connection: HTTPConnection) -> Keys:
+async def get_keys(connection: HTTPConnection) -> Keys:
     return connection.app.state.keys
 
 
-def get_store(connection: HTTPConnection) -> SessionStore:
+async def get_store(connection: HTTPConnection) -> SessionStore:
     return connection.app.state.store
 
 
-def get_metrics(connection: HTTPConnection) -> GatewayMetrics:
+async def get_metrics(connection: HTTPConnection) -> GatewayMetrics:
     return connection.app.state.metrics
 
 
-def get_rate_limiter(connection: HTTPConnection) -> RateLimiter:
+async def get_rate_limiter(connection: HTTPConnection) -> RateLimiter:
     return connection.app.state.rate_limiter
 
 
@@ -81,7 +84,7 @@ async def api_caller(request: Request, settings: Settings, api_key: Annotated[st
     return caller_of(settings, api_key, request.client.host if request.client else "unknown")
 
 
-def limited_caller(connection: HTTPConnection, settings: Settings) -> str:
+async def limited_caller(connection: HTTPConnection, settings: Settings) -> str:
     """Who a rate limit counts: the caller's valid API key, else its address (no key needed)."""
     address = connection.client.host if connection.client else "unknown"
     return caller_of(settings, connection.headers.get("x-api-key"), address)
