@@ -205,9 +205,16 @@ class Answer(Iterator[str]):
     answer left unfinished is closed (its turn ended in the cache) by the session's next call.
     """
 
-    def __init__(self, pieces: Iterator[str], result: dict) -> None:
+    def __init__(self, session: "Session", pieces: Iterator[str], result: dict) -> None:
+        self.session = session
         self._pieces = pieces
         self._result = result  # filled by the generator: it holds no reference to this object
+
+    @property
+    def next_ids(self) -> list[int] | None:
+        """The token ids the next `next` runs through the model before it chooses a token
+        (the last one chosen), or None when it runs none, or more (the question, the close)."""
+        return self._result["next_ids"]
 
     @property
     def tokens(self) -> int:
@@ -274,17 +281,28 @@ class Session:
         self._seen = torch.zeros(2, 64, dtype=torch.int64)
         self._seconds = 0  # seconds of video seen so far
         self._open_answer: Iterator[str] | None = None
+        self._fed: torch.Tensor | None = None  # (vocab,) logits of an answer's last token, run by a batched step
         self.context_tokens = min(model.context_tokens, config.context_tokens or model.context_tokens)
 
     # -- the stream ----------------------------------------------------------------------------
 
     def append_frames(self, frames: Sequence[np.ndarray], times_s: Sequence[float]) -> None:
         """Append RGB uint8 frames (H, W, 3) taken at non-decreasing video times."""
+        if not self._check_frames(frames, times_s):
+            return
+        visual = self.model.encode_frames(frames, self.config.pool)  # (N, tokens_per_frame, hidden)
+        for parts, times in self._frame_prompts(visual, times_s):
+            self._make_frame_room(parts, times)
+            self._run(parts)
+            self._appended_frames(times)
+
+    def _check_frames(self, frames: Sequence[np.ndarray], times_s: Sequence[float]) -> bool:
+        """Raise on frames the session cannot take; False when there are none."""
         self._close_answer()
         if len(frames) != len(times_s):
             raise ValueError(f"{len(frames)} frames but {len(times_s)} times")
         if not frames:
-            return
+            return False
         if not self.model.sees_frames:
             raise ValueError(f"model {self.model.name!r} is text-only: it cannot see frames")
         previous = self._video_time_s if self._frames else 0.0
@@ -292,19 +310,28 @@ class Session:
             if not (math.isfinite(t) and t >= previous):
                 raise ValueError(f"frame times must be finite, >= 0 and must not decrease: {t} after {previous}")
             previous = t
-        visual = self.model.encode_frames(frames, self.config.pool)  # (N, tokens_per_frame, hidden)
-        step = self.config.frames_per_prompt
-        for start in range(0, len(frames), step):
-            group = list(zip(visual[start : start + step], times_s[start : start + step], strict=True))
+        return True
+
+    def _frame_prompts(self, visual: torch.Tensor, times_s: Sequence[float]) -> list[tuple[list[Part], list[float]]]:
+        """Frames' visual tokens (N, tokens_per_frame, hidden) as prompts of `frames_per_prompt`
+        frames, each frame after its time: (parts, the frames' times) per prompt."""
+        step, prompts = self.config.frames_per_prompt, []
+        for start in range(0, len(times_s), step):
+            times = [float(t) for t in times_s[start : start + step]]
             parts = []
-            for tokens, t in group:
-                t = float(t)
+            for tokens, t in zip(visual[start : start + step], times, strict=True):
                 parts += [self._text(f"[{t:.1f}s]", t), Part(tokens[None], FRAME, t), self._text("\n", t)]
-            self._make_room(f"the frame at {group[0][1]:.1f}s", sum(p.tokens for p in parts), self.config.question_room_tokens)
-            self._run(parts)
-            self.cache.evict()
-            self._frames += len(group)
-            self._video_time_s = float(group[-1][1])
+            prompts.append((parts, times))
+        return prompts
+
+    def _make_frame_room(self, parts: list[Part], times: list[float]) -> None:
+        self._make_room(f"the frame at {times[0]:.1f}s", sum(p.tokens for p in parts), self.config.question_room_tokens)
+
+    def _appended_frames(self, times: list[float]) -> None:
+        """After a frame prompt ran: evict, and count its frames."""
+        self.cache.evict()
+        self._frames += len(times)
+        self._video_time_s = times[-1]
 
     def append_text(self, text: str) -> TextScore:
         """Append text to the user turn (a transcript, a document) and score how well the model
@@ -331,9 +358,9 @@ class Session:
         prompt = len(question_ids) + turn[0].tokens + borrowable
         self._make_room("the question", prompt + 1 + turn[1].tokens)  # with room for a one-token answer
         max_new_tokens = min(max_new_tokens, self._room() - prompt - turn[1].tokens)
-        result = {"tokens": 0, "evidence": [], "recalled_s": [], "finish_reason": "stop", "prompt_tokens": 0}
+        result = {"tokens": 0, "evidence": [], "recalled_s": [], "finish_reason": "stop", "prompt_tokens": 0, "next_ids": None}
         self._open_answer = self._generate(question_ids, turn, max_new_tokens, sampling, result)
-        return Answer(self._open_answer, result)
+        return Answer(self, self._open_answer, result)
 
     def _room(self) -> int:
         """Tokens the cache may still take before it reaches the context."""
@@ -381,11 +408,13 @@ class Session:
                 piece = shown[len(emitted) :] if complete else ""
                 emitted += piece
                 unfed = [token]
+                result["next_ids"] = unfed if not stopped and len(answer_ids) < max_new_tokens else None
                 yield piece
+                result["next_ids"] = None
                 if stopped:
                     break
                 if len(answer_ids) < max_new_tokens:
-                    logits = self._run([self._part(unfed)])
+                    logits = self._take_fed() if self._fed is not None else self._run([self._part(unfed)])
                     unfed = []
                     if policy.evicts_every_decode_step:
                         self._add_evidence(evidence)
@@ -395,6 +424,10 @@ class Session:
             if not stopped and rest:
                 yield rest
         finally:
+            result["next_ids"] = None
+            if self._fed is not None:  # a batched step ran the last token, and the answer was closed
+                self._take_fed()
+                unfed = []
             closing = turn[1]
             self._pin(self.cache.appended + len(unfed), closing.tokens, new_turn=False)
             self._run([self._part(unfed), closing])
@@ -405,6 +438,11 @@ class Session:
             result["evidence"] = self._top_evidence(evidence)
             if borrowed:
                 result["recalled_s"] = sorted(self.cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
+
+    def _take_fed(self) -> torch.Tensor:
+        """The logits a batched step (`engine/batch.py`) left for the answer's last token."""
+        logits, self._fed = self._fed, None
+        return logits
 
     def _pin(self, start: int, count: int, new_turn: bool) -> None:
         """With `pin_turns`: never evict the `count` tokens from stream place `start` on."""
@@ -433,11 +471,7 @@ class Session:
         Returns the last position's logits (vocab,), or, given `targets` (c,) (the prompt's own
         token ids), the summed negative log-likelihood of the targets.
         """
-        embeds = torch.cat([part.embeds for part in parts], dim=1)
-        kinds = torch.cat([torch.full((part.tokens,), part.kind, dtype=torch.int8) for part in parts])
-        times = torch.cat([torch.full((part.tokens,), part.time_s) for part in parts])
-        for part in parts:
-            self._count_seen(part)
+        embeds, kinds, times = self._inputs(parts)
         nll = 0.0
         total, chunk = embeds.shape[1], self.config.prefill_chunk_tokens
         with attention.observing(self.cache):
@@ -459,6 +493,21 @@ class Session:
                 self._logits = logits
         self._tokens_seen += total
         return nll if targets is not None else self._logits
+
+    def _inputs(self, parts: list[Part]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A prompt's embeddings (1, c, hidden), kinds (c,) and times (c,), counted as seen."""
+        embeds = torch.cat([part.embeds for part in parts], dim=1)
+        kinds = torch.cat([torch.full((part.tokens,), part.kind, dtype=torch.int8) for part in parts])
+        times = torch.cat([torch.full((part.tokens,), part.time_s) for part in parts])
+        for part in parts:
+            self._count_seen(part)
+        return embeds, kinds, times
+
+    def _ran(self, kinds: torch.Tensor, times: torch.Tensor, logits: torch.Tensor) -> None:
+        """After a batched step ran a prompt of this session: its tokens are in the cache."""
+        self.cache.append(kinds, times)
+        self._logits = logits
+        self._tokens_seen += kinds.shape[0]
 
     def _count_seen(self, part: Part) -> None:
         second = min(int(part.time_s), MAX_SECONDS - 1)

@@ -1,0 +1,170 @@
+"""Several sessions in one forward (`engine/batch.py`): the same answers, the same caches, and
+each session's failure its own."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine import ContextFull, Session, SessionConfig, load_model
+from engine.batch import append_frames_together, next_pieces
+from demo_training import scenes
+from tests.support import needs_demo
+
+
+SEED = 20240  # held-out scenes (training draws from seeds [0, 1] and [0, 2])
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return load_model("tiny-random-llava", "cpu")
+
+
+def _frames(count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (48, 80, 3), dtype=np.uint8) for _ in range(count)]
+
+
+def _streamed(model, config: SessionConfig, frames: int, seed: int) -> Session:
+    session = Session(model, config)
+    session.append_frames(_frames(frames, seed), [float(t) for t in range(frames)])
+    return session
+
+
+def _answer_together(answers) -> list[str]:
+    """Every answer to its end, each step's tokens run as one forward."""
+    texts: list[list[str]] = [[] for _ in answers]
+    live = list(range(len(answers)))
+    while live:
+        pieces = next_pieces([answers[i] for i in live])
+        assert not any(isinstance(piece, Exception) for piece in pieces), pieces
+        for i, piece in zip(live, pieces):
+            if piece is not None:
+                texts[i].append(piece)
+        live = [i for i, piece in zip(live, pieces) if piece is not None]
+    return ["".join(text) for text in texts]
+
+
+def _same_cache(a: Session, b: Session) -> None:
+    assert a.cache.tokens == b.cache.tokens
+    for layer in range(a.cache.num_layers):
+        assert torch.equal(a.cache.order[layer], b.cache.order[layer])
+        assert torch.equal(a.cache.kinds[layer], b.cache.kinds[layer])
+        assert torch.allclose(a.cache.hf.layers[layer].keys, b.cache.hf.layers[layer].keys, atol=1e-5)
+        assert torch.allclose(a.cache.hf.layers[layer].values, b.cache.hf.layers[layer].values, atol=1e-5)
+    assert torch.allclose(a.logits, b.logits, atol=1e-4)
+
+
+# Budgets small enough that every stream below evicts, streams of different lengths (so caches
+# of different lengths pack together), questions of different lengths, one session with recall.
+CASES = [
+    ("infmllm", {}, 3, "What is it?"),
+    ("h2o", {}, 5, "And now, what do you see in the frame?"),
+    ("snapkv", {}, 8, "Colour?"),
+    ("infmllm", {"recall": True, "retrieval_tokens": 64}, 9, "What came first?"),
+]
+
+
+def test_answers_run_together_are_the_answers_run_alone(llava):
+    def sessions() -> list[Session]:
+        return [
+            _streamed(llava, SessionConfig(policy=policy, budget_tokens=200, **options), frames, seed)
+            for seed, (policy, options, frames, _) in enumerate(CASES)
+        ]
+
+    alone = sessions()
+    expected = ["".join(s.ask(question, max_new_tokens=10)) for s, (*_, question) in zip(alone, CASES)]
+    together = sessions()
+    answers = [s.ask(question, max_new_tokens=10) for s, (*_, question) in zip(together, CASES)]
+    assert _answer_together(answers) == expected
+    assert [a.tokens for a in answers] == [10, 10, 10, 10]
+    for a, b in zip(alone, together):
+        _same_cache(a, b)
+        assert a.stats().evictions == b.stats().evictions and a.stats().tokens_seen == b.stats().tokens_seen
+
+
+def test_an_answer_closed_after_a_batched_step_ends_its_turn_once(llava):
+    config = SessionConfig(policy="infmllm", budget_tokens=200)
+    alone, together = [_streamed(llava, config, 4, seed) for seed in (1, 2)], [_streamed(llava, config, 4, seed) for seed in (1, 2)]
+    for session in alone:
+        answer = session.ask("Stop early", max_new_tokens=10)
+        next(answer), next(answer)  # the question, then one decode step
+        answer.close()
+    answers = [session.ask("Stop early", max_new_tokens=10) for session in together]
+    next_pieces(answers), next_pieces(answers)  # the second step ran both tokens as one forward
+    for answer in answers:
+        answer.close()
+    for a, b in zip(alone, together):
+        _same_cache(a, b)
+
+
+def test_frames_appended_together_are_the_frames_appended_alone(llava):
+    configs = [SessionConfig(policy="infmllm", budget_tokens=200), SessionConfig(policy="full", frames_per_prompt=2)]
+    alone = [_streamed(llava, config, 2 + i, i) for i, config in enumerate(configs)]
+    together = [_streamed(llava, config, 2 + i, i) for i, config in enumerate(configs)]
+    new = [(_frames(3, 10 + i), [5.0, 6.0, 7.0]) for i in range(len(configs))]
+    for session, (frames, times) in zip(alone, new):
+        session.append_frames(frames, times)
+    assert append_frames_together([(s, f, t) for s, (f, t) in zip(together, new)]) == [None, None]
+    for a, b in zip(alone, together):
+        _same_cache(a, b)
+        assert b.stats().frames == a.stats().frames and b.stats().video_time_s == 7.0
+
+
+def test_a_session_that_cannot_take_its_frames_fails_alone(llava):
+    # 149 tokens of opening, 23 a frame: one frame then two more fit in 230, not a third
+    small = _streamed(llava, SessionConfig(policy="full", context_tokens=230, question_room_tokens=0), 1, 0)
+    backwards = _streamed(llava, SessionConfig(policy="infmllm", budget_tokens=200), 3, 1)  # at 2.0s already
+    fine, reference = (_streamed(llava, SessionConfig(policy="infmllm", budget_tokens=200), 2, 2) for _ in range(2))
+    frames = _frames(4, 20)
+    reference.append_frames(frames, [3.0, 4.0, 5.0, 6.0])
+    errors = append_frames_together(
+        [(small, frames, [3.0, 4.0, 5.0, 6.0]), (backwards, frames[:1], [1.0]), (fine, frames, [3.0, 4.0, 5.0, 6.0])]
+    )
+    assert isinstance(errors[0], ContextFull) and "the frame at 5.0s" in str(errors[0])
+    assert isinstance(errors[1], ValueError) and "must not decrease" in str(errors[1])
+    assert errors[2] is None
+    assert small.stats().frames == 3 and small.cache.tokens == 218  # what fitted went in, nothing past the context
+    assert backwards.stats().frames == 3
+    _same_cache(fine, reference)
+
+
+def test_a_failed_batched_forward_leaves_every_session_as_it_was(llava, monkeypatch):
+    config = SessionConfig(policy="infmllm", budget_tokens=200)
+    alone = [_streamed(llava, config, 3 + i, i) for i in range(3)]
+    expected = ["".join(s.ask("Why?", max_new_tokens=6)) for s in alone]
+    together = [_streamed(llava, config, 3 + i, i) for i in range(3)]
+    answers = [s.ask("Why?", max_new_tokens=6) for s in together]
+    first = next_pieces(answers)  # each question alone
+    layer = llava.hf.model.language_model.layers[1]
+    original = layer.forward
+
+    def broken(hidden, *args, **kwargs):  # a device fault in the middle of a forward of several sessions
+        if hidden.shape[1] > 1:
+            raise RuntimeError("device fault")
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", broken)
+    second = next_pieces(answers)  # the batched forward fails: each token runs alone instead
+    monkeypatch.undo()
+    assert not any(isinstance(piece, Exception) for piece in first + second)
+    rest = _answer_together(answers)
+    assert [a + b + c for a, b, c in zip(first, second, rest)] == expected
+
+
+@needs_demo
+def test_the_demo_model_answers_the_same_together_and_alone():
+    demo = load_model("streamvqa-demo", "cpu")
+    questions = ["What colour is the background?", "What shape is it?", "What do you see?"]
+
+    def sessions() -> list[Session]:
+        out = []
+        for i in range(3):
+            session = Session(demo, SessionConfig(policy="infmllm", budget_tokens=256))
+            frames = [scenes.draw(np.random.default_rng(SEED + 10 * i + t))[0] for t in range(3)]
+            session.append_frames(frames, [0.0, 1.0, 2.0])
+            out.append(session)
+        return out
+
+    expected = ["".join(s.ask(q, max_new_tokens=16)) for s, q in zip(sessions(), questions)]
+    assert all(expected)
+    assert _answer_together([s.ask(q, max_new_tokens=16) for s, q in zip(sessions(), questions)]) == expected
