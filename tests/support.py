@@ -116,6 +116,20 @@ def running_stack(redis_url: str, directory: Path, **env: str | None) -> Iterato
         delete_prefix(redis_url, stack.prefix, stack.cluster)
 
 
+def metrics_once(url: str, counter: str, at_least: float = 1) -> dict[str, float]:
+    """GET /metrics as {sample: value}, once `counter` (of some worker) is at least `at_least`, or after 30 s:
+    the worker advertises its counters every LEASE_TTL_S / 3."""
+    samples: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics").text
+        samples = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l and l[0] != "#"}
+        if any(k.startswith(counter) and v >= at_least for k, v in samples.items()):
+            break
+        time.sleep(0.5)
+    return samples
+
+
 class Client:
     """A user of the REST API: one session's calls with its token."""
 

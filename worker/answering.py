@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from engine import ContextFull, Model, Sampling, Session
+from engine.batch import next_pieces
 from engine.session import Answer, SessionStats
 from streamvqa import protocol
 from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, TokenEvent, scripts
@@ -135,19 +136,25 @@ class Answering:
         hosted.answer = run
         await self._send(session_id, hosted, piece)
 
-    async def step(self, session_id: str, hosted: Hosted) -> None:
-        """An answer's step: its next token (after sending what Redis did not take before)."""
-        run = hosted.answer
-        if run.outbox:
-            await self._send(session_id, hosted, "")
+    async def step(self, work: list[tuple[str, Hosted]]) -> None:
+        """A step of answers under way: the next token of each, their forwards run as one
+        (an answer with events Redis did not take before sends those instead)."""
+        stepping = [(session_id, hosted) for session_id, hosted in work if not hosted.answer.outbox]
+        for session_id, hosted in work:
+            if hosted.answer.outbox:
+                await self._send(session_id, hosted, "")
+        if not stepping:
             return
         try:
-            piece = await self.threads.engine(next, run.pieces, None)
-        except Exception:
-            log.exception("session %s: answering failed", session_id)
-            await self.cancel(session_id, hosted, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
-            return
-        await self._send(session_id, hosted, piece)
+            pieces = await self.threads.engine(next_pieces, [hosted.answer.pieces for _, hosted in stepping])
+        except Exception as err:  # each answer's own failure comes back as its piece
+            pieces = [err] * len(stepping)
+        for (session_id, hosted), piece in zip(stepping, pieces, strict=True):
+            if isinstance(piece, Exception):
+                log.error("session %s: answering failed", session_id, exc_info=piece)
+                await self.cancel(session_id, hosted, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
+            else:
+                await self._send(session_id, hosted, piece)
 
     async def cancel(self, session_id: str, hosted: Hosted, error: ErrorEvent | None = None) -> None:
         """Stop an answer under way (its turn still ends in the cache), with `error` as its last event."""

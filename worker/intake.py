@@ -16,6 +16,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from engine import ContextFull
+from engine.batch import append_frames_together
 from streamvqa import protocol
 from streamvqa.protocol import (
     IngestEvent,
@@ -153,38 +154,60 @@ class MediaIntake:
             if hosted.batch is None and ingest is not None and ingest.frames_block and ingest.has_work and hosted.held:
                 hosted.batch = self.threads.decode_ahead(ingest.next_frames, self.settings.frames_per_step)
 
-    async def step(self, session_id: str, hosted: Hosted) -> None:
-        """Append the frames that are ready (decoded ahead, or taken from a live queue), report,
-        and notice an upload's end."""
-        ingest = hosted.ingest
-        try:
-            if ingest.frames_block:
-                batch: Batch = await hosted.batch  # done: the scheduler chose this step for it
-                hosted.batch = None
-            else:
-                batch = ingest.next_frames(self.settings.frames_per_step)
-            appended = 0
-            if batch.frames and not hosted.record.context_full:  # past the context, frames are let go
-                images, times = [f.image for f in batch.frames], [f.time_s for f in batch.frames]
-                before = hosted.engine.stats()
-                try:
-                    await self.threads.engine(hosted.engine.append_frames, images, times)
-                except ContextFull as err:
-                    await self._context_full(session_id, hosted, err)
+    async def step(self, work: list[tuple[str, Hosted]]) -> None:
+        """A step of ingests: the frames ready for each session (decoded ahead, or taken from a
+        live queue), appended in one engine call (`engine/batch.py`), then reported; and an
+        upload's end noticed."""
+        taken: list[tuple[str, Hosted, Batch]] = []
+        for session_id, hosted in work:
+            batch = await self._take(session_id, hosted)
+            if batch is not None:
+                taken.append((session_id, hosted, batch))
+        appending = [(session_id, hosted, batch) for session_id, hosted, batch in taken if batch.frames and not hosted.record.context_full]
+        appended: dict[str, int] = {}
+        if appending:  # past the context, frames are let go
+            befores = [hosted.engine.stats() for _, hosted, _ in appending]
+            calls = [(hosted.engine, [f.image for f in batch.frames], [f.time_s for f in batch.frames]) for _, hosted, batch in appending]
+            try:
+                errors = await self.threads.engine(append_frames_together, calls)
+            except Exception as err:
+                errors = [err] * len(calls)
+            for (session_id, hosted, batch), before, error in zip(appending, befores, errors, strict=True):
+                if isinstance(error, ContextFull):
+                    await self._context_full(session_id, hosted, error)
+                elif error is not None:
+                    log.error("session %s: ingest failed", session_id, exc_info=error)
+                    await self.fail(session_id, hosted, f"ingest failed {INTERNAL}")
+                    continue
                 hosted.changed = True
                 stats = hosted.engine.stats()
-                appended = stats.frames - before.frames
-                self.counters.frames_ingested += appended
+                appended[session_id] = stats.frames - before.frames
+                self.counters.frames_ingested += appended[session_id]
                 self.counters.evictions += stats.evictions - before.evictions
                 hosted.host_bytes = stats.host_bytes
                 hosted.lag_s = batch.lag_s
+        for session_id, hosted, batch in taken:
+            if not hosted.failed:
+                await self._report(session_id, hosted, batch, appended.get(session_id, 0))
+
+    async def _take(self, session_id: str, hosted: Hosted) -> Batch | None:
+        """The frames ready for the session's step (None: its ingest failed)."""
+        try:
+            if hosted.ingest.frames_block:
+                batch: Batch = await hosted.batch  # done: the scheduler chose this step for it
+                hosted.batch = None
+                return batch
+            return hosted.ingest.next_frames(self.settings.frames_per_step)
         except DecodeError as err:
             await self.fail(session_id, hosted, str(err))
-            return
         except Exception:
             log.exception("session %s: ingest failed", session_id)
             await self.fail(session_id, hosted, f"ingest failed {INTERNAL}")
-            return
+        return None
+
+    async def _report(self, session_id: str, hosted: Hosted, batch: Batch, appended: int) -> None:
+        """After a step: its warnings, the ingest's errors, the frames appended; an upload's end."""
+        ingest = hosted.ingest
         for message in batch.warnings:
             await self.records.event(session_id, WarningEvent(code="frame_skipped", message=message))
         for code, connection, message in ingest.take_errors():

@@ -112,6 +112,8 @@ class Leases:
             retrieved_tokens=counters.retrieved_tokens,
             retrieved_pages=counters.retrieved_pages,
             retrieval_ms=round(counters.retrieval_ms, 3),
+            steps=counters.steps,
+            step_sessions=counters.step_sessions,
             frames_ingested=counters.frames_ingested,
             evictions=counters.evictions,
             answers=counters.answers,

@@ -43,7 +43,7 @@ from worker.ingest import LiveLimits
 from worker.intake import MediaIntake
 from worker.leases import Leases
 from worker.records import RecordWriter
-from worker.scheduler import Step, next_step
+from worker.scheduler import Scheduler, Step
 from worker.settings import WorkerSettings
 from worker.snapshots import Snapshots, SnapshotStore, sweep
 from worker.threads import Threads
@@ -88,7 +88,7 @@ class Worker:
         self.sessions: dict[str, Hosted] = {}  # at most settings.max_sessions
         self._stopping = asyncio.Event()
         self._swept_at = 0.0
-        self._last_step: str | None = None  # the session that ran the last step
+        self.scheduler = Scheduler(settings.batch_sessions)
         self._failing_since: float | None = None  # monotonic time the loop's turns began to fail
         self.threads = threads = Threads()
         self.capacity = Capacity(settings, model)
@@ -172,9 +172,8 @@ class Worker:
             await self._take_entries(await self._read({stream: "0" for stream in streams}, RECOVER_COUNT, None), seen=True)
             self._reread = False
         await self._take_entries(await self._read(streams, READ_COUNT, self._block_ms()))
-        step = next_step(self.sessions, self._last_step)
+        step = self.scheduler.next_step(self.sessions)
         if step is not None:
-            self._last_step = step.session_id
             await self._run_step(step)
         await self._tend()
 
@@ -201,7 +200,7 @@ class Worker:
     def _block_ms(self) -> int | None:
         """How long this turn's read may wait for new entries: not at all while a step is ready."""
         hosted = self.sessions.values()
-        if next_step(self.sessions, self._last_step) is not None:
+        if self.scheduler.peek(self.sessions) is not None:
             return None
         if any(h.batch is not None for h in hosted):
             return DECODING_BLOCK_MS
@@ -210,14 +209,19 @@ class Worker:
         return IDLE_BLOCK_MS
 
     async def _run_step(self, step: Step) -> None:
-        hosted = self.sessions[step.session_id]
-        hosted.active_at = time.monotonic()
+        work = [(session_id, self.sessions[session_id]) for session_id in step.session_ids]
+        now = time.monotonic()
+        for _, hosted in work:
+            hosted.active_at = now
         if step.kind == "start":
-            await self.answering.start(step.session_id, hosted)
-        elif step.kind == "answer":
-            await self.answering.step(step.session_id, hosted)
+            await self.answering.start(*work[0])
         else:
-            await self.intake.step(step.session_id, hosted)
+            self.counters.steps += 1
+            self.counters.step_sessions += len(work)
+            if step.kind == "answer":
+                await self.answering.step(work)
+            else:
+                await self.intake.step(work)
 
     async def _tend(self) -> None:
         """What each session needs between steps: its media tended, a snapshot, a memory report;
@@ -349,9 +353,7 @@ class Worker:
         try:
             deadline = time.monotonic() + STOP_GRACE_S
             while time.monotonic() < deadline and any(h.answering for h in self.sessions.values()):
-                for session_id, hosted in list(self.sessions.items()):
-                    if hosted.answering:
-                        await self.answering.step(session_id, hosted)
+                await self.answering.step([(session_id, h) for session_id, h in self.sessions.items() if h.answering])
             for session_id, hosted in list(self.sessions.items()):
                 if hosted.answer is not None:
                     message = "the worker stopped while answering; ask again"
@@ -359,7 +361,7 @@ class Worker:
                 for _ in range(self.settings.live_queue_frames):  # frames already read go into the snapshot
                     if hosted.ingest is None or not hosted.ingest.backlog:
                         break
-                    await self.intake.step(session_id, hosted)
+                    await self.intake.step([(session_id, hosted)])
                 await self.snapshots.maybe_take(session_id, hosted, force=True)
                 await self.leases.release(session_id)
                 await self.leases.requeue(session_id)

@@ -3,17 +3,22 @@
 A worker has one engine and many sessions. Their work is cut into **steps**, each of bounded
 length, and the worker's loop runs one step, then reads Redis again, then asks `next_step`:
 
-- `start`: a question's prefill and its first token (at most MAX_QUESTION_TOKENS and the
+- `start`: one question's prefill and its first token (at most MAX_QUESTION_TOKENS and the
   turn's markers);
-- `answer`: one more token of an answer under way;
-- `ingest`: one group of at most FRAMES_PER_STEP frames (their encoding and prefill).
+- `answer`: one more token of every answer under way (up to `batch_sessions` of them), their
+  forwards run as one (`engine/batch.py`);
+- `ingest`: one group of at most `frames_per_step` frames of each of up to `batch_sessions`
+  sessions with frames ready, encoded and prefilled together.
 
 The rule: a question that has not started goes first (the oldest asked, over all sessions);
-otherwise the sessions with work take turns, one step each, after the session that ran last.
-A session does one thing at a time, its questions in order and before its media (frames never
-enter the cache in the middle of an answer). So a question read by the worker waits for the
-step running when it came and for the starts of questions read before it, never for another
-session's whole answer or whole video.
+otherwise answers and frames take turns (an `answer` step, then an `ingest` step, while both
+have work), and within each kind the sessions take turns after those that ran last, so that
+past `batch_sessions` every session's turn comes within ceil(sessions / batch_sessions) steps
+of its kind. A session does one thing at a time, its questions in order and before its media
+(frames never enter the cache in the middle of an answer). So a question read by the worker
+waits for the step running when it came and for the starts of questions read before it, never
+for another session's whole answer or whole video; and an answer's next token waits for at
+most one `ingest` step and the starts of new questions.
 """
 
 from collections.abc import Mapping
@@ -42,25 +47,49 @@ class Work(Protocol):
 @dataclass(frozen=True)
 class Step:
     kind: StepKind
-    session_id: str
+    session_ids: tuple[str, ...]  # one for `start`; one or more, in turn order, for the others
 
 
-def next_step(sessions: Mapping[str, Work], last: str | None) -> Step | None:
-    """The step to run now; `last` is the session that ran the previous one (None at first)."""
-    waiting = [(work.next_question_at, session_id) for session_id, work in sessions.items() if work.next_question_at]
-    if waiting:
-        return Step("start", min(waiting)[1])
-    order = list(sessions)
-    if last in sessions:
-        at = order.index(last) + 1
-        order = order[at:] + order[:at]
-    for session_id in order:
-        work = sessions[session_id]
-        if work.answering:
-            return Step("answer", session_id)
-        if work.ingest_ready:
-            return Step("ingest", session_id)
-    return None
+class Scheduler:
+    """Chooses steps; remembers the kind of the last step and, per kind, where the turns stand."""
+
+    def __init__(self, batch_sessions: int) -> None:
+        if batch_sessions < 1:
+            raise ValueError(f"batch_sessions must be >= 1, got {batch_sessions}")
+        self.batch_sessions = batch_sessions
+        self._last_kind: StepKind | None = None
+        self._last: dict[StepKind, str] = {}  # per kind, the last session of its last step
+
+    def peek(self, sessions: Mapping[str, Work]) -> Step | None:
+        """The step `next_step` would choose, without taking it."""
+        waiting = [(work.next_question_at, session_id) for session_id, work in sessions.items() if work.next_question_at]
+        if waiting:
+            return Step("start", (min(waiting)[1],))
+        answering = self._in_turn(sessions, "answer", lambda work: work.answering)
+        ingesting = self._in_turn(sessions, "ingest", lambda work: not work.answering and work.ingest_ready)
+        if answering and (not ingesting or self._last_kind != "answer"):
+            return Step("answer", answering)
+        if ingesting:
+            return Step("ingest", ingesting)
+        return None
+
+    def next_step(self, sessions: Mapping[str, Work]) -> Step | None:
+        """The step to run now."""
+        step = self.peek(sessions)
+        if step is not None:
+            self._last_kind = step.kind
+            self._last[step.kind] = step.session_ids[-1]
+        return step
+
+    def _in_turn(self, sessions: Mapping[str, Work], kind: StepKind, ready) -> tuple[str, ...]:
+        """Up to `batch_sessions` sessions `ready` for a step of `kind`, from the one after the
+        last that ran one."""
+        order = list(sessions)
+        last = self._last.get(kind)
+        if last in sessions:
+            at = order.index(last) + 1
+            order = order[at:] + order[:at]
+        return tuple([session_id for session_id in order if ready(sessions[session_id])][: self.batch_sessions])
 
 
 def entry_time(entry_id: bytes | str) -> tuple[int, int]:

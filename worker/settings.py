@@ -48,6 +48,10 @@ class WorkerSettings(CommonSettings):
         32 * 1024 * 1024, ge=0, description="Snapshots up to this size are kept in Redis, larger ones in SNAPSHOT_DIR."
     )
     frames_per_step: int = Field(8, ge=1, le=256, description="Frames decoded and appended per turn of a session.")
+    batch_sessions: int = Field(
+        16, ge=1, le=256,
+        description="Sessions whose next answer tokens (or frames) run in one forward; 1 runs one session at a time.",
+    )
     max_frame_side: int = Field(768, ge=32, description="Decoded frames are scaled down to this longer side.")
     live_max_lag_s: float = Field(
         3.0, gt=0, description="A live frame this far behind real time is dropped (the newest is always kept)."

@@ -14,21 +14,7 @@ import redis
 from streamvqa.protocol import WorkerInfo
 from streamvqa.redis_server import free_port
 
-from tests.support import Client, Stack, sample_video, sse_events
-
-
-def metrics_once(url: str, counter: str) -> dict[str, float]:
-    """GET /metrics as {sample: value}, once `counter` (of some worker) is at least 1, or after 30 s:
-    the worker advertises its counters every LEASE_TTL_S / 3."""
-    samples: dict[str, float] = {}
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        text = httpx.get(f"{url}/metrics").text
-        samples = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l and l[0] != "#"}
-        if any(k.startswith(counter) and v >= 1 for k, v in samples.items()):
-            break
-        time.sleep(0.5)
-    return samples
+from tests.support import Client, Stack, metrics_once, sample_video, sse_events
 
 
 def test_healthz_answers_when_redis_is_reachable(stack):
