@@ -13,6 +13,16 @@ JSON line: `redis`, `gateways`, `workers`, `sessions`, `seconds`, `asked`, `answ
 `failures` (failed questions by status and code), `ttft_p50_ms`, `ttft_p99_ms` (gateway to first
 token, as `ask` reports it), `total_p99_ms`, `lag_p99_s` (how far behind real time frames reached
 the cache), `frames`, `dropped`, and the peak RSS of each process in MiB.
+
+    python -m bench.load --together 8,20 [--model streamvqa-demo] [--rounds 3] [--answer-tokens 32]
+
+Concurrent asking instead: two stacks on one Redis, one worker batching sessions
+(BATCH_SESSIONS=16) and one running a session at a time (BATCH_SESSIONS=1), each with the
+largest count of `--together` sessions that have taken `--frames` frames; then, for each count
+and round, that many sessions ask at the same moment, in one stack and then the other. Prints
+per count and mode: `asked`, `answered`, `tokens`, `decode_tokens_per_s` (answer tokens over the
+time from the questions to the last answer), `ttft_p50_ms`, `ttft_p99_ms`, `total_p99_ms`; and
+per count the ratios batched over sequential.
 """
 
 import argparse
@@ -136,6 +146,74 @@ async def _load(bases: list[str], args: argparse.Namespace) -> Results:
     return results
 
 
+async def _prepare(http: httpx.AsyncClient, base: str, frames: int) -> tuple[str, str]:
+    """A session that has taken `frames` frames: (id, token)."""
+    created = (await http.post(f"{base}/sessions", json={"fps": 1})).json()
+    sid, token = created["id"], created["token"]
+    url = f"ws://{base.removeprefix('http://')}/sessions/{sid}/stream?token={token}"
+    async with websockets.connect(url, max_size=None) as socket:
+        await socket.send(json.dumps({"type": "start", "format": "frames"}))
+        for frame in range(frames):
+            await socket.send(frame_message(float(frame), _jpeg(frame)))
+        await socket.send(json.dumps({"type": "end"}))
+        async for message in socket:
+            if json.loads(message).get("state") == "ingested":
+                break
+    return sid, token
+
+
+async def _ask_at_once(http: httpx.AsyncClient, base: str, sessions: list[tuple[str, str]], tokens: int, round_: int) -> dict:
+    """Every session asks at the same moment; what came back."""
+
+    async def ask(index: int, sid: str, token: str) -> httpx.Response:
+        question = QUESTIONS[(index + round_) % len(QUESTIONS)]
+        return await http.post(
+            f"{base}/sessions/{sid}/ask", json={"question": question, "max_new_tokens": tokens},
+            headers={"Authorization": f"Bearer {token}"}, timeout=900,
+        )
+
+    started = time.monotonic()
+    replies = await asyncio.gather(*(ask(i, sid, token) for i, (sid, token) in enumerate(sessions)))
+    wall_s = time.monotonic() - started
+    done = [reply.json() for reply in replies if reply.status_code == 200]
+    return {"asked": len(replies), "answered": len(done), "tokens": sum(d["tokens"] for d in done), "wall_s": wall_s,
+            "ttft_ms": [d["ttft_ms"] for d in done], "total_ms": [d["total_ms"] for d in done]}
+
+
+async def _together(bases: dict[str, str], args: argparse.Namespace) -> list[dict]:
+    counts = [int(c) for c in args.together.split(",")]
+    lines: list[dict] = []
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4 * max(counts)), timeout=120) as http:
+        sessions = {}
+        for mode, base in bases.items():
+            sessions[mode] = await asyncio.gather(*(_prepare(http, base, args.frames) for _ in range(max(counts))))
+        for count in counts:
+            runs: dict[str, list[dict]] = {mode: [] for mode in bases}
+            for round_ in range(args.rounds):
+                for mode, base in bases.items():  # alternating, so that a busy machine slows both alike
+                    runs[mode].append(await _ask_at_once(http, base, sessions[mode][:count], args.answer_tokens, round_))
+            rates = {}
+            for mode, rounds in runs.items():
+                ttft = [t for r in rounds for t in r["ttft_ms"]]
+                line = {
+                    "sessions": count, "mode": mode, "rounds": args.rounds,
+                    "asked": sum(r["asked"] for r in rounds), "answered": sum(r["answered"] for r in rounds),
+                    "tokens": sum(r["tokens"] for r in rounds),
+                    "decode_tokens_per_s": round(sum(r["tokens"] for r in rounds) / sum(r["wall_s"] for r in rounds), 2),
+                    "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
+                    "total_p99_ms": _percentile([t for r in rounds for t in r["total_ms"]], 99),
+                }
+                rates[mode] = line
+                lines.append(line)
+            batched, sequential = rates["batched"], rates["sequential"]
+            lines.append({
+                "sessions": count,
+                "tokens_per_s_batched_over_sequential": round(batched["decode_tokens_per_s"] / sequential["decode_tokens_per_s"], 2),
+                "ttft_p99_sequential_over_batched": round(sequential["ttft_p99_ms"] / batched["ttft_p99_ms"], 2),
+            })
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=20)
@@ -145,7 +223,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--gateways", type=int, default=1)
     parser.add_argument("--cluster", action="store_true", help="a Redis Cluster (a local one unless REDIS_URL names one)")
+    parser.add_argument("--together", default="", help="concurrent asking: comma-separated session counts (see above)")
+    parser.add_argument("--model", default="tiny-random-llava")
+    parser.add_argument("--frames", type=int, default=8, help="with --together: frames each session takes first")
+    parser.add_argument("--rounds", type=int, default=3, help="with --together: times each count asks, per mode")
+    parser.add_argument("--answer-tokens", type=int, default=32, help="with --together: max_new_tokens of each question")
     args = parser.parse_args()
+    if args.together:
+        together(args)
+        return
 
     folder = Path(tempfile.mkdtemp(prefix="streamvqa-load-"))
     embedded = None
@@ -204,6 +290,38 @@ def main() -> None:
         **{f"peak_rss_mib_{name}": round(rss / 2**20) for name, rss in sorted(peaks.items())},
     }
     print(json.dumps(line), flush=True)
+
+
+def together(args: argparse.Namespace) -> None:
+    """Concurrent asking: a batching stack beside a sequential one, on one Redis."""
+    folder = Path(tempfile.mkdtemp(prefix="streamvqa-load-"))
+    embedded = None if os.environ.get("REDIS_URL") else EmbeddedRedis(folder / "redis")
+    redis_url = os.environ.get("REDIS_URL") or embedded.start()
+    sessions = max(int(c) for c in args.together.split(","))
+    processes, bases = {}, {}
+    try:
+        for mode, batch in (("batched", 16), ("sequential", 1)):
+            prefix, port = f"svqa-load-{uuid.uuid4().hex[:8]}:", free_port()
+            env = {
+                **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "MODEL": args.model,
+                "BATCH_SESSIONS": str(batch), "MAX_SESSIONS": str(sessions), "MAX_SESSIONS_PER_KEY": str(sessions),
+                "SPOOL_DIR": str(folder / mode / "spool"), "SNAPSHOT_DIR": str(folder / mode / "snapshots"),
+                "LOG_LEVEL": "WARNING", "RATE_LIMIT_PER_S": "1000", "RATE_LIMIT_BURST": "1000",
+            }
+            processes[f"worker-{mode}"] = children.spawn([sys.executable, "-m", "worker"], env)
+            processes[f"gateway-{mode}"] = children.spawn([sys.executable, "-m", "app"], {**env, "PORT": str(port)})
+            bases[mode] = f"http://127.0.0.1:{port}"
+            wait_until_serving(
+                f"{bases[mode]}/healthz", redis_url, prefix,
+                [processes[f"worker-{mode}"], processes[f"gateway-{mode}"]], 300, 1,
+            )
+        for line in asyncio.run(_together(bases, args)):
+            print(json.dumps({"model": args.model, **line}), flush=True)
+    finally:
+        for process in processes.values():
+            children.stop(process)
+        if embedded is not None:
+            embedded.stop()
 
 
 if __name__ == "__main__":
