@@ -81,7 +81,7 @@ class _WorkersCollector:
             (CounterMetricFamily, "streamvqa_worker_retrieved_tokens", "Host tier tokens brought back per layer for questions.", lambda w: w.retrieved_tokens),
             (CounterMetricFamily, "streamvqa_worker_retrieved_pages", "Host tier pages that questions borrowed from, in the first layer.", lambda w: w.retrieved_pages),
             (CounterMetricFamily, "streamvqa_worker_retrieval_seconds", "Time spent choosing host pages and bringing them back.", lambda w: w.retrieval_ms / 1000),
-            (CounterMetricFamily, "streamvqa_worker_steps", "Engine steps of answer tokens and of frames.", lambda w: w.steps),
+            (CounterMetricFamily, "streamvqa_worker_steps", "Engine steps: of questions starting, of answer tokens, of frames.", lambda w: w.steps),
             (CounterMetricFamily, "streamvqa_worker_step_sessions", "Sessions those steps ran in one forward, summed: over steps, the mean batch.", lambda w: w.step_sessions),
         )
         for kind, name, help_text, value in families:

@@ -88,6 +88,33 @@ def run_together(prompts: Sequence[tuple[Session, list[Part]]]) -> None:
         session._ran(kinds, times, logits)
 
 
+def first_pieces(answers: Sequence[Answer]) -> list[str | None | Exception]:
+    """The first piece of each answer not yet begun, their questions run as one forward (of
+    distinct sessions of one model); an answer whose question could not run gives the
+    exception, and is over."""
+    prompts = [(answer, answer.begin()) for answer in answers]
+    prompts = [(answer, prompt) for answer, prompt in prompts if prompt is not None]
+    failed: Exception | None = None
+    if len(prompts) > 1:
+        try:
+            run_together([(answer.session, prompt) for answer, prompt in prompts])
+        except Exception as err:  # every session is as it was
+            failed = err
+    elif prompts:
+        answer, prompt = prompts[0]
+        try:
+            answer.session._run(prompt)
+        except Exception as err:
+            failed = err
+    if failed is not None:
+        for answer, _ in prompts:
+            answer.failed()
+        return [failed] * len(answers)
+    for answer, _ in prompts:
+        answer.session._question_ran()
+    return next_pieces(answers)
+
+
 def next_pieces(answers: Sequence[Answer]) -> list[str | None | Exception]:
     """The next piece of each answer (None once it is over), their next tokens run as one
     forward; an answer that failed gives its exception, and the others go on. The answers are

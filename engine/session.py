@@ -205,10 +205,25 @@ class Answer(Iterator[str]):
     answer left unfinished is closed (its turn ended in the cache) by the session's next call.
     """
 
-    def __init__(self, session: "Session", pieces: Iterator[str], result: dict) -> None:
+    def __init__(self, session: "Session", pieces: Iterator[str], result: dict, prompt: list[Part]) -> None:
         self.session = session
         self._pieces = pieces
         self._result = result  # filled by the generator: it holds no reference to this object
+        self._prompt: list[Part] | None = prompt  # the question and the markers closing it, until run
+
+    def begin(self) -> list[Part] | None:
+        """The question's prompt, to be run next (by `next`, or by a batched step), with the
+        places of what it borrows reserved; None once begun."""
+        prompt, self._prompt = self._prompt, None
+        if prompt is not None:
+            self.session._begin_question(prompt, self._result)
+        return prompt
+
+    def failed(self) -> None:
+        """The question's prompt did not run: the answer is over, with no turn in the cache."""
+        self._pieces.close()
+        if self.session._open_answer is self._pieces:
+            self.session._open_answer = None
 
     @property
     def next_ids(self) -> list[int] | None:
@@ -241,6 +256,14 @@ class Answer(Iterator[str]):
         return self._result["prompt_tokens"]
 
     def __next__(self) -> str:
+        prompt = self.begin()
+        if prompt is not None:
+            try:
+                self.session._run(prompt)
+            except BaseException:
+                self.failed()
+                raise
+            self.session._question_ran()
         return next(self._pieces)
 
     def close(self) -> None:
@@ -359,8 +382,9 @@ class Session:
         self._make_room("the question", prompt + 1 + turn[1].tokens)  # with room for a one-token answer
         max_new_tokens = min(max_new_tokens, self._room() - prompt - turn[1].tokens)
         result = {"tokens": 0, "evidence": [], "recalled_s": [], "finish_reason": "stop", "prompt_tokens": 0, "next_ids": None}
-        self._open_answer = self._generate(question_ids, turn, max_new_tokens, sampling, result)
-        return Answer(self, self._open_answer, result)
+        result["borrowed"] = 0
+        self._open_answer = self._generate(turn, max_new_tokens, sampling, result)
+        return Answer(self, self._open_answer, result, [self._part(question_ids), turn[0]])
 
     def _room(self) -> int:
         """Tokens the cache may still take before it reaches the context."""
@@ -377,19 +401,27 @@ class Session:
         if self._open_answer is not None:
             self._open_answer.close()
             self._open_answer = None
+        self._fed = None  # logits of a question whose answer never began
 
-    def _generate(
-        self, question_ids: list[int], turn: tuple[Part, Part], max_new_tokens: int, sampling: Sampling, result: dict
-    ) -> Iterator[str]:
-        model, policy = self.model, self.policy
-        borrowed = self.cache.begin_retrieval(self.config.borrowed_tokens, len(question_ids))
-        closing = turn[0]
-        result["prompt_tokens"] = len(question_ids) + closing.tokens
-        generator = sampling.generator()
-        self._pin(self.cache.appended + len(question_ids), closing.tokens, new_turn=True)
-        logits = self._run([self._part(question_ids), closing])
-        if policy.evict_on_question:
+    def _begin_question(self, prompt: list[Part], result: dict) -> None:
+        """Before a question's prompt (the question, the markers closing it) runs: the places of
+        what it borrows reserved, its markers pinned."""
+        question, closing = prompt
+        result["borrowed"] = self.cache.begin_retrieval(self.config.borrowed_tokens, question.tokens)
+        result["prompt_tokens"] = question.tokens + closing.tokens
+        self._pin(self.cache.appended + question.tokens, closing.tokens, new_turn=True)
+
+    def _question_ran(self) -> None:
+        """After a question's prompt ran: the answer begins from its logits."""
+        if self.policy.evict_on_question:
             self.cache.evict()
+        self._fed = self._logits
+
+    def _generate(self, turn: tuple[Part, Part], max_new_tokens: int, sampling: Sampling, result: dict) -> Iterator[str]:
+        """The answer after its question ran (`Answer` runs it first)."""
+        model, policy = self.model, self.policy
+        generator = sampling.generator()
+        logits = self._take_fed()
         answer_ids: list[int] = []
         unfed: list[int] = []  # the sampled id not yet run through the model
         emitted, text, stopped = "", "", False
@@ -436,7 +468,7 @@ class Session:
             self.cache.evict()
             self._open_answer = None
             result["evidence"] = self._top_evidence(evidence)
-            if borrowed:
+            if result["borrowed"]:
                 result["recalled_s"] = sorted(self.cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
 
     def _take_fed(self) -> torch.Tensor:

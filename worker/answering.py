@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from engine import ContextFull, Model, Sampling, Session
-from engine.batch import next_pieces
+from engine.batch import first_pieces, next_pieces
 from engine.session import Answer, SessionStats
 from streamvqa import protocol
 from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, TokenEvent, scripts
@@ -87,8 +87,57 @@ class Answering:
         self.counters = counters
         self._publish = redis.register_script(scripts.PUBLISH_ANSWER_LUA)
 
-    async def start(self, session_id: str, hosted: Hosted) -> None:
-        """A question's step: refused, or its prefill and first token."""
+    async def start(self, work: list[tuple[str, Hosted]]) -> None:
+        """A step of questions, the first waiting in each session: each refused, or all their
+        prefills run as one forward, with their first tokens."""
+        starting: list[tuple[str, Hosted, bytes, Question, str]] = []
+        for session_id, hosted in work:
+            question = await self._take_question(session_id, hosted)
+            if question is not None:
+                starting.append((session_id, hosted, *question))
+        if not starting:
+            return
+        befores = [hosted.engine.stats() for _, hosted, *_ in starting]
+
+        def begin() -> list[tuple[int, AnswerRun | Exception | None, str | None | Exception]]:  # on the engine's thread
+            begun: list[tuple[int, AnswerRun | Exception | None]] = []
+            for (_, hosted, entry_id, question, stream), before in zip(starting, befores, strict=True):
+                tokens = len(self.model.tokenize(question.question, user=True))
+                if tokens > protocol.MAX_QUESTION_TOKENS:
+                    begun.append((tokens, None))
+                    continue
+                try:
+                    pieces = hosted.engine.ask(question.question, question.max_new_tokens, engine_sampling(question.sampling))
+                except Exception as err:
+                    begun.append((tokens, err))
+                    continue
+                begun.append((tokens, AnswerRun(entry_id, question, stream, pieces, before)))
+            runs = [run for _, run in begun if isinstance(run, AnswerRun)]
+            firsts = iter(first_pieces([run.pieces for run in runs]) if runs else [])
+            return [(tokens, run, next(firsts) if isinstance(run, AnswerRun) else None) for tokens, run in begun]
+
+        try:
+            begun = await self.threads.engine(begin)
+        except Exception as err:
+            begun = [(0, err, None)] * len(starting)
+        for (session_id, hosted, entry_id, _, stream), (tokens, run, piece) in zip(starting, begun, strict=True):
+            error = run if isinstance(run, Exception) else piece if isinstance(piece, Exception) else None
+            if isinstance(error, ContextFull):
+                message = f"{error}: ask a shorter question, or start a session with a policy that evicts"
+                await self._refuse(session_id, entry_id, stream, ErrorEvent(code="context_full", message=message))
+            elif error is not None:
+                log.error("session %s: answering failed", session_id, exc_info=error)
+                await self._refuse(session_id, entry_id, stream, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
+            elif run is None:
+                message = f"the question is {tokens} tokens long; at most {protocol.MAX_QUESTION_TOKENS} are taken"
+                await self._refuse(session_id, entry_id, stream, ErrorEvent(code="question_too_long", message=message))
+            else:
+                hosted.answer = run
+                await self._send(session_id, hosted, piece)
+
+    async def _take_question(self, session_id: str, hosted: Hosted) -> tuple[bytes, Question, str] | None:
+        """The session's next question, to be started: (entry id, question, answer stream); None
+        when it was refused or needs no answer (each such is acknowledged)."""
         entry_id, fields = hosted.questions.popleft()
         questions = self.keys.questions(session_id)
         try:
@@ -96,45 +145,20 @@ class Answering:
         except (KeyError, TypeError, ValueError):
             log.warning("session %s: dropped a malformed (or deleted) question", session_id)
             await self.records.consume(questions, entry_id)
-            return
+            return None
         stream = self.keys.answer(session_id, question.answer_id)
         if await self.redis.xlen(stream):  # the same question twice (a retried submit): answered once
             log.warning("session %s: answer %s already has events; not answering again", session_id, question.answer_id)
             await self.records.consume(questions, entry_id)
-            return
+            return None
         if hosted.failed:
             await self._refuse(session_id, entry_id, stream, ErrorEvent(code="session_error", message=hosted.error))
-            return
-        before = hosted.engine.stats()
-        if before.frames == 0 and self.model.sees_frames:
+            return None
+        if hosted.engine.stats().frames == 0 and self.model.sees_frames:
             message = "the session has no video yet: upload a file or stream to it, then ask"
             await self._refuse(session_id, entry_id, stream, ErrorEvent(code="no_video", message=message))
-            return
-
-        def begin() -> tuple[int, AnswerRun | None, str | None]:  # on the engine's thread
-            tokens = len(self.model.tokenize(question.question, user=True))
-            if tokens > protocol.MAX_QUESTION_TOKENS:
-                return tokens, None, None
-            pieces = hosted.engine.ask(question.question, question.max_new_tokens, engine_sampling(question.sampling))
-            run = AnswerRun(entry_id, question, stream, pieces, before)
-            return tokens, run, next(run.pieces, None)
-
-        try:
-            tokens, run, piece = await self.threads.engine(begin)
-        except ContextFull as err:
-            message = f"{err}: ask a shorter question, or start a session with a policy that evicts"
-            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="context_full", message=message))
-            return
-        except Exception:
-            log.exception("session %s: answering failed", session_id)
-            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
-            return
-        if run is None:
-            message = f"the question is {tokens} tokens long; at most {protocol.MAX_QUESTION_TOKENS} are taken"
-            await self._refuse(session_id, entry_id, stream, ErrorEvent(code="question_too_long", message=message))
-            return
-        hosted.answer = run
-        await self._send(session_id, hosted, piece)
+            return None
+        return entry_id, question, stream
 
     async def step(self, work: list[tuple[str, Hosted]]) -> None:
         """A step of answers under way: the next token of each, their forwards run as one

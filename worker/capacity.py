@@ -77,5 +77,5 @@ class Counters:
     retrieved_tokens: int = 0  # brought back from host tiers for questions, per layer
     retrieved_pages: int = 0
     retrieval_ms: float = 0.0
-    steps: int = 0  # engine steps of answers and of frames (not question starts)
+    steps: int = 0  # engine steps: of questions starting, of answers, of frames
     step_sessions: int = 0  # sessions those steps ran: step_sessions / steps is the mean batch

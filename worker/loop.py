@@ -213,15 +213,14 @@ class Worker:
         now = time.monotonic()
         for _, hosted in work:
             hosted.active_at = now
+        self.counters.steps += 1
+        self.counters.step_sessions += len(work)
         if step.kind == "start":
-            await self.answering.start(*work[0])
+            await self.answering.start(work)
+        elif step.kind == "answer":
+            await self.answering.step(work)
         else:
-            self.counters.steps += 1
-            self.counters.step_sessions += len(work)
-            if step.kind == "answer":
-                await self.answering.step(work)
-            else:
-                await self.intake.step(work)
+            await self.intake.step(work)
 
     async def _tend(self) -> None:
         """What each session needs between steps: its media tended, a snapshot, a memory report;

@@ -3,14 +3,15 @@
 A worker has one engine and many sessions. Their work is cut into **steps**, each of bounded
 length, and the worker's loop runs one step, then reads Redis again, then asks `next_step`:
 
-- `start`: one question's prefill and its first token (at most MAX_QUESTION_TOKENS and the
-  turn's markers);
+- `start`: the first question waiting in each of up to `batch_sessions` sessions, the oldest
+  asked first: their prefills (at most MAX_QUESTION_TOKENS and the turn's markers each) run as
+  one forward, and their first tokens;
 - `answer`: one more token of every answer under way (up to `batch_sessions` of them), their
   forwards run as one (`engine/batch.py`);
 - `ingest`: one group of at most `frames_per_step` frames of each of up to `batch_sessions`
   sessions with frames ready, encoded and prefilled together.
 
-The rule: a question that has not started goes first (the oldest asked, over all sessions);
+The rule: questions that have not started go first (the oldest asked, over all sessions);
 otherwise answers and frames take turns (an `answer` step, then an `ingest` step, while both
 have work), and within each kind the sessions take turns after those that ran last, so that
 past `batch_sessions` every session's turn comes within ceil(sessions / batch_sessions) steps
@@ -47,7 +48,7 @@ class Work(Protocol):
 @dataclass(frozen=True)
 class Step:
     kind: StepKind
-    session_ids: tuple[str, ...]  # one for `start`; one or more, in turn order, for the others
+    session_ids: tuple[str, ...]  # one or more: in the order their questions were asked for `start`, in turn order for the others
 
 
 class Scheduler:
@@ -62,9 +63,9 @@ class Scheduler:
 
     def peek(self, sessions: Mapping[str, Work]) -> Step | None:
         """The step `next_step` would choose, without taking it."""
-        waiting = [(work.next_question_at, session_id) for session_id, work in sessions.items() if work.next_question_at]
+        waiting = sorted((work.next_question_at, session_id) for session_id, work in sessions.items() if work.next_question_at)
         if waiting:
-            return Step("start", (min(waiting)[1],))
+            return Step("start", tuple(session_id for _, session_id in waiting[: self.batch_sessions]))
         answering = self._in_turn(sessions, "answer", lambda work: work.answering)
         ingesting = self._in_turn(sessions, "ingest", lambda work: not work.answering and work.ingest_ready)
         if answering and (not ingesting or self._last_kind != "answer"):

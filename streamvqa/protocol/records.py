@@ -172,7 +172,7 @@ class WorkerInfo(BaseModel):
     retrieved_tokens: int = 0  # host tokens brought back per layer for questions, since it started
     retrieved_pages: int = 0  # host pages questions borrowed from (in the first layer), since it started
     retrieval_ms: float = 0.0  # time spent choosing and bringing them back
-    steps: int = 0  # engine steps of answers and of frames since it started (question starts aside)
+    steps: int = 0  # engine steps since it started (of questions starting, of answers, of frames)
     step_sessions: int = 0  # sessions those steps ran together: over `steps`, the mean batch
 
     def fits(self, peak_tokens: int, host_tokens: int = 0) -> bool:

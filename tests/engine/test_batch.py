@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import ContextFull, Session, SessionConfig, load_model
-from engine.batch import append_frames_together, next_pieces
+from engine.batch import append_frames_together, first_pieces, next_pieces
 from demo_training import scenes
 from tests.support import needs_demo
 
@@ -31,11 +31,12 @@ def _streamed(model, config: SessionConfig, frames: int, seed: int) -> Session:
 
 
 def _answer_together(answers) -> list[str]:
-    """Every answer to its end, each step's tokens run as one forward."""
+    """Every answer to its end, their questions run as one forward, then each step's tokens."""
     texts: list[list[str]] = [[] for _ in answers]
     live = list(range(len(answers)))
+    step = first_pieces
     while live:
-        pieces = next_pieces([answers[i] for i in live])
+        pieces, step = step([answers[i] for i in live]), next_pieces
         assert not any(isinstance(piece, Exception) for piece in pieces), pieces
         for i, piece in zip(live, pieces):
             if piece is not None:
@@ -90,7 +91,7 @@ def test_an_answer_closed_after_a_batched_step_ends_its_turn_once(llava):
         next(answer), next(answer)  # the question, then one decode step
         answer.close()
     answers = [session.ask("Stop early", max_new_tokens=10) for session in together]
-    next_pieces(answers), next_pieces(answers)  # the second step ran both tokens as one forward
+    first_pieces(answers), next_pieces(answers)  # both questions in one forward, then both tokens
     for answer in answers:
         answer.close()
     for a, b in zip(alone, together):
@@ -134,7 +135,7 @@ def test_a_failed_batched_forward_leaves_every_session_as_it_was(llava, monkeypa
     expected = ["".join(s.ask("Why?", max_new_tokens=6)) for s in alone]
     together = [_streamed(llava, config, 3 + i, i) for i in range(3)]
     answers = [s.ask("Why?", max_new_tokens=6) for s in together]
-    first = next_pieces(answers)  # each question alone
+    first = first_pieces(answers)
     layer = llava.hf.model.language_model.layers[1]
     original = layer.forward
 

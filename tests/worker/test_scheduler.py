@@ -15,16 +15,20 @@ class Work:
     ingest_ready: bool = False
 
 
-def test_the_oldest_question_not_started_goes_first_over_every_session():
-    sessions = {
-        "a": Work(answering=True),
-        "b": Work(next_question_at=(20, 0), ingest_ready=True),
-        "c": Work(next_question_at=(10, 1)),
-    }
-    scheduler = Scheduler(batch_sessions=8)
-    assert scheduler.next_step(sessions) == Step("start", ("c",))
-    sessions["c"] = Work(answering=True)
-    assert scheduler.next_step(sessions) == Step("start", ("b",))
+def test_questions_not_started_go_first_the_oldest_asked_first_over_every_session():
+    def sessions() -> dict[str, Work]:
+        return {
+            "a": Work(answering=True),
+            "b": Work(next_question_at=(20, 0), ingest_ready=True),
+            "c": Work(next_question_at=(10, 1)),
+            "d": Work(next_question_at=(10, 0)),
+        }
+
+    assert Scheduler(batch_sessions=8).next_step(sessions()) == Step("start", ("d", "c", "b"))
+    waiting, one_by_one = sessions(), Scheduler(batch_sessions=2)
+    assert one_by_one.next_step(waiting) == Step("start", ("d", "c"))
+    waiting["c"], waiting["d"] = Work(answering=True), Work(answering=True)
+    assert one_by_one.next_step(waiting) == Step("start", ("b",))
 
 
 def test_every_answer_under_way_advances_in_one_step_and_frames_take_every_other_step():
