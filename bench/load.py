@@ -20,9 +20,13 @@ Concurrent asking instead: two stacks on one Redis, one worker batching sessions
 (BATCH_SESSIONS=16) and one running a session at a time (BATCH_SESSIONS=1), each with the
 largest count of `--together` sessions that have taken `--frames` frames; then, for each count
 and round, that many sessions ask at the same moment, in one stack and then the other. Prints
-per count and mode: `asked`, `answered`, `tokens`, `decode_tokens_per_s` (answer tokens over the
-time from the questions to the last answer), `ttft_p50_ms`, `ttft_p99_ms`, `total_p99_ms`; and
-per count the ratios batched over sequential.
+per count and mode: `asked`, `answered`, `tokens`, `tokens_per_s` (answer tokens over the time
+from the questions to the last answer), `decode_tokens_per_s` (tokens after each answer's first,
+over the time from the first answer's first token to the last answer's end), `ttft_p50_ms`,
+`ttft_p99_ms`, `total_p99_ms`; per count the ratios batched over sequential; and first, the
+frames each stack's sessions took and dropped (the same frames, so the same answers). A
+text-only model (`--model smollm2-135m-instruct --frames 0`) takes no frames; its answers run
+to `--answer-tokens`.
 """
 
 import argparse
@@ -150,6 +154,8 @@ async def _prepare(http: httpx.AsyncClient, base: str, frames: int) -> tuple[str
     """A session that has taken `frames` frames: (id, token)."""
     created = (await http.post(f"{base}/sessions", json={"fps": 1})).json()
     sid, token = created["id"], created["token"]
+    if not frames:
+        return sid, token
     url = f"ws://{base.removeprefix('http://')}/sessions/{sid}/stream?token={token}"
     async with websockets.connect(url, max_size=None) as socket:
         await socket.send(json.dumps({"type": "start", "format": "frames"}))
@@ -176,17 +182,32 @@ async def _ask_at_once(http: httpx.AsyncClient, base: str, sessions: list[tuple[
     replies = await asyncio.gather(*(ask(i, sid, token) for i, (sid, token) in enumerate(sessions)))
     wall_s = time.monotonic() - started
     done = [reply.json() for reply in replies if reply.status_code == 200]
+    # decoding: from the first answer's first token to the last answer's end
+    decode_s = (max(d["total_ms"] for d in done) - min(d["ttft_ms"] for d in done)) / 1000 if done else 0.0
     return {"asked": len(replies), "answered": len(done), "tokens": sum(d["tokens"] for d in done), "wall_s": wall_s,
+            "decoded": sum(d["tokens"] - 1 for d in done), "decode_s": decode_s,
             "ttft_ms": [d["ttft_ms"] for d in done], "total_ms": [d["total_ms"] for d in done]}
+
+
+async def _frames_held(http: httpx.AsyncClient, base: str, sessions: list[tuple[str, str]]) -> tuple[int, int]:
+    """Frames the sessions took, and dropped, by their records."""
+    records = [
+        (await http.get(f"{base}/sessions/{sid}", headers={"Authorization": f"Bearer {token}"})).json() for sid, token in sessions
+    ]
+    return sum(r.get("frames", 0) for r in records), sum(r.get("frames_dropped", 0) for r in records)
 
 
 async def _together(bases: dict[str, str], args: argparse.Namespace) -> list[dict]:
     counts = [int(c) for c in args.together.split(",")]
     lines: list[dict] = []
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4 * max(counts)), timeout=120) as http:
-        sessions = {}
+        sessions: dict[str, list[tuple[str, str]]] = {mode: [] for mode in bases}
+        for mode, base in bases.items():  # one at a time, so that no live frame comes late and is dropped
+            for _ in range(max(counts)):
+                sessions[mode].append(await _prepare(http, base, args.frames))
         for mode, base in bases.items():
-            sessions[mode] = await asyncio.gather(*(_prepare(http, base, args.frames) for _ in range(max(counts))))
+            frames, dropped = await _frames_held(http, base, sessions[mode])
+            lines.append({"mode": mode, "sessions": max(counts), "frames_taken": frames, "frames_dropped": dropped})
         for count in counts:
             runs: dict[str, list[dict]] = {mode: [] for mode in bases}
             for round_ in range(args.rounds):
@@ -199,7 +220,8 @@ async def _together(bases: dict[str, str], args: argparse.Namespace) -> list[dic
                     "sessions": count, "mode": mode, "rounds": args.rounds,
                     "asked": sum(r["asked"] for r in rounds), "answered": sum(r["answered"] for r in rounds),
                     "tokens": sum(r["tokens"] for r in rounds),
-                    "decode_tokens_per_s": round(sum(r["tokens"] for r in rounds) / sum(r["wall_s"] for r in rounds), 2),
+                    "tokens_per_s": round(sum(r["tokens"] for r in rounds) / sum(r["wall_s"] for r in rounds), 2),
+                    "decode_tokens_per_s": round(sum(r["decoded"] for r in rounds) / sum(r["decode_s"] for r in rounds), 2),
                     "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
                     "total_p99_ms": _percentile([t for r in rounds for t in r["total_ms"]], 99),
                 }
@@ -208,7 +230,10 @@ async def _together(bases: dict[str, str], args: argparse.Namespace) -> list[dic
             batched, sequential = rates["batched"], rates["sequential"]
             lines.append({
                 "sessions": count,
-                "tokens_per_s_batched_over_sequential": round(batched["decode_tokens_per_s"] / sequential["decode_tokens_per_s"], 2),
+                "tokens_per_s_batched_over_sequential": round(batched["tokens_per_s"] / sequential["tokens_per_s"], 2),
+                "decode_tokens_per_s_batched_over_sequential": round(
+                    batched["decode_tokens_per_s"] / sequential["decode_tokens_per_s"], 2
+                ),
                 "ttft_p99_sequential_over_batched": round(sequential["ttft_p99_ms"] / batched["ttft_p99_ms"], 2),
             })
     return lines
