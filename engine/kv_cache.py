@@ -18,6 +18,11 @@ lives through, what the attention sees is one rotation away from what the model 
 bfloat16, rotating kept keys from position to position at every eviction instead lets the
 rounding build up (measured: 9% after 150 moves, 40% after 1,000).
 
+Keys, values and the copy each sit in a buffer with room after their tokens (at most half as
+many again as the most it held), so that a forward writes only its new tokens, in place, where
+a transformers cache copies the whole layer; each token's kind, time and place, and the last
+queries, wait for a few forwards and are joined once.
+
 With a host tier (`engine/host_tier.py`), what an eviction removes moves there instead of
 being dropped, and a question may borrow pages back: `begin_retrieval` reserves their places,
 and while the question's first tokens run, each layer's attention brings back the pages that
@@ -30,6 +35,7 @@ token's kind and time must move together at every append, gather and borrowing; 
 part would reach into the others' tensors.
 """
 
+import math
 import time
 
 import torch
@@ -41,6 +47,7 @@ from engine.host_tier import HostTier, Tokens
 from engine.policies import Observation, Policy
 
 TEXT, FRAME = 0, 1
+MERGE_EVERY = 64  # forwards whose tokens' kinds and times may wait before every layer gets them
 
 
 def rotations(rotary: nn.Module, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,15 +62,23 @@ def rotations(rotary: nn.Module, positions: torch.Tensor, like: torch.Tensor) ->
     return (cos / scale).reshape(shape), (sin / scale).reshape(shape)
 
 
-def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def rotate(
+    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Keys (..., n, head_dim) rotated by angles whose cos and (half-negated) sin are (n, head_dim),
     times `scale`, computed in float32: the model's `k * cos + rotate_half(k) * sin`, in the
     fewest passes over the keys (rotate_half(k) * sin is the halves of k swapped, times the
-    half-negated sin; the same products, so the same bits)."""
+    half-negated sin; the same products, so the same bits). Written into `out` (of the keys'
+    shape and dtype, a place in a buffer) when given, and returned."""
     k = keys.float()
     half = k.shape[-1] // 2
-    rotated = k * cos + k.roll(half, dims=-1) * sin
-    return (rotated if scale == 1.0 else rotated * scale).to(keys.dtype)
+    swapped = k.roll(half, dims=-1).mul_(sin)
+    if out is not None and out.dtype == k.dtype and scale == 1.0:
+        return torch.mul(k, cos, out=out).add_(swapped)
+    rotated = (k * cos).add_(swapped)
+    if scale != 1.0:
+        rotated.mul_(scale)
+    return rotated.to(keys.dtype) if out is None else out.copy_(rotated)
 
 
 class PositionTable:
@@ -74,6 +89,7 @@ class PositionTable:
         self.rotary = rotary
         self.scale = float(getattr(rotary, "attention_scaling", 1.0))  # the model rotates keys, then scales
         self.cos = self.sin = self.minus_sin = torch.empty(0, 0)
+        self._last: tuple = ()  # the last `between`: every layer of a forward asks for the same positions
 
     def up_to(self, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(count, head_dim) cos and sin of positions 0..count-1, on `like`'s device."""
@@ -83,44 +99,138 @@ class PositionTable:
             self.minus_sin = -self.sin
         return self.cos[:count], self.sin[:count]
 
+    def between(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(end - start, head_dim) cos, sin and minus sin of positions start..end-1."""
+        key = (start, end, like.device)
+        if self._last[:3] != key:
+            self.up_to(end, like)
+            self._last = (*key, self.cos[start:end], self.sin[start:end], self.minus_sin[start:end])
+        return self._last[3:]
+
+
+GROWTH = 1.5  # a full buffer is copied into one this many times the tokens it must hold
+
+
+class _Rows:
+    """(1, kv_heads, n, head_dim) tokens in a buffer with room after them: appending writes in
+    place, and only a full buffer is copied, into one GROWTH times what it must hold, so its
+    storage never exceeds GROWTH times the most tokens it held. `tokens` is a view of the n
+    tokens: an append leaves earlier views as they were, an assignment writes over them."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None  # (1, kv_heads, capacity, head_dim)
+        self.length = 0
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        return None if self.buffer is None else self.buffer.narrow(2, 0, self.length)
+
+    def append(self, new: torch.Tensor) -> None:
+        """`new` (1, kv_heads, c, head_dim) after the n tokens."""
+        self.extend(new.shape[2], new).copy_(new)
+
+    def extend(self, count: int, like: torch.Tensor) -> torch.Tensor:
+        """`count` more tokens of `like`'s kind after the n: their places (1, kv_heads, count,
+        head_dim), for the caller to write."""
+        end = self.length + count
+        if self.buffer is None or end > self.buffer.shape[2]:
+            self._grow(end, like, keep=True)
+        places = self.buffer.narrow(2, self.length, count)
+        self.length = end
+        return places
+
+    def assign(self, tokens: torch.Tensor | None) -> bool:
+        """Hold `tokens` (1, kv_heads, n, head_dim) instead (None: nothing, and no buffer).
+        Returns True when they are the first of the tokens held (a cut, as a rollback makes):
+        then nothing moves."""
+        buffer = self.buffer
+        if tokens is None:
+            self.buffer, self.length = None, 0
+            return False
+        count = tokens.shape[2]
+        if buffer is not None and tokens.data_ptr() == buffer.data_ptr() and tokens.stride() == buffer.stride():
+            if count <= self.length and tokens.dtype == buffer.dtype:
+                self.length = count
+                return True
+        if buffer is not None and tokens.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+            tokens = tokens.clone()  # other tokens of this buffer: they would be written over
+        kind = (tokens.shape[1], tokens.shape[3], tokens.dtype, tokens.device)
+        if buffer is None or count > buffer.shape[2] or (buffer.shape[1], buffer.shape[3], buffer.dtype, buffer.device) != kind:
+            self._grow(count, tokens, keep=False)
+        self.buffer.narrow(2, 0, count).copy_(tokens)
+        self.length = count
+        return False
+
+    def _grow(self, count: int, like: torch.Tensor, keep: bool) -> None:
+        """A new buffer with room for GROWTH times `count` tokens of `like`'s kind; `keep`: with
+        the n tokens held copied in."""
+        _, heads, _, dim = like.shape
+        with torch.inference_mode(False):  # a plain tensor, written in place in and out of inference mode
+            buffer = torch.empty(1, heads, math.ceil(GROWTH * count), dim, dtype=like.dtype, device=like.device)
+        if keep and self.length:
+            buffer.narrow(2, 0, self.length).copy_(self.buffer.narrow(2, 0, self.length))
+        self.buffer = buffer
+
 
 class _PreRopeLayer(DynamicLayer):
     """A transformers cache layer that stores keys as they were before the rotary embedding: the
     model hands it keys rotated at their positions (their indices), and it turns them back.
 
     Beside them it keeps `rotated()`, the same keys rotated at their indices: appending rotates
-    only the new keys into it, and assigning `keys` (which is how an eviction, a borrowing, a
-    give-back or a rollback moves tokens) or `release()` drops it, to be made again from the
-    stored keys when next read. Each key is rotated the same way whenever it is, so the copy is
-    bit for bit what rotating every stored key from scratch gives."""
+    the new keys into it, and assigning `keys` (which is how an eviction, a borrowing, a
+    give-back or a rollback moves tokens) or `release()` drops it (a cut keeps what it holds of
+    the tokens left), to be made again from the stored keys when next read. Each key is rotated
+    the same way whenever it is, so the copy is bit for bit what rotating every stored key from
+    scratch gives. Keys, values and the copy are each in a buffer with room for more tokens
+    (`_Rows`), so that a forward writes only its new tokens; what `keys`, `values`, `update` and
+    `rotated` return are views, valid until the next assignment."""
 
     def __init__(self, table: PositionTable) -> None:
-        self._rotated: torch.Tensor | None = None  # (1, kv_heads, m, head_dim): the first m keys, rotated
+        self._keys, self._values = _Rows(), _Rows()
+        self._rotated: _Rows | None = None  # its first `length` tokens: the first keys, rotated
         super().__init__()
         self.table = table
         self.pending = 0  # places reserved for borrowed tokens that this layer has yet to bring in
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return self._keys
+        return self._keys.tokens
 
     @keys.setter
     def keys(self, keys: torch.Tensor | None) -> None:
-        self._keys = keys
-        self._rotated = None  # tokens may sit at other indices now
+        cut = self._keys.assign(keys)
+        if self._rotated is not None:  # tokens may sit at other indices now, unless cut
+            self._rotated.length = min(self._rotated.length, self._keys.length) if cut else 0
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._values.tokens
+
+    @values.setter
+    def values(self, values: torch.Tensor | None) -> None:
+        self._values.assign(values)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self.is_initialized = True
 
     def get_seq_length(self) -> int:
-        return super().get_seq_length() + self.pending
+        return self._keys.length + self.pending
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start, count = self.get_seq_length(), key_states.shape[-2]
-        cos, sin = self.table.up_to(start + count, key_states)
-        unrotated = rotate(key_states, cos[start:], self.table.minus_sin[start : start + count], 1 / self.table.scale)
-        self._keys = torch.cat([self._keys, unrotated], dim=-2)  # appending moves no token: the copy stays
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        return self._keys, self.values
+        held = self._keys.length
+        start = held + self.pending
+        count = key_states.shape[-2]
+        cos, sin, minus_sin = self.table.between(start, start + count, key_states)
+        unrotated = rotate(key_states, cos, minus_sin, 1 / self.table.scale, out=self._keys.extend(count, key_states))
+        self._values.append(value_states)
+        copy = self._rotated
+        if copy is not None and copy.length == held and not self.pending:  # the new keys' positions are their indices
+            rotate(unrotated, cos, sin, self.table.scale, out=copy.extend(count, unrotated))
+        return self.keys, self.values
 
     def release(self) -> None:
         """Let the rotated copy go (it is made again when next read)."""
@@ -128,12 +238,14 @@ class _PreRopeLayer(DynamicLayer):
 
     def rotated(self) -> torch.Tensor:
         """(1, kv_heads, N, head_dim) the stored keys rotated at their indices."""
-        done, total = 0 if self._rotated is None else self._rotated.shape[-2], self._keys.shape[-2]
+        if self._rotated is None:
+            self._rotated = _Rows()
+        done, total = self._rotated.length, self._keys.length
         if done < total:
-            cos, sin = self.table.up_to(total, self._keys)
-            new = rotate(self._keys[:, :, done:], cos[done:], sin[done:], self.table.scale)
-            self._rotated = new if self._rotated is None else torch.cat([self._rotated, new], dim=-2)
-        return self._rotated
+            stored = self._keys.buffer.narrow(2, done, total - done)
+            cos, sin, _ = self.table.between(done, total, stored)
+            rotate(stored, cos, sin, self.table.scale, out=self._rotated.extend(total - done, stored))
+        return self._rotated.tokens
 
 
 def take(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -143,6 +255,32 @@ def take(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     _, heads, total, dim = tokens.shape
     rows = (index + torch.arange(heads, device=index.device)[:, None] * total).reshape(-1)
     return tokens.reshape(heads * total, dim).index_select(0, rows).view(1, heads, -1, dim)
+
+
+class _Window:
+    """A layer's last queries, at most `size` (q_heads, w, head_dim): a forward adds its own
+    without a copy, and they are joined when read, or when `size` additions wait (so it holds
+    the queries of at most `size` + 1 forwards)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.parts: list[torch.Tensor] = []  # (q_heads, c, head_dim) each, oldest first
+
+    def add(self, queries: torch.Tensor) -> None:
+        if queries.shape[1] >= self.size:
+            self.parts = [queries[:, -self.size :]]
+            return
+        self.parts.append(queries)
+        if len(self.parts) > self.size:
+            self.read()
+
+    def read(self) -> torch.Tensor | None:
+        if len(self.parts) > 1:
+            self.parts = [torch.cat(self.parts, dim=1)[:, -self.size :]]
+        return self.parts[0] if self.parts else None
+
+    def set(self, queries: torch.Tensor | None) -> None:
+        self.parts = [] if queries is None else [queries[:, -self.size :]]
 
 
 class _Store(DynamicCache):
@@ -156,7 +294,7 @@ def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) 
     q_heads, window, head_dim = queries.shape
     kv_heads, total = keys.shape[:2]
     grouped = queries.float().view(kv_heads, q_heads // kv_heads, window, head_dim)
-    logits = torch.einsum("hgwd,hnd->hgwn", grouped, keys.float()) * scaling
+    logits = torch.einsum("hgwd,hnd->hgwn", grouped, keys.float()).mul_(scaling)  # in place: one buffer fewer
     # a query may not see only the keys after it, all among the window's own: mask those alone
     hidden = torch.arange(window, device=keys.device)[None, :] > torch.arange(window, device=keys.device)[:, None]
     logits[..., total - window :].masked_fill_(hidden, float("-inf"))  # (w, w)
@@ -179,9 +317,12 @@ class KVCache:
         self.evidence_window = evidence_window
         self.positions = PositionTable(rotary)
         self.hf: DynamicCache = _Store([_PreRopeLayer(self.positions) for _ in range(num_layers)])
-        self.kinds = [torch.empty(kv_heads, 0, dtype=torch.int8) for _ in range(num_layers)]
-        self.times = [torch.empty(kv_heads, 0) for _ in range(num_layers)]
-        self.order = [torch.empty(kv_heads, 0, dtype=torch.int64) for _ in range(num_layers)]  # place in the stream
+        self._kinds = [torch.empty(kv_heads, 0, dtype=torch.int8) for _ in range(num_layers)]
+        self._times = [torch.empty(kv_heads, 0) for _ in range(num_layers)]
+        self._order = [torch.empty(kv_heads, 0, dtype=torch.int64) for _ in range(num_layers)]  # place in the stream
+        # The kinds and times (c,) of the last forwards, not yet in every layer's (`_merge`)
+        self._unmerged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._unmerged_tokens = 0
         self.appended = 0  # tokens appended so far: the next token's place in the stream
         self.host = host
         # Per layer while an answer borrows from the host: (kv_heads, n) True where a token is borrowed.
@@ -197,10 +338,10 @@ class KVCache:
         self.pins: list[torch.Tensor] = []
         # Since the last eviction: each layer's last queries (q_heads, w, head_dim), at most
         # `_kept_queries`, and (for policies that accumulate) the attention each key received.
-        self._queries: list[torch.Tensor | None] = [None] * num_layers
+        self._kept_queries = max(policy.window_tokens if policy.needs_attention else 0, evidence_window)
+        self._queries = [_Window(self._kept_queries) for _ in range(num_layers)]
         self._received: list[torch.Tensor | None] = [None] * num_layers
         self._scaling = [1.0] * num_layers
-        self._kept_queries = max(policy.window_tokens if policy.needs_attention else 0, evidence_window)
         self.evictions = 0
         self.evicted_tokens = 0
         self.evict_s = 0.0
@@ -208,11 +349,44 @@ class KVCache:
 
     @property
     def num_layers(self) -> int:
-        return len(self.kinds)
+        return len(self.hf.layers)
 
     @property
     def tokens(self) -> int:
-        return self.kinds[0].shape[1]
+        return self._kinds[0].shape[1] + self._unmerged_tokens
+
+    # Per layer, (kv_heads, n) for each token: its kind (int8), video time (float32) and place
+    # in the stream (int64); reading or assigning them first brings in what was appended since.
+
+    @property
+    def kinds(self) -> list[torch.Tensor]:
+        self._merge()
+        return self._kinds
+
+    @kinds.setter
+    def kinds(self, kinds: list[torch.Tensor]) -> None:
+        self._merge()
+        self._kinds = kinds
+
+    @property
+    def times(self) -> list[torch.Tensor]:
+        self._merge()
+        return self._times
+
+    @times.setter
+    def times(self, times: list[torch.Tensor]) -> None:
+        self._merge()
+        self._times = times
+
+    @property
+    def order(self) -> list[torch.Tensor]:
+        self._merge()
+        return self._order
+
+    @order.setter
+    def order(self, order: list[torch.Tensor]) -> None:
+        self._merge()
+        self._order = order
 
     @property
     def nbytes(self) -> int:
@@ -237,9 +411,7 @@ class KVCache:
             keys, values = self._borrow(layer, queries[0].detach(), scaling)
         keys = self.hf.layers[layer].rotated()
         new = queries[0].detach()
-        kept = self._queries[layer]
-        joined = new if kept is None else torch.cat([kept, new], dim=1)
-        self._queries[layer] = joined[:, -self._kept_queries :]
+        self._queries[layer].add(new)
         self._scaling[layer] = scaling
         if self.policy.accumulates:
             received = causal_attention(new, keys[0], scaling).sum(dim=2).mean(dim=1)  # (kv_heads, N)
@@ -253,14 +425,26 @@ class KVCache:
         """After the model has run c new tokens: their kinds (c,) int8 and video times (c,)."""
         count = kinds.shape[0]
         self.max_position = max(self.max_position, self.tokens + count - 1)
-        new_kinds = kinds.to(torch.int8).expand(self.kv_heads, count)
-        new_times = times.float().expand(self.kv_heads, count)
-        new_order = torch.arange(self.appended, self.appended + count).expand(self.kv_heads, count)
         self.appended += count
+        self._unmerged.append((kinds, times))
+        self._unmerged_tokens += count
+        if len(self._unmerged) >= MERGE_EVERY:
+            self._merge()
+
+    def _merge(self) -> None:
+        """Bring the tokens appended since into every layer's kinds, times and order: one copy
+        of each per layer for all of them, however many forwards appended them."""
+        if not self._unmerged:
+            return
+        count, heads = self._unmerged_tokens, self.kv_heads
+        kinds = torch.cat([k.to(torch.int8) for k, _ in self._unmerged]).expand(heads, count)
+        times = torch.cat([t.float() for _, t in self._unmerged]).expand(heads, count)
+        order = torch.arange(self.appended - count, self.appended).expand(heads, count)
+        self._unmerged, self._unmerged_tokens = [], 0
         for layer in range(self.num_layers):
-            self.kinds[layer] = torch.cat([self.kinds[layer], new_kinds], dim=1)
-            self.times[layer] = torch.cat([self.times[layer], new_times], dim=1)
-            self.order[layer] = torch.cat([self.order[layer], new_order], dim=1)
+            self._kinds[layer] = torch.cat([self._kinds[layer], kinds], dim=1)
+            self._times[layer] = torch.cat([self._times[layer], times], dim=1)
+            self._order[layer] = torch.cat([self._order[layer], order], dim=1)
 
     def rollback(self) -> None:
         """After a failed forward: drop whatever it appended or borrowed, and what it observed."""
@@ -270,9 +454,13 @@ class KVCache:
             if cached.is_initialized and cached.keys.shape[2] > held:
                 cached.keys = cached.keys[:, :, :held]
                 cached.values = cached.values[:, :, :held]
-        self._queries = [None] * self.num_layers
+        self._forget_queries()
         self.give_back()
         self._received = [None] * self.num_layers
+
+    def _forget_queries(self) -> None:
+        for window in self._queries:
+            window.set(None)
 
     # -- borrow from the host tier -------------------------------------------------------------
 
@@ -321,7 +509,7 @@ class KVCache:
         if received is not None:
             padded = torch.cat([received[:, :held], received.new_zeros(self.kv_heads, count)], dim=1)
             self._received[layer] = padded.gather(1, merge.to(received.device))
-        self._queries[layer] = None  # from here on, only queries of tokens after every borrowed one
+        self._queries[layer].set(None)  # from here on, only queries of tokens after every borrowed one
         cached.pending = 0
         self.recalled_seconds.update(got.times.floor().long().unique().tolist())
         self.retrieve_s += time.perf_counter() - started
@@ -348,10 +536,10 @@ class KVCache:
                 self._received[layer] = torch.cat(
                     [received[:, :width].gather(1, keep.to(received.device)), received[:, width:]], dim=1
                 )
-            queries = self._queries[layer]
+            queries = self._queries[layer].read()
             if queries is not None:  # every one is of a token after the borrowed ones: move them back
                 cos, sin = self.positions.up_to(count + 1, queries)
-                self._queries[layer] = rotate(queries, cos[count:], -sin[count:])
+                self._queries[layer].set(rotate(queries, cos[count:], -sin[count:]))
             self.borrowed[layer] = None
 
     def pin(self, places: torch.Tensor, turns: int, new_turn: bool = True) -> None:
@@ -372,7 +560,7 @@ class KVCache:
         way (the next prompt brings its own window), and so are the rotated keys (the next
         prompt's first forward rotates them again); what accumulates is kept until an eviction."""
         if any(b is not None for b in self.borrowed):
-            self._queries = [None] * self.num_layers
+            self._forget_queries()
             return
         if self.policy.evicts and self.tokens > self.policy.budget_tokens:
             started = time.perf_counter()
@@ -384,7 +572,7 @@ class KVCache:
             self.evictions += 1
             self.evicted_tokens += removed
             self.evict_s += time.perf_counter() - started
-        self._queries = [None] * self.num_layers
+        self._forget_queries()
         for cached in self.hf.layers:  # between prompts, keys and values only
             cached.release()
 
@@ -395,7 +583,7 @@ class KVCache:
         total = cached.keys.shape[2]
         attention = None
         if policy.needs_attention:
-            queries = self._queries[layer][:, -policy.window_tokens :]
+            queries = self._queries[layer].read()[:, -policy.window_tokens :]
             attention = causal_attention(queries, self.rotated_keys(layer), self._scaling[layer])
         previous = None
         if policy.keeps_scores and self.scores[layer] is not None:
@@ -427,14 +615,14 @@ class KVCache:
     def frame_attention(self) -> dict[float, float]:
         """Attention the last queries (up to `evidence_window`) paid to the frames still held,
         summed over layers, heads and queries, by the frame's video time."""
-        if self._queries[0] is None:
+        if self._queries[0].read() is None:
             return {}
         mass: dict[float, float] = {}
         for layer in range(self.num_layers):
             frames = self.kinds[layer] == FRAME
             if not frames.any():  # text alone: nothing to weigh
                 continue
-            queries = self._queries[layer][:, -self.evidence_window :]
+            queries = self._queries[layer].read()[:, -self.evidence_window :]
             received = causal_attention(queries, self.rotated_keys(layer), self._scaling[layer]).sum(dim=(1, 2)).cpu()
             times, weights = self.times[layer][frames], received[frames]
             unique, slot = torch.unique(times, return_inverse=True)
@@ -460,15 +648,15 @@ class KVCache:
 
     def state(self) -> dict:
         return {
-            "keys": [layer.keys for layer in self.hf.layers],
-            "values": [layer.values for layer in self.hf.layers],
+            "keys": [None if layer.keys is None else layer.keys.clone() for layer in self.hf.layers],  # not the buffers
+            "values": [None if layer.values is None else layer.values.clone() for layer in self.hf.layers],
             "kinds": self.kinds,
             "times": self.times,
             "order": self.order,
             "host": None if self.host is None else self.host.state(),
             "scores": self.scores,
             "pins": self.pins,
-            "queries": self._queries,
+            "queries": [window.read() for window in self._queries],
             "received": self._received,
             "scaling": self._scaling,
             "counters": [self.evictions, self.evicted_tokens, self.evict_s, self.max_position],
@@ -491,7 +679,9 @@ class KVCache:
             self.host = HostTier.load(state["host"], device)
         retrieval = state.get("retrieval", [int(self.order[0].max()) + 1 if self.tokens else 0, 0, 0, 0.0])
         self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages = [*retrieval, 0][:5]
-        self.scores, self._queries, self._received = here(state["scores"]), here(state["queries"]), here(state["received"])
+        self.scores, self._received = here(state["scores"]), here(state["received"])
+        for window, queries in zip(self._queries, here(state["queries"]), strict=True):
+            window.set(queries)
         self.pins = state.get("pins", [])
         self._scaling = state["scaling"]
         self.evictions, self.evicted_tokens, self.evict_s, self.max_position = state["counters"]
