@@ -22,6 +22,7 @@ under way blocks frames; a recall's borrowed tokens go back before the next prom
 
 import io
 import math
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -457,6 +458,8 @@ class Session:
                 yield rest
         finally:
             result["next_ids"] = None
+            if sys.is_finalizing():  # an answer left open at interpreter exit: no cache to keep, and torch is half gone
+                return
             if self._fed is not None:  # a batched step ran the last token, and the answer was closed
                 self._take_fed()
                 unfed = []
