@@ -196,7 +196,7 @@ async def _frames_held(http: httpx.AsyncClient, base: str, sessions: list[tuple[
     records = [
         (await http.get(f"{base}/sessions/{sid}", headers={"Authorization": f"Bearer {token}"})).json() for sid, token in sessions
     ]
-    return sum(r.get("frames", 0) for r in records), sum(r.get("frames_dropped", 0) for r in records)
+    return sum(r["frames_ingested"] for r in records), sum(r["frames_dropped"] for r in records)
 
 
 async def _together(bases: dict[str, str], args: argparse.Namespace) -> list[dict]:
