@@ -74,6 +74,7 @@ from engine import POLICIES, Answer, Session, SessionConfig
 from engine.batch import append_frames_together, next_pieces
 from engine.model import FAMILIES, Model, Vision, chat_format
 from engine.tiny import ascii_tokenizer
+from streamvqa.protocol import peak_cache_tokens
 from worker.scheduler import Scheduler
 
 QWEN2_7B = dict(
@@ -460,7 +461,8 @@ def main() -> None:
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("no CUDA device here; for a smoke test on the CPU: --device cpu --shape tiny")
     budget = opts.budget or SHAPES[opts.shape].budget_tokens
-    config = SessionConfig(policy=opts.policy, budget_tokens=budget)
+    # the peak a worker reserves for such a session: its buffers grow no larger
+    config = SessionConfig(policy=opts.policy, budget_tokens=budget, peak_tokens=peak_cache_tokens(budget))
 
     with torch.inference_mode():
         model = build_model(opts.shape, opts.device)

@@ -19,9 +19,11 @@ bfloat16, rotating kept keys from position to position at every eviction instead
 rounding build up (measured: 9% after 150 moves, 40% after 1,000).
 
 Keys, values and the copy each sit in a buffer with room after their tokens (at most half as
-many again as the most it held), so that a forward writes only its new tokens, in place, where
-a transformers cache copies the whole layer; each token's kind, time and place, and the last
-queries, wait for a few forwards and are joined once.
+many again as the most it held, and no more than the cache's expected peak, `most_tokens`, while
+it holds no more), so that a forward writes only its new tokens, in place, where a transformers
+cache copies the whole layer; each token's kind, time and place, and the last queries, wait for
+a few forwards and are joined once. At its peak, then, a cache takes its peak's keys and values
+and, while a prompt or an answer runs, a copy of its keys: 1.5 times its keys and values.
 
 With a host tier (`engine/host_tier.py`), what an eviction removes moves there instead of
 being dropped, and a question may borrow pages back: `begin_retrieval` reserves their places,
@@ -113,13 +115,15 @@ GROWTH = 1.5  # a full buffer is copied into one this many times the tokens it m
 
 class _Rows:
     """(1, kv_heads, n, head_dim) tokens in a buffer with room after them: appending writes in
-    place, and only a full buffer is copied, into one GROWTH times what it must hold, so its
-    storage never exceeds GROWTH times the most tokens it held. `tokens` is a view of the n
+    place, and only a full buffer is copied, into one GROWTH times what it must hold but no
+    larger than `most` (unless it must hold more), so its storage never exceeds GROWTH times
+    the most tokens it held, nor `most` when it held no more. `tokens` is a view of the n
     tokens: an append leaves earlier views as they were, an assignment writes over them."""
 
-    def __init__(self) -> None:
+    def __init__(self, most: int | None = None) -> None:
         self.buffer: torch.Tensor | None = None  # (1, kv_heads, capacity, head_dim)
         self.length = 0
+        self.most = most
 
     @property
     def tokens(self) -> torch.Tensor | None:
@@ -165,8 +169,11 @@ class _Rows:
         """A new buffer with room for GROWTH times `count` tokens of `like`'s kind; `keep`: with
         the n tokens held copied in."""
         _, heads, _, dim = like.shape
+        size = math.ceil(GROWTH * count)
+        if self.most is not None:
+            size = max(count, min(size, self.most))
         with torch.inference_mode(False):  # a plain tensor, written in place in and out of inference mode
-            buffer = torch.empty(1, heads, math.ceil(GROWTH * count), dim, dtype=like.dtype, device=like.device)
+            buffer = torch.empty(1, heads, size, dim, dtype=like.dtype, device=like.device)
         if keep and self.length:
             buffer.narrow(2, 0, self.length).copy_(self.buffer.narrow(2, 0, self.length))
         self.buffer = buffer
@@ -182,11 +189,13 @@ class _PreRopeLayer(DynamicLayer):
     the tokens left), to be made again from the stored keys when next read. Each key is rotated
     the same way whenever it is, so the copy is bit for bit what rotating every stored key from
     scratch gives. Keys, values and the copy are each in a buffer with room for more tokens
-    (`_Rows`), so that a forward writes only its new tokens; what `keys`, `values`, `update` and
-    `rotated` return are views, valid until the next assignment."""
+    (`_Rows`, no larger than `most_tokens` while they hold no more), so that a forward writes
+    only its new tokens; what `keys`, `values`, `update` and `rotated` return are views, valid
+    until the next assignment."""
 
-    def __init__(self, table: PositionTable) -> None:
-        self._keys, self._values = _Rows(), _Rows()
+    def __init__(self, table: PositionTable, most_tokens: int | None = None) -> None:
+        self.most_tokens = most_tokens
+        self._keys, self._values = _Rows(most_tokens), _Rows(most_tokens)
         self._rotated: _Rows | None = None  # its first `length` tokens: the first keys, rotated
         super().__init__()
         self.table = table
@@ -239,7 +248,7 @@ class _PreRopeLayer(DynamicLayer):
     def rotated(self) -> torch.Tensor:
         """(1, kv_heads, N, head_dim) the stored keys rotated at their indices."""
         if self._rotated is None:
-            self._rotated = _Rows()
+            self._rotated = _Rows(self.most_tokens)
         done, total = self._rotated.length, self._keys.length
         if done < total:
             stored = self._keys.buffer.narrow(2, done, total - done)
@@ -310,13 +319,16 @@ class KVCache:
         kv_heads: int,
         evidence_window: int = 32,
         host: HostTier | None = None,
+        most_tokens: int | None = None,
     ) -> None:
+        """`most_tokens`: the most the cache is expected to hold at once; its buffers grow past
+        it only when it holds more."""
         self.policy = policy
         self.rotary = rotary
         self.kv_heads = kv_heads
         self.evidence_window = evidence_window
         self.positions = PositionTable(rotary)
-        self.hf: DynamicCache = _Store([_PreRopeLayer(self.positions) for _ in range(num_layers)])
+        self.hf: DynamicCache = _Store([_PreRopeLayer(self.positions, most_tokens) for _ in range(num_layers)])
         self._kinds = [torch.empty(kv_heads, 0, dtype=torch.int8) for _ in range(num_layers)]
         self._times = [torch.empty(kv_heads, 0) for _ in range(num_layers)]
         self._order = [torch.empty(kv_heads, 0, dtype=torch.int64) for _ in range(num_layers)]  # place in the stream

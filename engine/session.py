@@ -98,11 +98,15 @@ class SessionConfig:
     # The most tokens the cache may hold at once (every position below it); None: the model's
     # context. A prompt that would pass it is refused (`ContextFull`), an answer ends at it.
     context_tokens: int | None = None
+    # The most tokens the cache is expected to hold at once (a bounded cache: its budget, a
+    # prompt and an answer), so that its buffers grow no larger while it holds no more; None:
+    # the context
+    peak_tokens: int | None = None
     # Frames and text stop this many tokens short of the context, so that questions still fit
     question_room_tokens: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("frames_per_prompt", "prefill_chunk_tokens", "context_tokens"):
+        for name in ("frames_per_prompt", "prefill_chunk_tokens", "context_tokens", "peak_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.question_room_tokens < 0:
@@ -293,8 +297,10 @@ class Session:
         self.model = model
         self.config = config
         self.policy = config.make_policy()
+        self.context_tokens = min(model.context_tokens, config.context_tokens or model.context_tokens)
         self.cache = KVCache(
-            self.policy, model.rotary, model.num_layers, model.kv_heads, EVIDENCE_WINDOW, config.make_host_tier()
+            self.policy, model.rotary, model.num_layers, model.kv_heads, EVIDENCE_WINDOW, config.make_host_tier(),
+            most_tokens=min(config.peak_tokens or self.context_tokens, self.context_tokens),
         )
         self._frames = 0
         self._video_time_s = 0.0
@@ -306,7 +312,6 @@ class Session:
         self._seconds = 0  # seconds of video seen so far
         self._open_answer: Iterator[str] | None = None
         self._fed: torch.Tensor | None = None  # (vocab,) logits of an answer's last token, run by a batched step
-        self.context_tokens = min(model.context_tokens, config.context_tokens or model.context_tokens)
 
     # -- the stream ----------------------------------------------------------------------------
 

@@ -46,10 +46,13 @@ class Capacity:
             model.num_layers, model.kv_heads, model.head_dim, SessionConfig.page_tokens, SessionConfig.page_keys
         )
 
+    def peak_tokens(self, record: SessionRecord) -> int:
+        """The most tokens the session's cache holds at once."""
+        return protocol.session_peak_tokens(record.policy, record.budget_tokens, record.retrieval_tokens, self.context_tokens)
+
     def device_bytes(self, record: SessionRecord) -> int:
-        peak = protocol.session_peak_tokens(record.policy, record.budget_tokens, record.retrieval_tokens, self.context_tokens)
         return protocol.reserved_device_bytes(
-            peak, record.host_budget_tokens, self.kv_bytes_per_token, self.index_bytes_per_host_token
+            self.peak_tokens(record), record.host_budget_tokens, self.kv_bytes_per_token, self.index_bytes_per_host_token
         )
 
     def kv_free_bytes(self, held: Iterable[SessionRecord]) -> int:

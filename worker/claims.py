@@ -147,6 +147,7 @@ class Claims:
                 recall=record.recall,
                 pin_turns=record.pin_turns,
                 context_tokens=self.capacity.context_tokens,
+                peak_tokens=self.capacity.peak_tokens(record),
                 **({"host_budget_tokens": record.host_budget_tokens, "retrieval_tokens": record.retrieval_tokens} if record.recall else {}),
                 **({"system_prompt": record.system_prompt} if record.system_prompt else {}),
             )

@@ -50,9 +50,10 @@ def session_peak_tokens(policy: str, budget_tokens: int, retrieval_tokens: int, 
 def reserved_device_bytes(
     peak_tokens: int, host_tokens: int, kv_bytes_per_token: int, index_bytes_per_host_token: float
 ) -> int:
-    """The cache memory a session reserves on its worker: its peak cache, and with recall its
-    host tier's index."""
-    return peak_tokens * kv_bytes_per_token + math.ceil(host_tokens * index_bytes_per_host_token)
+    """The cache memory a session reserves on its worker: its peak cache's keys and values and,
+    while a prompt or an answer runs, a copy of its keys rotated at their positions (half as
+    much again; engine/kv_cache.py), and with recall its host tier's index."""
+    return math.ceil(peak_tokens * kv_bytes_per_token * 1.5) + math.ceil(host_tokens * index_bytes_per_host_token)
 
 
 class Keys:

@@ -63,6 +63,22 @@ def test_a_token_at_a_time_past_every_capacity_equals_all_at_once(rope):
     assert one_by_one.order[1][1, -3:].tolist() == [297, 298, 299]
 
 
+def test_the_buffers_grow_no_larger_than_the_expected_peak_until_the_cache_holds_more(rope):
+    peak = 200
+    keys, values, queries = _tokens(peak + 10, seed=5)
+    cache = KVCache(make_policy("full"), rope, num_layers=2, kv_heads=HEADS, most_tokens=peak)
+    for token in range(peak):
+        _run(cache, keys, values, queries, token, token + 1)
+    for cached in cache.hf.layers:  # keys, values and their rotated copy: 1.5x the keys and values, not 2.25x
+        for rows in (cached._keys, cached._values, cached._rotated):
+            assert rows.buffer.shape[2] == peak
+    _run(cache, keys, values, queries, peak, peak + 10)  # past it: room again, bounded as ever
+    assert peak + 10 <= cache.hf.layers[0]._keys.buffer.shape[2] <= GROWTH * (peak + 10) + 1
+    reference = _cache(rope)
+    _run(reference, keys, values, queries, 0, peak + 10)
+    _same(cache, reference)
+
+
 def test_an_eviction_then_more_tokens_reads_the_kept_keys_rotated_at_their_new_indices(rope):
     keys, values, queries = _tokens(120, seed=1)
     cache = _cache(rope, layers=1)

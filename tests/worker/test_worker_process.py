@@ -68,17 +68,18 @@ def test_the_worker_keeps_serving_after_redis_loses_its_data(small_stack):
 
 def test_sessions_fit_the_worker_s_cache_memory(redis_url, tmp_path):
     # tiny-random-llava: 512 bytes per cached token; a 256-token budget peaks at 256 + 2048 + 1024
-    # tokens (budget, a prompt, an answer) = 1,703,936 bytes: two fit in 4 MB, a third does not
+    # tokens (budget, a prompt, an answer), and with the rotated copy of their keys takes
+    # 3328 x 512 x 1.5 = 2,555,904 bytes: two fit in 6 MB, a third does not
     with running_stack(
-        redis_url, tmp_path, KV_MEMORY_BYTES=str(4_000_000), HOST_MEMORY_BYTES=str(100_000_000), MAX_SESSIONS="8"
+        redis_url, tmp_path, KV_MEMORY_BYTES=str(6_000_000), HOST_MEMORY_BYTES=str(150_000_000), MAX_SESSIONS="8"
     ) as stack:
         users = [Client(stack.url) for _ in range(3)]
         vast = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=4_000_000)  # ~2.1 GB of host tier
         assert (vast.status_code, vast.json()["code"]) == (503, "no_capacity")
         assert "4000000-token host tier" in vast.json()["message"]
-        # 150,000 host tokens: 80 MB of host memory fit, but their index (20 bytes a token on the
-        # device: 3 MB) beside the peak cache (256 + 128 borrowed + 3,072: 1.77 MB) does not
-        indexed = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=150_000)
+        # 200,000 host tokens: 107 MB of host memory fit, but their index (20 bytes a token on
+        # the device: 4 MB) beside the peak cache (256 + 128 borrowed + 3,072: 2.65 MB) does not
+        indexed = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=200_000)
         assert (indexed.status_code, indexed.json()["code"]) == (503, "no_capacity")
         small = Client(stack.url)
         assert small.create(budget_tokens=256, recall=True, host_budget_tokens=50_000).status_code == 201
