@@ -4,8 +4,8 @@ question waits, how fast DELETE stops the long answer, how fast SIGTERM stops th
     python -m bench.fairness [--questions 16] [--tokens 1024] [--probes 20]
 
 Starts Redis (REDIS_URL, else an embedded server), one gateway and one worker serving
-`tiny-random-llava` on loopback. First `--probes` two-token questions on an idle session, one
-after another (`idle_*`); then a second session queues `--questions` questions of `--tokens`
+`tiny-random-llava` on loopback; each session shows one frame first (a question needs video).
+First `--probes` two-token questions on an idle session, one after another (`idle_*`); then a second session queues `--questions` questions of `--tokens`
 tokens each, and while its first answer streams the same probes run again (`busy_*`: time from
 `POST /ask` to its reply, the whole answer). The worker runs one engine step at a time (a
 question's prefill and first token, one more token, or a group of frames): the probes wait for
@@ -15,6 +15,7 @@ while it answers (`sigterm_exit_s`). One JSON line.
 """
 
 import argparse
+import io
 import json
 import os
 import signal
@@ -27,9 +28,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import redis
+from PIL import Image
+from websockets.sync.client import connect
 
 from streamvqa import children
-from streamvqa.protocol import WorkerInfo
+from streamvqa.protocol import WorkerInfo, frame_message
 from streamvqa.redis_server import EmbeddedRedis, free_port
 from streamvqa.run import wait_until_serving
 
@@ -40,6 +43,19 @@ class User:
         created = self.http.post("/sessions", json={}).json()
         self.id = created["id"]
         self.http.headers["Authorization"] = f"Bearer {created['token']}"
+        self._show_a_frame(base.replace("http://", "ws://"), created["token"])
+
+    def _show_a_frame(self, base: str, token: str) -> None:
+        """One frame into the cache over the stream socket: a question needs video to be about."""
+        jpeg = io.BytesIO()
+        Image.fromarray(np.full((240, 320, 3), 128, np.uint8)).save(jpeg, format="JPEG")
+        with connect(f"{base}/sessions/{self.id}/stream?token={token}", max_size=None) as socket:
+            socket.send(json.dumps({"type": "start", "format": "frames"}))
+            socket.send(frame_message(0.0, jpeg.getvalue()))
+            socket.send(json.dumps({"type": "end"}))
+            for message in socket:
+                if json.loads(message).get("state") == "ingested":
+                    break
 
     def ask(self, question: str, tokens: int, **body: object) -> httpx.Response:
         return self.http.post(f"/sessions/{self.id}/ask", json={"question": question, "max_new_tokens": tokens, **body})

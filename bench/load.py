@@ -14,11 +14,12 @@ JSON line: `redis`, `gateways`, `workers`, `sessions`, `seconds`, `asked`, `answ
 token, as `ask` reports it), `total_p99_ms`, `lag_p99_s` (how far behind real time frames reached
 the cache), `frames`, `dropped`, and the peak RSS of each process in MiB.
 
-    python -m bench.load --together 8,20 [--model streamvqa-demo] [--rounds 3] [--answer-tokens 32]
+    python -m bench.load --together 8,20 [--model streamvqa-demo] [--frames 8] [--rounds 3] [--answer-tokens 32]
+                         [--budget 2048]
 
 Concurrent asking instead: two stacks on one Redis, one worker batching sessions
 (BATCH_SESSIONS=16) and one running a session at a time (BATCH_SESSIONS=1), each with the
-largest count of `--together` sessions that have taken `--frames` frames; then, for each count
+largest count of `--together` sessions (of `--budget` tokens) that have taken `--frames` frames; then, for each count
 and round, that many sessions ask at the same moment, in one stack and then the other. Prints
 per count and mode: `asked`, `answered`, `tokens`, `tokens_per_s` (answer tokens over the time
 from the questions to the last answer), `decode_tokens_per_s` (tokens after each answer's first,
@@ -150,10 +151,12 @@ async def _load(bases: list[str], args: argparse.Namespace) -> Results:
     return results
 
 
-async def _prepare(http: httpx.AsyncClient, base: str, frames: int) -> tuple[str, str]:
-    """A session that has taken `frames` frames: (id, token)."""
-    created = (await http.post(f"{base}/sessions", json={"fps": 1})).json()
-    sid, token = created["id"], created["token"]
+async def _prepare(http: httpx.AsyncClient, base: str, frames: int, budget: int) -> tuple[str, str]:
+    """A session of `budget` tokens that has taken `frames` frames: (id, token)."""
+    reply = await http.post(f"{base}/sessions", json={"fps": 1, "budget_tokens": budget})
+    if reply.status_code != 201:
+        raise SystemExit(f"could not create a session: {reply.status_code} {reply.text}")
+    sid, token = reply.json()["id"], reply.json()["token"]
     if not frames:  # held by the worker before anyone asks, so that opening it is not timed
         while (await http.get(f"{base}/sessions/{sid}", headers={"Authorization": f"Bearer {token}"})).json()["state"] == "pending":
             await asyncio.sleep(0.05)
@@ -206,7 +209,7 @@ async def _together(bases: dict[str, str], args: argparse.Namespace) -> list[dic
         sessions: dict[str, list[tuple[str, str]]] = {mode: [] for mode in bases}
         for mode, base in bases.items():  # one at a time, so that no live frame comes late and is dropped
             for _ in range(max(counts)):
-                sessions[mode].append(await _prepare(http, base, args.frames))
+                sessions[mode].append(await _prepare(http, base, args.frames, args.budget))
         for mode, base in bases.items():
             frames, dropped = await _frames_held(http, base, sessions[mode])
             lines.append({"mode": mode, "sessions": max(counts), "frames_taken": frames, "frames_dropped": dropped})
@@ -255,6 +258,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=8, help="with --together: frames each session takes first")
     parser.add_argument("--rounds", type=int, default=3, help="with --together: times each count asks, per mode")
     parser.add_argument("--answer-tokens", type=int, default=32, help="with --together: max_new_tokens of each question")
+    parser.add_argument("--budget", type=int, default=2048, help="with --together: each session's budget_tokens")
     args = parser.parse_args()
     if args.together:
         together(args)
