@@ -1,6 +1,7 @@
 """What the benchmarks share: JSON lines, process memory, texts to stream, common arguments."""
 
 import argparse
+import io
 import json
 import os
 import resource
@@ -8,6 +9,7 @@ import sys
 from pydoc_data import topics
 
 import numpy as np
+from PIL import Image
 
 from engine import POLICIES
 
@@ -23,6 +25,16 @@ def rss_bytes() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def frame_jpeg(index: int) -> bytes:
+    """A 320x240 JPEG frame, its colour and a white bar's place changing with `index`."""
+    image = np.zeros((240, 320, 3), np.uint8)
+    image[:] = ((index * 37) % 256, (index * 91) % 256, 128)
+    image[:, (index * 13) % 300 : (index * 13) % 300 + 20] = 255
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, "JPEG", quality=80)
+    return buffer.getvalue()
 
 
 def english_text() -> str:

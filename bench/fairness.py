@@ -5,9 +5,10 @@ question waits, how fast DELETE stops the long answer, how fast SIGTERM stops th
 
 Starts Redis (REDIS_URL, else an embedded server), one gateway and one worker serving
 `tiny-random-llava` on loopback; each session shows one frame first (a question needs video).
-First `--probes` two-token questions on an idle session, one after another (`idle_*`); then a second session queues `--questions` questions of `--tokens`
-tokens each, and while its first answer streams the same probes run again (`busy_*`: time from
-`POST /ask` to its reply, the whole answer). The worker runs one engine step at a time (a
+First `--probes` two-token questions on an idle session, one after another (`idle_*`); then a
+second session queues `--questions` questions of `--tokens` tokens each, and while its first
+answer streams the same probes run again (`busy_*`: time from `POST /ask` to its reply, the
+whole answer). The worker runs one engine step at a time (a
 question's prefill and first token, one more token, or a group of frames): the probes wait for
 the step under way, never for the long answers. Then DELETE of the busy session (`delete_stop_s`:
 until its answer stream stops growing and the worker lists it no more), and SIGTERM of the worker
@@ -15,7 +16,6 @@ while it answers (`sigterm_exit_s`). One JSON line.
 """
 
 import argparse
-import io
 import json
 import os
 import signal
@@ -28,9 +28,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import redis
-from PIL import Image
 from websockets.sync.client import connect
 
+from bench.common import frame_jpeg
 from streamvqa import children
 from streamvqa.protocol import WorkerInfo, frame_message
 from streamvqa.redis_server import EmbeddedRedis, free_port
@@ -47,11 +47,9 @@ class User:
 
     def _show_a_frame(self, base: str, token: str) -> None:
         """One frame into the cache over the stream socket: a question needs video to be about."""
-        jpeg = io.BytesIO()
-        Image.fromarray(np.full((240, 320, 3), 128, np.uint8)).save(jpeg, format="JPEG")
         with connect(f"{base}/sessions/{self.id}/stream?token={token}", max_size=None) as socket:
             socket.send(json.dumps({"type": "start", "format": "frames"}))
-            socket.send(frame_message(0.0, jpeg.getvalue()))
+            socket.send(frame_message(0.0, frame_jpeg(0)))
             socket.send(json.dumps({"type": "end"}))
             for message in socket:
                 if json.loads(message).get("state") == "ingested":

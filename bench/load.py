@@ -33,7 +33,6 @@ to `--answer-tokens`.
 import argparse
 import asyncio
 import contextlib
-import io
 import json
 import os
 import sys
@@ -46,23 +45,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import websockets
-from PIL import Image
 
+from bench.common import frame_jpeg
 from streamvqa import children
 from streamvqa.protocol import frame_message
 from streamvqa.redis_server import EmbeddedRedis, LocalCluster, free_port
 from streamvqa.run import wait_until_serving
 
 QUESTIONS = ["What do you see?", "What changed?", "What colour is the bar?", "Is anything moving?"]
-
-
-def _jpeg(index: int) -> bytes:
-    image = np.zeros((240, 320, 3), np.uint8)
-    image[:] = ((index * 37) % 256, (index * 91) % 256, 128)
-    image[:, (index * 13) % 300 : (index * 13) % 300 + 20] = 255
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, "JPEG", quality=80)
-    return buffer.getvalue()
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -121,7 +111,7 @@ async def _session(http: httpx.AsyncClient, base: str, args: argparse.Namespace,
         started = time.monotonic()
         frame = 0
         while (elapsed := time.monotonic() - started) < args.seconds:
-            await socket.send(frame_message(elapsed, _jpeg(frame)))
+            await socket.send(frame_message(elapsed, frame_jpeg(frame)))
             if frame % max(1, round(args.ask_every * args.fps)) == 0:
                 asks.append(asyncio.create_task(ask(QUESTIONS[frame % len(QUESTIONS)])))
             frame += 1
@@ -158,14 +148,17 @@ async def _prepare(http: httpx.AsyncClient, base: str, frames: int, budget: int)
         raise SystemExit(f"could not create a session: {reply.status_code} {reply.text}")
     sid, token = reply.json()["id"], reply.json()["token"]
     if not frames:  # held by the worker before anyone asks, so that opening it is not timed
+        deadline = time.monotonic() + 120
         while (await http.get(f"{base}/sessions/{sid}", headers={"Authorization": f"Bearer {token}"})).json()["state"] == "pending":
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no worker took session {sid} within 120 s")
             await asyncio.sleep(0.05)
         return sid, token
     url = f"ws://{base.removeprefix('http://')}/sessions/{sid}/stream?token={token}"
     async with websockets.connect(url, max_size=None) as socket:
         await socket.send(json.dumps({"type": "start", "format": "frames"}))
         for frame in range(frames):
-            await socket.send(frame_message(float(frame), _jpeg(frame)))
+            await socket.send(frame_message(float(frame), frame_jpeg(frame)))
         await socket.send(json.dumps({"type": "end"}))
         async for message in socket:
             if json.loads(message).get("state") == "ingested":
