@@ -1,15 +1,18 @@
 """Faults injected into a running deployment, and what they cost: questions, frames, stuck sessions, recovery.
 
-    python -m bench.chaos [--seconds 300] [--streamers 3] [--uploaders 2] [--fault-every 30]
+    python -m bench.chaos [--seconds 300] [--grace-s 300] [--streamers 3] [--uploaders 2] [--fault-every 30]
                           [--faults worker,gateway,redis] [--fsync always] [--lease-ttl-s 5] [--seed 1]
 
 Starts Redis with an append-only file (`appendfsync always`; `--fsync everysec` shows what the
 last second of writes costs), two gateways and two workers serving `tiny-random-llava`, all on
 loopback. Clients use either gateway and move to the other when theirs is down:
 
-- streamers: a `frames` socket each, frames in real time at 2 fps (sessions at 2 fps), and a
-  question every few seconds (`POST /ask`, then its answer by id). On any close the socket
-  connects again (either gateway) with `resume` and sends on after the `last_frame_s` it is told;
+- streamers: a `frames` socket each, frames in real time at 2 fps (sessions at 2 fps) for the
+  whole run (so each live stream's video passes 64 s, 128 s, ... beside the uploads on the same
+  workers, in steps that batch them), and a question every few seconds (`POST /ask`, then its
+  answer by id). On any close the socket connects again (either gateway) with `resume` and
+  sends on after the `last_frame_s` it is told, unless its session failed (state `error`, or
+  gone): then the stream counts as failed and stops;
 - uploaders: create a session, upload a generated 6-s video, wait until it is ingested, ask two
   questions, delete it; again and again;
 - one idle session, asked now and then (it leaves its worker in between: IDLE_RELEASE_S=20).
@@ -18,16 +21,21 @@ Every `--fault-every` seconds (0.5x to 1.5x, at random), once the last fault has
 from, one of `--faults`: kill -9 a worker, a gateway or Redis, restarted 1 to 3 s later (Redis
 from its append-only file). Recovery is the time from the kill until every live session (the
 streamers' and the idle one) answers a question again. After `--seconds` the streams end, every
-answer still out is awaited, and one JSON line sums it up:
+answer still out is awaited, and one JSON line sums it up, always, at the latest `--grace-s`
+after `--seconds` (every client loop and every wait is bounded; a client still busy then is cut
+and counted in `clients_cut`):
 
 - `faults`: injected, by kind; `recovery_max_s` (target: within LEASE_TTL_S + 10 s) and each one;
 - questions `asked` (an answer id came back), `answered` (done), `reset` (ended `session_reset`:
   the worker died while answering; the client asks again), `lost` (no final event),
   `answered_twice` (two final events, or more tokens than the answer has);
 - frames `sent`, `ingested`, `duplicated`, `lost` (streams), and uploads whose frame count is off;
-- `stuck`: sessions left `pending` or `ingesting`, or that did not answer a last question.
+- `stuck`: sessions left `pending` or `ingesting`, or that did not answer a last question;
+- `failed_sessions`: sessions that turned `error` (streams, uploads, the idle one), named in
+  `failed`; `streams_video_s`: how far each live stream's video got; `mean_batch`: sessions per
+  engine step of the workers alive at the end.
 
-Targets: 0 lost, 0 twice, 0 stuck (docs/benchmarks.md has the figures).
+Targets: 0 lost, 0 twice, 0 stuck, 0 failed (docs/benchmarks.md has the figures).
 
 One module, over 400 lines: a benchmark's whole fault schedule, its clients and its report read best in one place.
 """
@@ -66,6 +74,8 @@ CALL_TIMEOUT_S = 90.0  # how long a client keeps retrying one call through fault
 DRAIN_S = 120.0  # how long answers still out are awaited at the end
 RESENT_FRAMES = 600  # frames a streamer keeps to send again after a reconnection
 RECOVERY_LIMIT_S = 120.0  # a fault not recovered from by then counts as not recovered (null)
+RECONNECT_S = 30.0  # how long a streamer keeps connecting again after the run's end, or without a reply
+FINAL_S = 100.0  # of the grace, what the last questions and the end states may take
 
 
 def _jpeg(index: int) -> bytes:
@@ -149,6 +159,10 @@ class Tally:
         self.recoveries: list[tuple[str, float]] = []
         self.judged: dict[str, str] = {}  # answer id -> answered, reset, lost, answered_twice, error_<code>
         self.lost_frames: list[float] = []
+        self.failed: dict[str, str] = {}  # sessions that turned `error` (or vanished): id -> what said so
+        self.frames: Counter = Counter()
+        self.video_s: dict[str, float] = {}  # each live stream's video time at the end
+        self.mean_batch: float | None = None
 
 
 class Api:
@@ -206,9 +220,12 @@ class Api:
 
 
 async def _asking(api: Api, session: tuple[str, str], tally: Tally, stop: asyncio.Event, every_s: float) -> None:
-    while not stop.is_set():
-        if await api.ask(session, tally, "What do you see?") == "session_reset":
+    while not stop.is_set() and session[0] not in tally.failed:
+        result = await api.ask(session, tally, "What do you see?")
+        if result == "session_reset":
             continue  # asked again at once
+        if result == "session_error" and await _failed(api, session, tally):
+            return
         try:
             await asyncio.wait_for(stop.wait(), every_s)
         except TimeoutError:
@@ -223,8 +240,13 @@ async def _streamer(api: Api, tally: Tally, stop: asyncio.Event, rng: random.Ran
     asker = asyncio.create_task(_asking(api, session, tally, stop, ASK_EVERY_S))
     recent: deque[tuple[float, bytes]] = deque(maxlen=RESENT_FRAMES)
     connection, index, started = None, 0, time.monotonic()
-    ended = False
+    ended, connected_at = False, time.monotonic()
     while not ended:
+        if stop.is_set() and time.monotonic() - max(connected_at, started) > RECONNECT_S:
+            tally.counts["streams_not_ended"] += 1  # never connected again to say `end`
+            break
+        if time.monotonic() - connected_at > RECONNECT_S and await _failed(api, session, tally):
+            break
         url = api.urls[api.at].replace("http://", "ws://") + f"/sessions/{sid}/stream?token={token}"
         try:
             async with websockets.connect(url, max_size=None, open_timeout=10) as socket:
@@ -233,6 +255,7 @@ async def _streamer(api: Api, tally: Tally, stop: asyncio.Event, rng: random.Ran
                 if hello.get("type") != "started":
                     raise OSError(f"not started: {hello}")
                 connection, last_s = hello["connection"], hello["last_frame_s"]
+                connected_at = time.monotonic()
                 for time_s, message in list(recent):  # what the gateway never received
                     if last_s is None or time_s > last_s:
                         await socket.send(message)
@@ -252,10 +275,27 @@ async def _streamer(api: Api, tally: Tally, stop: asyncio.Event, rng: random.Ran
                 await socket.send(json.dumps({"type": "end"}))
                 ended = True
                 drain.cancel()
-        except (OSError, TimeoutError, websockets.exceptions.WebSocketException):
+        except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as err:
+            closed = getattr(err, "rcvd", None)
+            if closed is not None and closed.code in (4401, 4404, 4409) and await _failed(api, session, tally):
+                break  # the session failed, or is gone: no socket will take its frames again
             api.at = (api.at + 1) % len(api.urls) if rng.random() < 0.5 else api.at
             await asyncio.sleep(0.5)
     await asker
+
+
+async def _failed(api: Api, session: tuple[str, str], tally: Tally) -> bool:
+    """Whether the session turned `error` or is gone (then it is counted as failed)."""
+    sid, token = session
+    try:
+        reply = await api.call("GET", f"/sessions/{sid}", token)
+    except httpx.TransportError:
+        return False
+    state = reply.json().get("state") if reply.status_code == 200 else f"http_{reply.status_code}"
+    if state == "error" or reply.status_code in (401, 404):
+        tally.failed[sid] = state if state != "error" else f"error: {reply.json().get('error')}"
+        return True
+    return False
 
 
 async def _drain(socket) -> None:
@@ -267,7 +307,12 @@ async def _drain(socket) -> None:
 
 async def _uploader(api: Api, tally: Tally, stop: asyncio.Event, video: bytes, store: aioredis.Redis, prefix: str) -> None:
     while not stop.is_set():
-        sid, token = session = await api.create(fps=UPLOAD_FPS)
+        try:
+            sid, token = session = await api.create(fps=UPLOAD_FPS)
+        except httpx.HTTPError:
+            tally.counts["uploads_not_created"] += 1
+            await asyncio.sleep(1.0)
+            continue
         tally.counts["uploads"] += 1
         if not await _upload(api, session, video):
             tally.counts["uploads_refused"] += 1
@@ -277,6 +322,8 @@ async def _uploader(api: Api, tally: Tally, stop: asyncio.Event, video: bytes, s
                 if time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.3)
+            if found.get("state") == "error":
+                tally.failed[sid] = f"error: {found.get('error')}"
             if found.get("frames_ingested") != UPLOAD_SECONDS * UPLOAD_FPS:
                 tally.uploads_off.append((sid, found.get("frames_ingested")))
             for _ in range(2):
@@ -304,11 +351,15 @@ async def _upload(api: Api, session: tuple[str, str], video: bytes) -> bool:
 
 
 async def _recovered(api: Api, sessions: list[tuple[str, str]], tally: Tally) -> None:
-    """Until every session answers a question."""
+    """Until every session answers a question (a session found failed is counted as such, not waited for)."""
     while True:
-        results = await asyncio.gather(*(api.ask(session, tally, "Still there?") for session in sessions))
+        live = [session for session in sessions if session[0] not in tally.failed]
+        results = await asyncio.gather(*(api.ask(session, tally, "Still there?") for session in live))
         if all(result == "done" for result in results):
             return
+        for session, result in zip(live, results):
+            if result == "session_error":
+                await _failed(api, session, tally)
 
 
 async def _faults(deployment: Deployment, api: Api, probes: list[tuple[str, str]], tally: Tally,
@@ -334,8 +385,8 @@ async def _faults(deployment: Deployment, api: Api, probes: list[tuple[str, str]
         print(json.dumps({"fault": name, "recovered_s": tally.recoveries[-1][1]}), flush=True)
 
 
-async def _run(deployment: Deployment, args: argparse.Namespace) -> tuple[Tally, Counter]:
-    tally, stop, rng = Tally(), asyncio.Event(), random.Random(args.seed)
+async def _run(deployment: Deployment, args: argparse.Namespace, tally: Tally) -> None:
+    stop, rng = asyncio.Event(), random.Random(args.seed)
     video = _video()
     store = aioredis.Redis.from_url(deployment.env["REDIS_URL"])
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as http:
@@ -353,33 +404,81 @@ async def _run(deployment: Deployment, args: argparse.Namespace) -> tuple[Tally,
         faults = asyncio.create_task(_faults(deployment, apis[-2], probes, tally, stop, args, rng))
         await asyncio.sleep(args.seconds)
         stop.set()
-        await faults
-        await asyncio.gather(*streamers, *uploaders, idle_asker)
-        final = await asyncio.gather(*(apis[-1].ask(session, tally, "Last question?") for session in probes))
-        tally.counts["stuck_last_question"] = sum(result != "done" for result in final)
-        for sid, token in probes:
-            deadline = time.monotonic() + DRAIN_S
-            while (state := (await apis[-1].call("GET", f"/sessions/{sid}", token)).json().get("state")) in ("pending", "ingesting"):
-                if time.monotonic() > deadline:
-                    tally.counts["stuck_state"] += 1
-                    break
-                await asyncio.sleep(0.5)
+        ends_at = time.monotonic() + args.grace_s
+        clients = [faults, *streamers, *uploaders, idle_asker]
+        _, busy = await asyncio.wait(clients, timeout=max(1.0, ends_at - FINAL_S - time.monotonic()))
+        for task in busy:
+            task.cancel()
+        tally.counts["clients_cut"] += len(busy)
+        for task in clients:
+            if task not in busy and task.exception() is not None:
+                tally.counts["client_errors"] += 1
+                print(json.dumps({"client_error": repr(task.exception())}), flush=True)
+        try:
+            await asyncio.wait_for(_end_states(apis[-1], probes, tally), max(1.0, ends_at - time.monotonic()))
+        except TimeoutError:
+            tally.counts["end_not_checked"] += 1
+        tally.mean_batch = await _mean_batch(http, deployment.urls)
         for sid, _ in probes:
             await _judge(store, deployment.prefix, sid, tally)
-        frames = await _frames(store, deployment.prefix, tally)
+        await _frames(store, deployment.prefix, tally)
     await store.aclose()
-    return tally, frames
+
+
+async def _end_states(api: Api, probes: list[tuple[str, str]], tally: Tally) -> None:
+    """A last question to every live session, then each one's state: none left `pending` or
+    `ingesting`, and each stream's video time."""
+    live = [session for session in probes if session[0] not in tally.failed]
+    final = await asyncio.gather(*(api.ask(session, tally, "Last question?") for session in live))
+    tally.counts["stuck_last_question"] = sum(result != "done" for result in final)
+
+    async def settled(sid: str, token: str) -> None:
+        deadline = time.monotonic() + DRAIN_S
+        while True:
+            found = (await api.call("GET", f"/sessions/{sid}", token)).json()
+            if sid in tally.streams:
+                tally.video_s[sid] = found.get("video_time_s")
+            if found.get("state") == "error":
+                tally.failed.setdefault(sid, f"error: {found.get('error')}")
+            if found.get("state") not in ("pending", "ingesting"):
+                return
+            if time.monotonic() > deadline:
+                tally.counts["stuck_state"] += 1
+                return
+            await asyncio.sleep(0.5)
+
+    await asyncio.gather(*(settled(sid, token) for sid, token in probes))
+
+
+async def _mean_batch(http: httpx.AsyncClient, urls: list[str]) -> float | None:
+    """Sessions per engine step, over the workers alive now (their counters start with them)."""
+    for url in urls:
+        try:
+            text = (await http.get(f"{url}/metrics")).text
+        except httpx.HTTPError:
+            continue
+        sums = Counter()
+        for line in text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in ("streamvqa_worker_steps_total", "streamvqa_worker_step_sessions_total"):
+                sums[name] += float(line.rsplit(" ", 1)[1])
+        steps = sums["streamvqa_worker_steps_total"]
+        return round(sums["streamvqa_worker_step_sessions_total"] / steps, 2) if steps else None
+    return None
 
 
 async def _judge(store: aioredis.Redis, prefix: str, sid: str, tally: Tally) -> None:
     """Each asked answer of the session, as Redis holds it (before the session is deleted)."""
     for answer_id in [a for a, s in tally.asked.items() if s == sid and a not in tally.judged]:
-        while True:
+        stored = None
+        for _ in range(60):  # Redis may be being restarted: 30 s at most
             try:
                 stored = await store.xrange(f"{prefix}session:{{{sid}}}:answer:{answer_id}")
                 break
             except RedisError:
-                await asyncio.sleep(0.5)  # Redis is being restarted
+                await asyncio.sleep(0.5)
+        if stored is None:
+            continue  # counted as unjudged
         events = [AnswerEnvelope.model_validate_json(f[b"m"]).event for _, f in stored]
         finals = [e for e in events if e.type != "token"]
         tokens = sum(e.type == "token" for e in events)
@@ -394,11 +493,11 @@ async def _judge(store: aioredis.Redis, prefix: str, sid: str, tally: Tally) -> 
         tally.judged[answer_id] = verdict
 
 
-async def _frames(store: aioredis.Redis, prefix: str, tally: Tally) -> Counter:
+async def _frames(store: aioredis.Redis, prefix: str, tally: Tally) -> None:
     """Each stream's frames: sent, in the cache (the worker's count), and which times its ingest
     events name. A time can be named twice without being in the cache twice: frames a dead worker
     appended after its last snapshot are appended again by the worker that takes over."""
-    frames = Counter()
+    frames = tally.frames
     for sid, sent in tally.sent.items():
         events = {}
         for _, fields in await store.xrange(f"{prefix}session:{{{sid}}}:events"):
@@ -412,12 +511,12 @@ async def _frames(store: aioredis.Redis, prefix: str, tally: Tally) -> Counter:
         frames["duplicated"] += max(0, counted - len(set(times)))  # in the cache more than once
         frames["lost"] += len(sent - set(times))
         tally.lost_frames += sorted(sent - set(times))
-    return frames
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=300.0)
+    parser.add_argument("--grace-s", type=float, default=300.0, help="the most the end may take after --seconds")
     parser.add_argument("--streamers", type=int, default=3)
     parser.add_argument("--uploaders", type=int, default=2)
     parser.add_argument("--fault-every", type=float, default=30.0)
@@ -428,10 +527,12 @@ def main() -> None:
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="streamvqa-chaos-"))
     deployment = Deployment(folder, args)
-    started = time.monotonic()
+    started, tally, error = time.monotonic(), Tally(), None
     try:
         deployment.start()
-        tally, frames = asyncio.run(_run(deployment, args))
+        asyncio.run(asyncio.wait_for(_run(deployment, args, tally), args.seconds + args.grace_s + 60))
+    except BaseException as err:  # the summary says what was tallied before it
+        error = repr(err)
     finally:
         deployment.stop()
     recoveries = [seconds for _, seconds in tally.recoveries]
@@ -442,11 +543,13 @@ def main() -> None:
         "recovery_max_s": max(recovered, default=None), "not_recovered": len(recoveries) - len(recovered),
         "recoveries_s": recoveries,
         "asked": len(tally.asked), **Counter(tally.judged.values()), "unjudged": len(set(tally.asked) - set(tally.judged)),
-        **{f"frames_{k}": v for k, v in frames.items()}, "lost_frame_times": tally.lost_frames[:20],
+        **{f"frames_{k}": v for k, v in tally.frames.items()}, "lost_frame_times": tally.lost_frames[:20],
         "uploads": tally.counts["uploads"], "uploads_wrong_frames": len(tally.uploads_off),
         "stuck": tally.counts["stuck_last_question"] + tally.counts["stuck_state"],
-        **{k: v for k, v in tally.counts.items() if k.startswith("ask_refused")},
-        "wall_s": round(time.monotonic() - started, 1), "logs": str(folder),
+        "failed_sessions": len(tally.failed), "failed": dict(list(tally.failed.items())[:10]),
+        "streams_video_s": sorted(tally.video_s.values(), key=lambda t: t or 0), "mean_batch": tally.mean_batch,
+        **{k: v for k, v in tally.counts.items() if k.startswith(("ask_refused", "clients_", "client_", "streams_", "uploads_not", "end_"))},
+        "error": error, "wall_s": round(time.monotonic() - started, 1), "logs": str(folder),
     }), flush=True)
 
 
