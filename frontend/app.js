@@ -32,6 +32,9 @@ const BUILT_IN_MODELS = {
   "smollm2-135m-instruct": "A real language model without vision: it answers, but cannot see the frames.",
 };
 const LIVE_MEDIA = new Set(["frames", "webm", "mp4"]);
+// The warnings a session keeps (its record's `warnings`) that the status card shows, by code,
+// with their headings; others are a passing note under Source.
+const KEPT_WARNINGS = { truncated_media: "Incomplete file" };
 const HOST_BUDGET_MULTIPLE = 16; // with recall, the host tier's default size: 16 x the budget
 
 const ui = {
@@ -69,6 +72,7 @@ const ui = {
   ingestProgress: $("#ingest-progress"),
   sourceStatus: $("#source-status"),
   sessionError: $("#session-error"),
+  sessionWarnings: $("#session-warnings"),
   cacheMeter: $("#cache-meter"),
   timeline: $("#timeline"),
 };
@@ -389,6 +393,12 @@ function onSessionEvent(name, data) {
   } else if (name === "state") {
     state.record.state = data.state;
     renderRecord(state.record);
+  } else if (name === "warning" && KEPT_WARNINGS[data.code]) {
+    const warnings = state.record.warnings || [];
+    if (!warnings.some((w) => w.code === data.code && w.message === data.message)) {
+      state.record.warnings = [...warnings, { code: data.code, message: data.message }];
+    }
+    renderRecord(state.record);
   } else if (name === "warning") {
     ui.sourceStatus.textContent = `Note: ${data.message}`;
   } else if (name === "error" && data.code !== "session_error") {
@@ -431,6 +441,7 @@ function renderRecord(record) {
     : "";
   ui.sessionError.textContent = r.state === "error" ? `Session error: ${r.error}` : full;
   ui.sessionError.hidden = !ui.sessionError.textContent;
+  renderWarnings(r.warnings || []);
   renderIngestProgress(r);
   if (r.media === "upload") {
     stage.setIngest(r.frames_ingested ? r.video_time_s : null, r.state === "ingested", r.media_duration_s, r.state === "error");
@@ -445,6 +456,18 @@ function askRefusal(r) {
   if (r.state === "error") return "The session failed: it takes no questions. Start a new session.";
   if (!r.frames_ingested) return "No video yet: upload a file or start the camera, then ask.";
   return null;
+}
+
+/** The session's lasting warnings, each under its heading (context_full has its own line above). */
+function renderWarnings(warnings) {
+  const shown = warnings.filter((w) => KEPT_WARNINGS[w.code]);
+  ui.sessionWarnings.replaceChildren(...shown.map((w) => {
+    const line = document.createElement("p");
+    line.dataset.code = w.code;
+    line.textContent = `${KEPT_WARNINGS[w.code]}: ${w.message}.`;
+    return line;
+  }));
+  ui.sessionWarnings.hidden = shown.length === 0;
 }
 
 function renderCache(r) {

@@ -49,9 +49,10 @@ def ask(client: Client, args: argparse.Namespace) -> int:
         with _bar(unit="B", unit_scale=True, unit_divisor=1024, desc="upload") as bar:
             session.upload(args.video, progress=lambda sent, total: _advance(bar, sent, total))
         with _bar(unit="s", unit_scale=True, desc="ingest") as bar:
-            session.wait_until_ingested(
+            record = session.wait_until_ingested(
                 progress=lambda record: _advance(bar, record["video_time_s"], record["media_duration_s"])
             )
+        _print_warnings(record)
         for question in args.question:
             print(f"Q: {question}")
             print("A: ", end="", flush=True)
@@ -84,6 +85,7 @@ def stream(client: Client, args: argparse.Namespace) -> int:
             f"{result.video_time_s:.1f} s, {result.frames_dropped} dropped",
             file=sys.stderr,
         )
+        _print_warnings(session.info())
     return 0
 
 
@@ -147,6 +149,12 @@ def _advance(bar: tqdm, done: float, total: float | None) -> None:
     if total is not None and bar.total != total:
         bar.total = total
     bar.update(done - bar.n)
+
+
+def _print_warnings(record: dict) -> None:
+    """The session's warnings (a file cut short, the context reached), to stderr."""
+    for warning in record.get("warnings", []):
+        print(f"streamvqa: warning: {warning['message']} ({warning['code']})", file=sys.stderr, flush=True)
 
 
 def _print_answer_line(answer: Answer) -> None:

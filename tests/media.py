@@ -3,6 +3,7 @@
 import io
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import av
 import numpy as np
@@ -32,10 +33,11 @@ def picture(index: int, width: int = 160, height: int = 120) -> np.ndarray:
 
 
 def encode(codec: str, muxer: str, seconds: float, rate: int = 10, options: dict | None = None,
-           size: tuple[int, int] = (160, 120), gop: int | None = None) -> bytes:
-    """`seconds` of video at `rate` frames per second; frame i is at i / rate seconds."""
+           size: tuple[int, int] = (160, 120), gop: int | None = None, path: Path | None = None) -> bytes:
+    """`seconds` of video at `rate` frames per second; frame i is at i / rate seconds. Written to
+    `path` when given (a muxer that rewrites the file at its end, as MP4's `faststart`, needs one)."""
     buffer = io.BytesIO()
-    with av.open(buffer, "w", format=muxer, options=options or {}) as container:
+    with av.open(str(path) if path else buffer, "w", format=muxer, options=options or {}) as container:
         stream = container.add_stream(codec, rate=rate)
         stream.width, stream.height = size
         stream.pix_fmt = "yuv420p"
@@ -49,7 +51,7 @@ def encode(codec: str, muxer: str, seconds: float, rate: int = 10, options: dict
             frame.pts = i
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
-    return buffer.getvalue()
+    return path.read_bytes() if path else buffer.getvalue()
 
 
 def stream_bytes(codec: str, seconds: float, rate: int = 10) -> tuple[str, bytes]:
@@ -61,6 +63,21 @@ def stream_bytes(codec: str, seconds: float, rate: int = 10) -> tuple[str, bytes
 def file_bytes(container: str, seconds: float, rate: int = 10) -> bytes:
     muxer, codec = FILES[container]
     return encode(codec, muxer, seconds, rate)
+
+
+def faststart_mp4(seconds: float, path: Path) -> bytes:
+    """H.264 in an MP4 whose index (`moov`) comes before its frames, as made for the web: cut
+    part-way, it still opens, and still states the whole duration. Written to `path`."""
+    return encode("libx264", "mp4", seconds, options={"movflags": "faststart"}, path=path)
+
+
+def cut_before_frame(data: bytes, index: int) -> bytes:
+    """A video file's first bytes, up to where its frame `index` (in file order) begins: a file
+    cut short, as by a download that stopped, holding exactly frames 0 to index - 1."""
+    with av.open(io.BytesIO(data)) as container:
+        packets = (p for p in container.demux(video=0) if p.size)
+        position = next(p.pos for i, p in enumerate(packets) if i == index)
+    return data[:position]
 
 
 def random_cuts(data: bytes, seed: int, pieces: int = 12) -> Iterator[bytes]:

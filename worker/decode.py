@@ -23,6 +23,9 @@ MAX_SOURCE_PIXELS = 8192 * 8192  # larger video frames are refused before they a
 MAX_IMAGE_PIXELS = 4096 * 4096
 STREAM_BUFFER_BYTES = 4096  # PyAV's read size on live streams: small, so frames come out promptly
 DECORD_BATCH_FRAMES = 8  # frames decord fetches per call
+# A file whose frames end more than this before the duration its container states was cut short
+# (a download or copy that stopped part-way): its frames are taken, and the session warned.
+TRUNCATION_MARGIN_S = 0.5
 Image.MAX_IMAGE_PIXELS = None  # `decode_image` checks sizes itself (MAX_SOURCE_PIXELS, lower), with a clearer error
 
 # The demuxers FFmpeg may use. Without a list it also reads text files (as ANSI art), images
@@ -59,7 +62,7 @@ def scaled_size(width: int, height: int, max_side: int, max_pixels: int = MAX_SO
 class VideoInfo:
     width: int
     height: int
-    duration_s: float | None  # None when the container does not say
+    duration_s: float | None  # the video's as its container states it; None when it does not say
 
 
 def probe(path: Path) -> VideoInfo:
@@ -68,67 +71,125 @@ def probe(path: Path) -> VideoInfo:
         stream = _video_stream(container)
         if stream.duration is not None:
             duration_s = float(stream.duration * stream.time_base)
-        else:
-            duration_s = container.duration / av.time_base if container.duration else None
+        else:  # Matroska states a track's duration in a tag, the whole file's in its header
+            duration_s = _tagged_duration_s(stream.metadata.get("DURATION", ""))
+            if duration_s is None and container.duration:
+                duration_s = container.duration / av.time_base
         return VideoInfo(stream.codec_context.width, stream.codec_context.height, duration_s)
 
 
-def sample_file(path: Path, fps: float, max_side: int, info: VideoInfo | None = None) -> Iterator[Frame]:
-    """The first video stream of a file, sampled at `fps` and scaled to `max_side`; lazy.
+def _tagged_duration_s(text: str) -> float | None:
+    """A Matroska DURATION tag, "HH:MM:SS.nnnnnnnnn", in seconds; None when absent or malformed."""
+    hours, _, rest = text.partition(":")
+    minutes, _, seconds = rest.partition(":")
+    try:
+        duration_s = int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+    except ValueError:
+        return None
+    return duration_s if duration_s > 0 else None
+
+
+def sample_file(path: Path, fps: float, max_side: int, info: VideoInfo | None = None) -> "FileFrames":
+    """The first video stream of a file, sampled at `fps` and scaled to `max_side`; lazy."""
+    return FileFrames(path, fps, max_side, info or probe(path))
+
+
+class FileFrames:
+    """A file's frames sampled by presentation time: an iterator (lazy), which also says how far
+    into the video the frames decoded so far reach.
 
     decord reads the sampled frames directly (it seeks rather than converting every frame);
     where it fails, at the start or part-way, PyAV decodes the rest in order. PyAV checks the
-    file first (`probe`, now), so decord only ever sees a container that FFmpeg's allowed
-    demuxers recognise, at a size within the limits.
+    file first (`probe`), so decord only ever sees a container that FFmpeg's allowed demuxers
+    recognise, at a size within the limits.
     """
-    info = info or probe(path)
-    return _sample_file(path, fps, max_side, scaled_size(info.width, info.height, max_side))
+
+    def __init__(self, path: Path, fps: float, max_side: int, info: VideoInfo) -> None:
+        self.info = info
+        self.end_s = 0.0  # where the frames decoded so far end: the last one's time plus its length
+        self._frames = self._sample(path, fps, max_side, scaled_size(info.width, info.height, max_side))
+
+    def __iter__(self) -> "FileFrames":
+        return self
+
+    def __next__(self) -> Frame:
+        return next(self._frames)
+
+    def close(self) -> None:
+        self._frames.close()
+
+    @property
+    def cut_short(self) -> bool:
+        """Once every frame is taken: the frames end more than TRUNCATION_MARGIN_S before the
+        duration the container states (the file was cut part-way)."""
+        duration_s = self.info.duration_s
+        return duration_s is not None and duration_s - self.end_s > TRUNCATION_MARGIN_S
+
+    def _reached(self, end_s: float) -> None:
+        self.end_s = max(self.end_s, end_s)
+
+    def _sample(self, path: Path, fps: float, max_side: int, size: tuple[int, int]) -> Iterator[Frame]:
+        last_s = -math.inf
+        try:
+            for frame in _sample_with_decord(path, fps, size, self._reached):
+                last_s = frame.time_s
+                yield frame
+            return
+        except Exception as err:  # decord raises its own errors, and some files it cannot index
+            log.info("decord cannot read %s after %.3f s (%s); decoding with PyAV", path.name, last_s, err)
+        for frame in _sample_with_pyav(path, fps, max_side, self._reached):
+            if frame.time_s > last_s:
+                yield frame
 
 
-def _sample_file(path: Path, fps: float, max_side: int, size: tuple[int, int]) -> Iterator[Frame]:
-    last_s = -math.inf
-    try:
-        for frame in _sample_with_decord(path, fps, size):
-            last_s = frame.time_s
-            yield frame
-        return
-    except Exception as err:  # decord raises its own errors, and some files it cannot index
-        log.info("decord cannot read %s after %.3f s (%s); decoding with PyAV", path.name, last_s, err)
-    for frame in _sample_with_pyav(path, fps, max_side):
-        if frame.time_s > last_s:
-            yield frame
-
-
-def _sample_with_decord(path: Path, fps: float, size: tuple[int, int]) -> Iterator[Frame]:
+def _sample_with_decord(
+    path: Path, fps: float, size: tuple[int, int], reached: Callable[[float], None] = lambda end_s: None
+) -> Iterator[Frame]:
+    """The sampled frames; `reached` hears where each batch read ends, in s."""
     import decord  # imported here: only the worker's file path needs it
 
     width, height = size
     reader = decord.VideoReader(str(path), width=width, height=height, num_threads=0)  # 0: all cores
     if len(reader) == 0:
         raise ValueError("decord found no frames")
-    starts = reader.get_frame_timestamp(range(len(reader)))[:, 0]  # (frames,) presentation times in s
+    stamps = reader.get_frame_timestamp(range(len(reader)))  # (frames, 2): each one's start and end in s
+    starts = stamps[:, 0]
     if not np.all(np.isfinite(starts)) or np.any(np.diff(starts) < 0):
         raise ValueError("timestamps out of order")  # PyAV decodes in presentation order
-    starts = starts - starts[0]
+    starts, ends = starts - starts[0], stamps[:, 1] - starts[0]
     sampler = FrameSampler(fps)
     chosen = [i for i, start in enumerate(starts) if sampler.keep(float(start))]
-    yield from _read_batches(reader, chosen, starts)
+    yield from _read_batches(reader, chosen, starts, ends, reached)
+    last = len(starts) - 1
+    if chosen[-1] != last:  # an index (an MP4's) may list frames past the end of a file cut short
+        reader.get_batch([last])
+        reached(float(ends[last]))
 
 
-def _read_batches(reader, chosen: list[int], starts: np.ndarray) -> Iterator[Frame]:
+def _read_batches(
+    reader, chosen: list[int], starts: np.ndarray, ends: np.ndarray, reached: Callable[[float], None]
+) -> Iterator[Frame]:
     for first in range(0, len(chosen), DECORD_BATCH_FRAMES):
         indices = chosen[first : first + DECORD_BATCH_FRAMES]
         batch = reader.get_batch(indices).asnumpy()  # (n, H, W, 3) uint8
+        reached(float(ends[indices[-1]]))
         for index, image in zip(indices, batch, strict=True):
             yield Frame(np.ascontiguousarray(image), round(float(starts[index]), 6))
 
 
-def _sample_with_pyav(path: Path, fps: float, max_side: int) -> Iterator[Frame]:
+def _sample_with_pyav(
+    path: Path, fps: float, max_side: int, reached: Callable[[float], None] = lambda end_s: None
+) -> Iterator[Frame]:
+    """The sampled frames, every frame decoded in order; `reached` hears where each one ends, in s."""
     with _open_container(str(path)) as container:
         stream = _video_stream(container)
         start_s = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+        rate = stream.average_rate or stream.guessed_rate
+        mean_length_s = float(1 / rate) if rate else 0.0
         sampler = FrameSampler(fps)
         for frame, time_s in _decoded(container, stream):
+            length_s = float(frame.duration * stream.time_base) if frame.duration else mean_length_s
+            reached(max(0.0, time_s - start_s) + length_s)
             if sampler.keep(max(0.0, time_s - start_s)):
                 yield Frame(_to_rgb(frame, max_side), max(0.0, time_s - start_s))
 

@@ -234,9 +234,16 @@ class MediaIntake:
     async def _context_full(self, session_id: str, hosted: Hosted, err: ContextFull) -> None:
         """The cache reached the model's context: later frames are not taken (said once)."""
         hosted.record.context_full = True
-        await self.records.set(session_id, context_full=True)
         message = f"{err}: later frames are not taken; ask about what it holds, or use a policy that evicts"
-        await self.records.event(session_id, WarningEvent(code="context_full", message=message))
+        await self._warn(session_id, hosted, "context_full", message, context_full=True)
+
+    async def _warn(self, session_id: str, hosted: Hosted, code: str, message: str, **fields: object) -> None:
+        """A warning the session keeps (its record's `warnings`, with `fields`) and sends as an
+        event; said once."""
+        if hosted.record.warn(code, message):
+            warnings = [warning.model_dump() for warning in hosted.record.warnings]
+            await self.records.set(session_id, warnings=warnings, **fields)
+            await self.records.event(session_id, WarningEvent(code=code, message=message))
 
     # -- ends ----------------------------------------------------------------------------------
 
@@ -256,11 +263,22 @@ class MediaIntake:
         if hosted.phase is Phase.SAMPLING:
             if not await self.snapshots.maybe_take(session_id, hosted, force=True):
                 return  # the spool stays until a snapshot covers the whole upload; tried again next turn
+            cut = hosted.ingest.cut_short()
             await self.close(hosted)
-            if hosted.engine.stats().frames == 0:
-                await self.fail(session_id, hosted, "the video has no frames")
+            stats = hosted.engine.stats()
+            if stats.frames == 0:
+                ends = f": the file was cut short before its first frame (it states {cut[1]:.1f} s)" if cut else ""
+                await self.fail(session_id, hosted, f"the video has no frames{ends}")
                 return
             hosted.move(Phase.INGESTED)
+            if cut is not None:
+                end_s, duration_s = cut
+                message = (
+                    f"the file ends after {end_s:.1f} s of the {duration_s:.1f} s it states (it was cut short, as by a "
+                    f"download or copy that stopped part-way): {stats.frames} frames were ingested, up to "
+                    f"{stats.video_time_s:.1f} s; upload the whole file to a new session for the rest"
+                )
+                await self._warn(session_id, hosted, "truncated_media", message)
         else:
             hosted.move(Phase.SETTLED)
         if hosted.engine.stats().frames == 0:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from streamvqa.protocol import MediaEntry, MediaKind
-from worker.decode import DecodeError, VideoInfo, probe, sample_file
+from worker.decode import DecodeError, FileFrames, VideoInfo, probe, sample_file
 from worker.ingest import Batch
 
 
@@ -29,7 +29,8 @@ class UploadIngest:
         self.info: VideoInfo | None = None
         self.finished = False
         self._file: BinaryIO | None = spool_path.open("wb")
-        self._frames = None
+        self._sampled: FileFrames | None = None  # the file's frames, once it has ended
+        self._frames = None  # those not yet taken (after a takeover, past the cache's last frame)
 
     @property
     def accepts_media(self) -> bool:
@@ -60,7 +61,7 @@ class UploadIngest:
             if self.bytes_received == 0:
                 raise DecodeError("the upload is empty")
             self.info = probe(self.spool_path)
-            self._frames = sample_file(self.spool_path, self.fps, self.max_side, self.info)
+            self._frames = self._sampled = sample_file(self.spool_path, self.fps, self.max_side, self.info)
         else:
             raise DecodeError(f"unexpected media entry {entry.kind!r} in an upload")
 
@@ -81,14 +82,15 @@ class UploadIngest:
             raise DecodeError("the upload was lost with the worker that held it; upload it again to a new session")
         ingest = cls.__new__(cls)
         ingest.spool_path, ingest.fps, ingest.max_side, ingest.max_bytes = spool, fps, max_side, max_bytes
-        ingest.bytes_received, ingest.info, ingest.finished, ingest._frames = state["bytes"], None, False, None
+        ingest.bytes_received, ingest.info, ingest.finished = state["bytes"], None, False
+        ingest._sampled = ingest._frames = None
         with spool.open("r+b") as file:
             file.truncate(state["bytes"])  # bytes written after the snapshot come again from the media stream
         ingest._file = None if state["ended"] else spool.open("ab")
         if state["ended"]:
             ingest.info = probe(spool)
-            frames = sample_file(spool, fps, max_side, ingest.info)
-            ingest._frames = (f for f in frames if after_s is None or f.time_s > after_s)
+            ingest._sampled = sample_file(spool, fps, max_side, ingest.info)
+            ingest._frames = (f for f in ingest._sampled if after_s is None or f.time_s > after_s)
         return ingest
 
     def next_frames(self, count: int) -> Batch:
@@ -99,6 +101,14 @@ class UploadIngest:
         if len(frames) < count:
             self.finished = True
         return Batch(frames)
+
+    def cut_short(self) -> tuple[float, float] | None:
+        """Once every frame is taken, for a file cut part-way (its frames end well before the
+        duration its container states): (where its frames end, that duration), in s; else None."""
+        sampled = self._sampled
+        if not self.finished or sampled is None or not sampled.cut_short:
+            return None
+        return sampled.end_s, sampled.info.duration_s
 
     def take_errors(self) -> list[tuple[str, str, str]]:
         return []  # an upload's errors end it: raised as DecodeError
@@ -114,6 +124,7 @@ class UploadIngest:
             self._file = None
         if self._frames is not None:
             self._frames.close()
-            self._frames = None
+            self._sampled.close()
+            self._frames = self._sampled = None
         if delete:
             self.spool_path.unlink(missing_ok=True)

@@ -49,6 +49,17 @@ def check_transition(old: SessionState, new: SessionState) -> None:
         raise ValueError(f"a session's state may not go from {old} to {new}")
 
 
+MAX_SESSION_WARNINGS = 8  # a session keeps its latest warnings, no more
+
+
+class SessionWarning(BaseModel):
+    """What the user should know of a session's media that did not fail it; also sent as a
+    `warning` event."""
+
+    code: str = Field(description="`truncated_media` (the file was cut short), `context_full`.")
+    message: str
+
+
 class SessionRecord(BaseModel):
     """A session as stored in its Redis hash and returned by `GET /sessions/{id}`."""
 
@@ -81,12 +92,23 @@ class SessionRecord(BaseModel):
     context_full: bool = Field(
         False, description="The cache reached the context: later frames are not taken, and only questions that fit are."
     )
+    warnings: list[SessionWarning] = Field(
+        [], description=f"What the user should know of the session's media, oldest first (the latest {MAX_SESSION_WARNINGS})."
+    )
     created_at: float = Field(default_factory=time.time)
 
-    @field_validator("policy_options", mode="before")
+    @field_validator("policy_options", "warnings", mode="before")
     @classmethod
     def _from_json(cls, value: object) -> object:
         return json.loads(value) if isinstance(value, str) else value
+
+    def warn(self, code: str, message: str) -> bool:
+        """Add a warning, keeping the latest MAX_SESSION_WARNINGS; False when it is there already."""
+        warning = SessionWarning(code=code, message=message)
+        if warning in self.warnings:
+            return False
+        self.warnings = [*self.warnings, warning][-MAX_SESSION_WARNINGS:]
+        return True
 
     @classmethod
     def from_hash(cls, fields: dict[bytes, bytes]) -> SessionRecord:
@@ -94,11 +116,12 @@ class SessionRecord(BaseModel):
 
 
 def to_hash(**fields: object) -> dict[str, str]:
-    """Redis hash fields for a partial record update; None values are left out, dicts are JSON."""
+    """Redis hash fields for a partial record update; None values are left out, dicts and lists
+    are JSON."""
     def text(value: object) -> str:
         if isinstance(value, StrEnum):
             return value.value
-        return json.dumps(value) if isinstance(value, dict) else str(value)
+        return json.dumps(value) if isinstance(value, dict | list) else str(value)
 
     return {k: text(v) for k, v in fields.items() if v is not None}
 

@@ -3,8 +3,8 @@
 import pytest
 
 from tests.app.test_stream import _audio_only_webm
-from tests.media import file_bytes
-from tests.support import sample_video
+from tests.media import cut_before_frame, faststart_mp4, file_bytes
+from tests.support import sample_video, sse_events
 
 
 @pytest.mark.parametrize("container", ["mp4", "mov", "mkv", "webm", "avi"])
@@ -52,3 +52,51 @@ def test_an_upload_that_is_not_a_video_says_so_without_the_servers_paths_or_erro
     assert client.upload(b"these are not the frames you are looking for\n" * 100).status_code == 202
     session = client.wait_for_state("error", "ingested")
     assert (session["state"], session["error"]) == ("error", NOT_A_VIDEO)
+
+
+def _events_until_ingested(client) -> list[dict]:
+    """The session's events from its first, up to its `ingested` state (data only)."""
+    url = f"/sessions/{client.id}/events?since=0"
+    with client.http.stream("GET", url, headers=client.auth) as response:
+        events = []
+        for event in sse_events(response):
+            events.append(event["data"])
+            if event["data"] == {"type": "state", "state": "ingested", "connection": None}:
+                return events
+    raise AssertionError(f"no ingested state in {events}")
+
+
+CUT_SHORT = (
+    "the file ends after {} s of the 10.0 s it states (it was cut short, as by a download or copy that stopped "
+    "part-way): {} frames were ingested, up to {} s; upload the whole file to a new session for the rest"
+)
+
+
+@pytest.mark.parametrize(
+    ("container", "frames_kept", "frames", "message"),
+    [
+        ("mp4", 50, 5, CUT_SHORT.format(5.0, 5, 4.0)),  # faststart: its index, ahead of the frames, states 10 s
+        ("webm", 55, 6, CUT_SHORT.format(5.5, 6, 5.0)),  # cut in the middle of a cluster
+    ],
+)
+def test_a_file_cut_short_is_ingested_with_a_warning_in_the_session_and_its_events(
+    client, tmp_path, container, frames_kept, frames, message
+):
+    client.create(fps=1)
+    whole = faststart_mp4(10.0, tmp_path / "clip.mp4") if container == "mp4" else file_bytes("webm", 10.0)
+    assert client.upload(cut_before_frame(whole, frames_kept)).status_code == 202
+    session = client.wait_for_state("ingested", "error")
+    assert (session["state"], session["frames_ingested"], session["media_duration_s"]) == ("ingested", frames, 10.0)
+    assert session["warnings"] == [{"code": "truncated_media", "message": message}]
+    events = _events_until_ingested(client)
+    warnings = [event for event in events if event["type"] == "warning"]
+    assert warnings == [{"type": "warning", "code": "truncated_media", "message": message}]
+    assert events[-2] == warnings[0]  # told before the session says it is ingested
+
+
+def test_a_whole_file_gets_no_warning(client, tmp_path):
+    client.create(fps=1)
+    assert client.upload(faststart_mp4(10.0, tmp_path / "clip.mp4")).status_code == 202
+    session = client.wait_for_state("ingested", "error")
+    assert (session["state"], session["frames_ingested"], session["warnings"]) == ("ingested", 10, [])
+    assert [event for event in _events_until_ingested(client) if event["type"] == "warning"] == []

@@ -14,6 +14,7 @@ import pytest
 
 from streamvqa.client import AsyncClient, Client, StreamvqaError
 from streamvqa.redis_server import free_port
+from tests.media import cut_before_frame, faststart_mp4
 from tests.support import Stack, delete_prefix, sample_video
 
 BIKES = sample_video("bikes.mp4")  # 10 s; at fps 1 its frames are at 0, 1, ... 9 s
@@ -100,6 +101,27 @@ def test_stream_plays_a_file_live_and_answers_every_few_seconds_of_video(stack):
     assert times[0] >= 5.0 and times[-1] == 9.0  # the last answer saw it all
     assert all(earlier < later for earlier, later in zip(times, times[1:]))
     assert "streamed 10 frames: 10 in the cache up to 9.0 s, 0 dropped" in run.stderr
+
+
+def test_ask_about_a_file_cut_short_warns_on_stderr_and_answers_about_what_it_has(stack, tmp_path):
+    whole = tmp_path / "whole.mp4"
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(cut_before_frame(faststart_mp4(10.0, whole), 50))  # 5 of its 10 s
+
+    run = streamvqa("ask", str(cut), "-q", "hi", "--max-new-tokens", "2", url=stack.url)
+    assert run.returncode == 0, run.stderr
+    warnings = [line for line in run.stderr.splitlines() if line.startswith("streamvqa: warning: ")]
+    assert warnings == [
+        "streamvqa: warning: the file ends after 5.0 s of the 10.0 s it states (it was cut short, as by a download "
+        "or copy that stopped part-way): 5 frames were ingested, up to 4.0 s; upload the whole file to a new session "
+        "for the rest (truncated_media)"
+    ]
+    evidence = next(line for line in run.stdout.splitlines() if line.startswith("evidence: "))
+    assert {float(t) for t in re.findall(r"(\d+\.\d)s \(", evidence)} <= {0.0, 1.0, 2.0, 3.0, 4.0}
+
+    run = streamvqa("ask", str(whole), "-q", "hi", "--max-new-tokens", "2", url=stack.url)
+    assert run.returncode == 0, run.stderr
+    assert "warning" not in run.stderr
 
 
 def test_gateway_errors_exit_1_with_the_message(stack, tmp_path):

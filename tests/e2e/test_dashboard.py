@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.media import cut_before_frame, faststart_mp4
 from tests.support import sample_video
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -158,6 +159,7 @@ def test_a_file_is_uploaded_ingested_previewed_and_asked_about(page):
     page.wait_for_selector("#status [data-field='state']:has-text('ingested')")
     assert field(page, "frames_ingested") == "10"  # 10 s at 1 frame/s
     assert field(page, "video_time_s") == "9.0 s"
+    assert page.is_hidden("#session-warnings")  # a whole file
     assert re.fullmatch(r"[\d,]+ / 8,192", field(page, "cache_tokens"))
     page.wait_for_selector("#ingest-percent:text-is('100%')")
     # the memory view: one span per second, nothing evicted under the default budget
@@ -377,6 +379,26 @@ def test_an_upload_that_is_not_a_video_shows_the_sessions_error(page, tmp_path):
     page.get_by_role("button", name="End session").click()  # and start again
     page.wait_for_selector("#connection:text-is('No session')")
     assert page.is_visible("#create-form") and page.is_hidden("#session-error")
+
+
+def test_a_file_cut_short_is_ingested_with_a_warning_beside_the_session(page, tmp_path):
+    create_session(page)
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(cut_before_frame(faststart_mp4(10.0, tmp_path / "whole.mp4"), 50))  # 5 of its 10 s
+    upload(page, cut)
+    page.wait_for_selector("#status [data-field='state']:has-text('ingested')")
+    page.wait_for_selector("#session-warnings [data-code='truncated_media']")
+    assert page.text_content("#session-warnings") == (
+        "Incomplete file: the file ends after 5.0 s of the 10.0 s it states (it was cut short, as by a download or "
+        "copy that stopped part-way): 5 frames were ingested, up to 4.0 s; upload the whole file to a new session "
+        "for the rest."
+    )
+    assert page.is_visible("#session-warnings") and page.is_hidden("#session-error")
+    assert field(page, "frames_ingested") == "5"
+    assert page.is_enabled("#question")  # what it has can be asked about
+    screenshot(page, "dashboard-cut-short.png")
+    page.reload()  # the warning is the session's: it is there again after a reload
+    page.wait_for_selector("#session-warnings [data-code='truncated_media']")
 
 
 def test_an_api_error_is_shown_to_the_user(page, tmp_path):

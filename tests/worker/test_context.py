@@ -55,6 +55,7 @@ def test_a_full_session_stops_taking_frames_at_the_context_and_still_answers(sta
             "policy that evicts",
         }
     ]
+    assert session["warnings"] == [{"code": "context_full", "message": warnings[0]["message"]}]  # kept in the session
     assert [t for e in seen if e["event"] == "ingest" for t in e["data"]["times"]][-1] == pytest.approx(2.75, abs=0.02)
 
     answer = user.ask("what?", max_new_tokens=8)

@@ -81,3 +81,48 @@ def test_decord_reads_the_sampled_frames_of_each_container(tmp_path, container):
     frames = list(_sample_with_decord(path, 2.0, (80, 60)))
     assert [f.time_s for f in frames] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
     assert frames[0].image.shape == (60, 80, 3)
+
+
+def _video(tmp_path, container: str) -> bytes:
+    """10 s at 10 frames per second; an MP4 with its index (`moov`) ahead of its frames."""
+    from tests.media import faststart_mp4, file_bytes
+
+    return faststart_mp4(10.0, tmp_path / "whole.mp4") if container == "mp4" else file_bytes(container, 10.0)
+
+
+@pytest.mark.parametrize(
+    ("container", "frames_kept", "fps", "expected_times_s", "end_s"),
+    [
+        ("mp4", 50, 1.0, [0.0, 1.0, 2.0, 3.0, 4.0], 5.0),  # the index lists all 10 s; half the frames are there
+        ("mp4", 85, 0.25, [0.0, 4.0, 8.0], 8.5),  # cut after the last sampled frame: the index's last frame is missing
+        ("webm", 55, 1.0, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 5.5),  # cut in the middle of the cluster of 5 to 6 s
+        ("mkv", 55, 1.0, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 5.5),
+    ],
+)
+def test_a_file_cut_short_gives_the_frames_it_has_and_says_where_they_end(
+    tmp_path, container, frames_kept, fps, expected_times_s, end_s
+):
+    from tests.media import cut_before_frame
+
+    path = tmp_path / f"cut.{container}"
+    path.write_bytes(cut_before_frame(_video(tmp_path, container), frames_kept))
+    frames = sample_file(path, fps, max_side=768)
+    assert [round(f.time_s, 2) for f in frames] == expected_times_s
+    assert (round(frames.end_s, 3), frames.info.duration_s, frames.cut_short) == (end_s, 10.0, True)
+
+
+@pytest.mark.parametrize("container", ["mp4", "webm", "mkv", "mov", "avi"])
+@pytest.mark.parametrize(("fps", "count"), [(0.25, 3), (1.0, 10), (4.0, 40)])
+def test_a_whole_file_is_not_cut_short(tmp_path, container, fps, count):
+    path = tmp_path / f"whole.{container}"
+    path.write_bytes(_video(tmp_path, container))
+    frames = sample_file(path, fps, max_side=768)
+    assert len(list(frames)) == count
+    assert (round(frames.end_s, 3), frames.info.duration_s, frames.cut_short) == (10.0, 10.0, False)
+
+
+@pytest.mark.parametrize(("name", "end_s"), [("bikes.mp4", 10.0), ("bigbuckbunny.mp4", 5.28), ("carphone_pristine.mp4", 4.004)])
+def test_the_sample_videos_are_not_cut_short(name, end_s):
+    frames = sample_file(sample_video(name), 1.0, max_side=320)
+    list(frames)
+    assert (round(frames.end_s, 3), frames.cut_short) == (end_s, False)
