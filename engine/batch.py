@@ -57,7 +57,6 @@ class _Packing:
         return torch.cat(outputs, dim=1)
 
 
-@torch.inference_mode()
 def run_together(prompts: Sequence[tuple[Session, list[Part]]]) -> None:
     """Run each session's prompt after its cache's tokens, all in one forward; afterwards each
     session's `logits` are those after its prompt. The sessions are distinct and of one model;
@@ -73,7 +72,7 @@ def run_together(prompts: Sequence[tuple[Session, list[Part]]]) -> None:
     embeds = torch.cat([embeds for embeds, _, _ in inputs], dim=1)  # (1, T, hidden)
     last = torch.tensor([segment.end - 1 for segment in segments], device=model.device)
     try:
-        with attention.packing(_Packing(segments)):
+        with attention.packing(_Packing(segments)), torch.inference_mode():  # the forward alone, as `Model.forward`
             out = model.hf(
                 inputs_embeds=embeds,
                 position_ids=torch.cat(positions)[None].to(model.device),

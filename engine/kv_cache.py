@@ -32,6 +32,14 @@ the question's keys match, merged among the cached tokens in stream order (the q
 tokens are placed after them). `give_back` removes them again once the answer's turn is over;
 the cache does not evict while it holds borrowed tokens.
 
+One rule for every tensor a session keeps from one step to the next (its keys, values and
+their rotated copy, each token's kind, time and place, the last queries, the attention
+received, the rotary tables, the host tier, the session's counters and last logits): it is
+made outside inference mode (`outside_inference`), or cloned there. Only the model's own
+forward runs in inference mode, and the attention hands the cache its queries there; a tensor
+made in inference mode cannot be changed in place outside it, so without the rule a state made
+in a step of several sessions (`engine/batch.py`) would fail the session's next step alone.
+
 One module, over 400 lines, on purpose: the stored keys, their rotated copy, the values, each
 token's kind and time must move together at every append, gather and borrowing; split, each
 part would reach into the others' tensors.
@@ -39,6 +47,8 @@ part would reach into the others' tensors.
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -50,6 +60,14 @@ from engine.policies import Observation, Policy
 
 TEXT, FRAME = 0, 1
 MERGE_EVERY = 64  # forwards whose tokens' kinds and times may wait before every layer gets them
+
+
+@contextmanager
+def outside_inference() -> Iterator[None]:
+    """Where the tensors a session keeps across steps are made: plain tensors, which a later step
+    may change in place whether or not it runs in inference mode; and no gradient."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def rotations(rotary: nn.Module, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,8 +115,9 @@ class PositionTable:
         """(count, head_dim) cos and sin of positions 0..count-1, on `like`'s device."""
         if self.cos.shape[0] < count or self.cos.device != like.device:
             size = max(count, 2 * self.cos.shape[0])
-            self.cos, self.sin = rotations(self.rotary, torch.arange(size), like)
-            self.minus_sin = -self.sin
+            with outside_inference():
+                self.cos, self.sin = rotations(self.rotary, torch.arange(size), like)
+                self.minus_sin = -self.sin
         return self.cos[:count], self.sin[:count]
 
     def between(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,7 +191,7 @@ class _Rows:
         size = math.ceil(GROWTH * count)
         if self.most is not None:
             size = max(count, min(size, self.most))
-        with torch.inference_mode(False):  # a plain tensor, written in place in and out of inference mode
+        with outside_inference():
             buffer = torch.empty(1, heads, size, dim, dtype=like.dtype, device=like.device)
         if keep and self.length:
             buffer.narrow(2, 0, self.length).copy_(self.buffer.narrow(2, 0, self.length))
@@ -276,10 +295,12 @@ class _Window:
         self.parts: list[torch.Tensor] = []  # (q_heads, c, head_dim) each, oldest first
 
     def add(self, queries: torch.Tensor) -> None:
-        if queries.shape[1] >= self.size:
-            self.parts = [queries[:, -self.size :]]
-            return
-        self.parts.append(queries)
+        """Keeps a copy of what it needs (the forward's queries may be inference tensors)."""
+        with outside_inference():
+            if queries.shape[1] >= self.size:
+                self.parts = [queries[:, -self.size :].clone()]
+                return
+            self.parts.append(queries.clone())
         if len(self.parts) > self.size:
             self.read()
 
@@ -418,20 +439,22 @@ class KVCache:
         """Called by the attention of `layer` while it runs c new tokens, with their queries
         (1, q_heads, c, head_dim) and every stored key and value (1, kv_heads, N, head_dim),
         theirs included. Brings in borrowed tokens if places are reserved, keeps the last
-        queries, and returns the keys (rotated at their index) and values to attend."""
-        if self.hf.layers[layer].pending:
-            keys, values = self._borrow(layer, queries[0].detach(), scaling)
-        keys = self.hf.layers[layer].rotated()
-        new = queries[0].detach()
-        self._queries[layer].add(new)
-        self._scaling[layer] = scaling
-        if self.policy.accumulates:
-            received = causal_attention(new, keys[0], scaling).sum(dim=2).mean(dim=1)  # (kv_heads, N)
-            before = self._received[layer]
-            if before is not None:
-                received[:, : before.shape[1]] += before
-            self._received[layer] = received
-        return keys, values
+        queries, and returns the keys (rotated at their index) and values to attend. Runs
+        inside the model's forward, so what it keeps is made `outside_inference`."""
+        with outside_inference():
+            if self.hf.layers[layer].pending:
+                keys, values = self._borrow(layer, queries[0].detach(), scaling)
+            keys = self.hf.layers[layer].rotated()
+            new = queries[0].detach()
+            self._queries[layer].add(new)
+            self._scaling[layer] = scaling
+            if self.policy.accumulates:
+                received = causal_attention(new, keys[0], scaling).sum(dim=2).mean(dim=1)  # (kv_heads, N)
+                before = self._received[layer]
+                if before is not None:
+                    received[:, : before.shape[1]] += before
+                self._received[layer] = received
+            return keys, values
 
     def append(self, kinds: torch.Tensor, times: torch.Tensor) -> None:
         """After the model has run c new tokens: their kinds (c,) int8 and video times (c,)."""

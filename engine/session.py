@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from engine import attention
 from engine.host_tier import HostTier
-from engine.kv_cache import FRAME, TEXT, KVCache
+from engine.kv_cache import FRAME, TEXT, KVCache, outside_inference
 from engine.model import Model
 from engine.policies import Policy, make_policy
 from engine.policies.base import DEFAULT_BUDGET_TOKENS
@@ -102,7 +102,8 @@ class SessionConfig:
     # prompt and an answer), so that its buffers grow no larger while it holds no more; None:
     # the context
     peak_tokens: int | None = None
-    # Frames and text stop this many tokens short of the context, so that questions still fit
+    # Frames and text stop this many tokens short of the context, so that questions still fit;
+    # an answer in a cache that does not evict leaves it too (or half of what is left, if less)
     question_room_tokens: int = 256
 
     def __post_init__(self) -> None:
@@ -386,7 +387,8 @@ class Session:
         borrowable = min(self.config.borrowed_tokens, self.cache.host.available()) if self.cache.host else 0
         prompt = len(question_ids) + turn[0].tokens + borrowable
         self._make_room("the question", prompt + 1 + turn[1].tokens)  # with room for a one-token answer
-        max_new_tokens = min(max_new_tokens, self._room() - prompt - turn[1].tokens)
+        answer_room = self._room() - prompt - turn[1].tokens
+        max_new_tokens = min(max_new_tokens, answer_room - self._kept_for_questions(answer_room))
         result = {"tokens": 0, "evidence": [], "recalled_s": [], "finish_reason": "stop", "prompt_tokens": 0, "next_ids": None}
         result["borrowed"] = 0
         self._open_answer = self._generate(turn, max_new_tokens, sampling, result)
@@ -395,6 +397,20 @@ class Session:
     def _room(self) -> int:
         """Tokens the cache may still take before it reaches the context."""
         return self.context_tokens - self.cache.tokens
+
+    def _kept_for_questions(self, answer_room: int) -> int:
+        """Of the `answer_room` an answer could take, what it leaves for later questions: in a
+        cache that does not evict, the room kept for them, or half of what is left when less
+        is; nothing in one that evicts (its room comes back after every answer)."""
+        if self.policy.evicts:
+            return 0
+        return min(self.config.question_room_tokens, answer_room // 2)
+
+    @property
+    def context_full(self) -> bool:
+        """The cache takes no more frames nor text: what is left of the context is the room
+        kept for questions (only a cache that does not evict fills up)."""
+        return self._room() <= self.config.question_room_tokens
 
     def _make_room(self, what: str, tokens: int, kept_tokens: int = 0) -> None:
         """Refuse a prompt of `tokens` that would take the cache past the context, or into the
@@ -530,7 +546,7 @@ class Session:
                         predicted, wanted = torch.cat([self._logits[None], logits[:-1]]), targets[start:end]
                     nll += float(F.cross_entropy(predicted.float(), wanted.to(predicted.device), reduction="sum"))
                     logits = logits[-1]
-                self._logits = logits
+                self._keep_logits(logits)
         self._tokens_seen += total
         return nll if targets is not None else self._logits
 
@@ -546,14 +562,21 @@ class Session:
     def _ran(self, kinds: torch.Tensor, times: torch.Tensor, logits: torch.Tensor) -> None:
         """After a batched step ran a prompt of this session: its tokens are in the cache."""
         self.cache.append(kinds, times)
-        self._logits = logits
+        self._keep_logits(logits)
         self._tokens_seen += kinds.shape[0]
+
+    def _keep_logits(self, logits: torch.Tensor) -> None:
+        """The forward's logits (vocab,), an inference tensor: kept as a copy made outside
+        inference mode, like everything a session keeps across steps (engine/kv_cache.py)."""
+        with outside_inference():
+            self._logits = logits.clone()
 
     def _count_seen(self, part: Part) -> None:
         second = min(int(part.time_s), MAX_SECONDS - 1)
         if second >= self._seen.shape[1]:
-            grown = torch.zeros(2, min(max(2 * self._seen.shape[1], second + 1), MAX_SECONDS), dtype=torch.int64)
-            grown[:, : self._seen.shape[1]] = self._seen
+            with outside_inference():  # whichever step crosses the size, a lone or a batched one
+                grown = torch.zeros(2, min(max(2 * self._seen.shape[1], second + 1), MAX_SECONDS), dtype=torch.int64)
+                grown[:, : self._seen.shape[1]] = self._seen
             self._seen = grown
         self._seen[part.kind, second] += part.tokens
         self._seconds = max(self._seconds, second + 1)

@@ -169,3 +169,83 @@ def test_the_demo_model_answers_the_same_together_and_alone():
     expected = ["".join(s.ask(q, max_new_tokens=16)) for s, q in zip(sessions(), questions)]
     assert all(expected)
     assert _answer_together([s.ask(q, max_new_tokens=16) for s, q in zip(sessions(), questions)]) == expected
+
+
+# -- state made in a batched step, changed in a lone one (and back) ------------------------------
+#
+# A session's counters of tokens per second of video grow at 64, 128, ... seconds; a session
+# restored from a snapshot holds them at the size it was saved with. Whatever a batched step
+# creates, the session's next step alone must be able to change, and the other way round.
+
+
+def _inference_tensors(session: Session) -> list[str]:
+    """Where a tensor the session keeps across steps is an inference-mode tensor."""
+    found, seen = [], set()
+
+    def walk(value, where: str) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if value.is_inference():
+                found.append(where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{where}[{key!r}]")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{where}[{i}]")
+        elif hasattr(value, "__dict__") and type(value).__module__.startswith("engine"):
+            for key, item in vars(value).items():
+                walk(item, f"{where}.{key}")
+
+    walk(session, "session")
+    return found
+
+
+def _long_streams(llava, count: int, **options) -> list[Session]:
+    """Sessions whose frames reach past 64 s of video only in steps run together."""
+    sessions = [Session(llava, SessionConfig(budget_tokens=200, **options)) for _ in range(count)]
+    for second in range(0, 72, 8):
+        frames = [_frames(2, second + i) for i in range(count)]
+        times = [float(second), second + 4.0]
+        assert append_frames_together([(s, f, times) for s, f in zip(sessions, frames)]) == [None] * count
+    return sessions
+
+
+def test_frames_run_together_then_alone(llava):
+    first, second = _long_streams(llava, 2)
+    assert first.stats().video_time_s == 68.0
+    assert _inference_tensors(first) == []
+    first.append_frames(_frames(1, 99), [70.0])  # alone, after the counters grew in a batched step
+    assert first.stats().frames == 19
+    answer = second.ask("What is it?", max_new_tokens=4)  # the other one asks alone
+    list(answer)
+    assert answer.tokens == 4
+    assert [s.start_s for s in first.memory().spans][-1] == 70
+
+
+def test_a_question_run_together_then_alone(llava):
+    sessions = [_streamed(llava, SessionConfig(budget_tokens=200, recall=True, retrieval_tokens=32), 4, seed) for seed in (1, 2)]
+    for session, second in zip(sessions, (100.0, 130.0)):  # the next question's time is past 64 s
+        session.append_frames(_frames(1, 7), [second])
+    answers = [s.ask("What came first?", max_new_tokens=3) for s in sessions]
+    assert _answer_together(answers)
+    assert [a.tokens for a in answers] == [3, 3]
+    assert _inference_tensors(sessions[0]) == []
+    sessions[0].append_frames(_frames(1, 8), [131.0])  # alone
+    assert len(list(sessions[0].ask("And then?", max_new_tokens=3))) == 3
+    assert sessions[0].stats().frames == 6
+
+
+def test_restored_then_together_then_alone(llava):
+    saved = _long_streams(llava, 2, recall=True)
+    restored = [Session.restore(llava, s.snapshot()) for s in saved]
+    times = [140.0]  # past what the restored counters hold
+    assert append_frames_together([(s, _frames(1, i), times) for i, s in enumerate(restored)]) == [None, None]
+    answers = [s.ask("What is it?", max_new_tokens=2) for s in restored]
+    _answer_together(answers)
+    assert all(_inference_tensors(s) == [] for s in restored)
+    restored[1].append_frames(_frames(1, 5), [141.0])  # alone
+    assert len(list(restored[1].ask("Now?", max_new_tokens=2))) == 2
+    assert restored[1].memory().spans[-1].end_s == 142

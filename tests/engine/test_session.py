@@ -154,10 +154,32 @@ def test_a_full_cache_stops_at_the_context_and_keeps_room_for_questions(model):
     with pytest.raises(ContextFull, match=r"^the question needs 82 more tokens"):  # 60, its turn, one answer token
         session.ask("x" * 60)
     assert session.stats().cache_tokens == 241  # nothing of it was run
-    answer = session.ask("hi", max_new_tokens=64)  # 73 left: "hi" and its turn take 23, one token each
+    assert not session.context_full  # 73 left: no frame fits beside the 64 kept, but a question does
+    answer = session.ask("hi", max_new_tokens=64)  # "hi" and its turn take 23: 50 left for the answer
     list(answer)
-    assert (answer.tokens, answer.finish_reason) == (50, "length")
-    assert (session.stats().cache_tokens, session.stats().max_position) == (314, 313)
+    assert (answer.tokens, answer.finish_reason) == (25, "length")  # half of those 50 left for questions
+    assert (session.stats().cache_tokens, session.context_full) == (289, True)
+    answers = []
+    while True:  # each later answer leaves half of what its question left, until none fits
+        try:
+            answers.append(session.ask("hi", max_new_tokens=64))
+        except ContextFull:
+            break
+        list(answers[-1])
+    assert [a.tokens for a in answers] == [1]
+    assert (session.stats().cache_tokens, session.stats().max_position) == (313, 312)
+
+
+def test_a_long_answer_leaves_the_room_kept_for_questions(model):
+    session = Session(model, SessionConfig(policy="full", context_tokens=1000, question_room_tokens=64))
+    session.append_frames(frames(2), [0.0, 1.0])  # 149 + 2 x 23 tokens held
+    answer = session.ask("hi", max_new_tokens=2000)
+    list(answer)
+    assert (answer.tokens, answer.finish_reason) == (1000 - 195 - 23 - 64, "length")
+    assert session.stats().cache_tokens == 1000 - 64
+    later = session.ask("and now?", max_new_tokens=8)  # the room kept takes the next question
+    list(later)
+    assert later.tokens == 8
 
 
 # The highest position: the context's last, or for h2o (which evicts down to its budget of 230
