@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, ValidationError
 from app import sse
 from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, RedisDep, Settings, Store
 from app.errors import ApiError, ErrorBody
-from app.sessions import NoPlace, TooManySessions, UploadRefused
+from app.sessions import NoPlace, Room, TooManySessions, UploadRefused
 from app.tail import tail
 from app.uploads import file_chunks
 from streamvqa.protocol import EventEnvelope, MemoryReport, SessionOptions, SessionRecord
@@ -34,11 +34,28 @@ class UploadReceipt(BaseModel):
     bytes: int
 
 
+class WorkerMemory(BaseModel):
+    """What one worker offers its sessions, and why."""
+
+    worker: str
+    kv_memory: str = Field(description="Its KV_MEMORY setting: `auto`, a share of its device's memory, or bytes.")
+    kv_memory_bytes: int = Field(description="Cache memory it offers now: what the setting states, or less while memory is short.")
+    kv_free_bytes: int = Field(description="Of that, what its sessions have not reserved.")
+    device_free_bytes: int = Field(description="Memory free on its device (to anyone) when it last looked.")
+    host_memory: str = Field(description="Its HOST_MEMORY setting.")
+    host_memory_bytes: int = Field(description="Host memory it offers host tiers now.")
+    host_free_bytes: int = Field(description="Of that, what its sessions have not reserved.")
+    ram_free_bytes: int = Field(description="RAM free (to anyone) when it last looked.")
+    default_sessions: int = Field(description="Sessions of the default budget its cache memory holds.")
+    warning: str | None = Field(description="Set while that is under 2: why, and what to do.")
+
+
 class ServedModel(BaseModel):
     name: str
     workers: int = Field(description="Live workers serving it.")
     sessions: int = Field(description="Sessions they hold.")
     max_sessions: int = Field(description="Sessions they may hold.")
+    memory: list[WorkerMemory] = Field([], description="Each worker's memory for its sessions, read again as sessions come and go.")
 
 
 class ModelList(BaseModel):
@@ -73,35 +90,52 @@ async def create_session(
         where = ("body", "budget_tokens" if options.budget_tokens is not None else "policy")
         raise RequestValidationError([{"loc": where, "msg": f"{model}: {_reason(err)}", "type": "value_error"}]) from err
     peak_tokens = options.peak_tokens(context_tokens)
+    tier = f" and a {options.host_tokens}-token host tier" if options.recall else ""
+    no_room = f"no worker serving {model!r} has room now for a cache of {peak_tokens} tokens at its peak{tier}"
     if not any(w.fits(peak_tokens, options.host_tokens) for w in workers):
-        tier = f" and a {options.host_tokens}-token host tier" if options.recall else ""
-        raise ApiError(
-            503, "no_capacity", f"no worker serving {model!r} has room now for a cache of {peak_tokens} tokens at its peak{tier}", retry
-        )
-    places = sum(w.max_sessions for w in workers)
+        raise ApiError(503, "no_capacity", no_room, retry)
+    room = Room.of(workers, peak_tokens, options.host_tokens)
     try:
-        record, token = await store.create(options, model, context_tokens, caller, settings.max_sessions_per_key, places)
+        record, token = await store.create(options, model, context_tokens, caller, settings.max_sessions_per_key, room)
     except TooManySessions as err:
         raise ApiError(
             429, "too_many_sessions", f"this caller holds {settings.max_sessions_per_key} sessions; delete one first"
         ) from err
     except NoPlace as err:
-        message = f"the workers serving {model!r} hold as many active sessions as they may ({places}); idle ones leave them"
-        raise ApiError(503, "no_capacity", message, retry) from err
+        raise ApiError(503, "no_capacity", _no_place(err.short, model, room, no_room), retry) from err
     metrics.sessions_created.inc()
     return CreatedSession(id=record.id, token=token, session=record)
 
 
+def _no_place(short: str, model: str, room: Room, no_room: str) -> str:
+    """Why NoPlace: no place, or `no_room` (what the session needs) and which memory is reserved."""
+    if short == "places":
+        return f"the workers serving {model!r} hold as many active sessions as they may ({room.places}); idle ones leave them"
+    memory, offered = ("cache", room.device_limit) if short == "device" else ("host tier", room.host_limit)
+    return (
+        f"{no_room}: the sessions they hold or are about to take reserve the rest of the {offered / 2**20:,.1f} MiB "
+        f"of {memory} memory they offer; idle ones give theirs back"
+    )
+
+
 @router.get("/models")
 async def list_models(store: Store, settings: Settings) -> ModelList:
-    """The models sessions can be created with now (each served by at least one live worker)."""
+    """The models sessions can be created with now (each served by at least one live worker), and
+    what memory each worker offers."""
     workers = await store.live_workers(None)
     served = {}
-    for worker in workers:
+    for worker in sorted(workers, key=lambda w: w.id):
         entry = served.setdefault(worker.model, ServedModel(name=worker.model, workers=0, sessions=0, max_sessions=0))
         entry.workers += 1
         entry.sessions += worker.sessions
         entry.max_sessions += worker.max_sessions
+        entry.memory.append(WorkerMemory(
+            worker=worker.id, kv_memory=worker.kv_memory, kv_memory_bytes=worker.kv_memory_bytes,
+            kv_free_bytes=worker.kv_free_bytes, device_free_bytes=worker.device_free_bytes,
+            host_memory=worker.host_memory, host_memory_bytes=worker.host_memory_bytes,
+            host_free_bytes=worker.host_free_bytes, ram_free_bytes=worker.ram_free_bytes,
+            default_sessions=worker.default_sessions, warning=worker.memory_warning,
+        ))
     return ModelList(default=settings.model, models=sorted(served.values(), key=lambda m: m.name))
 
 

@@ -6,16 +6,17 @@ import hmac
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
 from app import backlog
 from streamvqa import protocol
-from streamvqa.pending import enqueue, leave
+from streamvqa.pending import enqueue, leave, place
 from streamvqa.redis_client import FAILURES
 from streamvqa.protocol import (
-    Keys, MediaEntry, MediaKind, SessionOptions, SessionRecord, SessionState, WorkerInfo, scripts,
+    Keys, MediaEntry, MediaKind, SessionOptions, SessionRecord, SessionState, WorkerInfo, reserved_device_bytes, scripts,
 )
 
 CREATE_GRACE_S = 60  # a session whose gateway died while creating it is gone this soon
@@ -38,7 +39,43 @@ class TooManySessions(Exception):
 
 
 class NoPlace(Exception):
-    """The model's live workers hold (or are about to take) as many sessions as they may."""
+    """The model's live workers hold (or are about to take) as many sessions as they may
+    (`short` "places"), or their sessions reserve so much of their cache memory ("device") or
+    host memory ("host") that this one's would not fit."""
+
+    def __init__(self, short: str) -> None:
+        super().__init__(short)
+        self.short = short
+
+
+NO_PLACE = {0: "places", -1: "device", -2: "host"}  # scripts.TAKE_PLACE_LUA's refusals
+
+
+@dataclass(frozen=True)
+class Room:
+    """What a model's live workers offer in all (-1: not known), and what a new session reserves of it."""
+
+    places: int
+    device_bytes: int  # the session's peak cache (and its host tier's index), on a worker's device
+    host_bytes: int  # its host tier, in a worker's RAM
+    device_limit: int  # the cache memory the workers offer, in all
+    host_limit: int
+
+    @classmethod
+    def of(cls, workers: Iterable[WorkerInfo], peak_tokens: int, host_tokens: int) -> "Room":
+        """The live workers of one model (which share its bytes per token) and a session's needs."""
+        workers = list(workers)
+        known = all(w.kv_bytes_per_token for w in workers)
+        return cls(
+            places=sum(w.max_sessions for w in workers),
+            device_bytes=max(
+                reserved_device_bytes(peak_tokens, host_tokens, w.kv_bytes_per_token, w.index_bytes_per_host_token)
+                for w in workers
+            ),
+            host_bytes=host_tokens * max(w.host_bytes_per_token for w in workers),
+            device_limit=sum(w.kv_memory_bytes for w in workers) if known else -1,
+            host_limit=sum(w.host_memory_bytes for w in workers) if known else -1,
+        )
 
 
 class SessionStore:
@@ -66,14 +103,15 @@ class SessionStore:
         return [w for w in await self.workers() if w.alive and model in (None, w.model)]
 
     async def create(
-        self, options: SessionOptions, model: str, context_tokens: int, owner: str, max_per_owner: int, places: int
+        self, options: SessionOptions, model: str, context_tokens: int, owner: str, max_per_owner: int, room: Room
     ) -> tuple[SessionRecord, str]:
         """Store a new session and queue it for a worker serving `model`; returns it and its token.
         TooManySessions when `owner` already holds `max_per_owner` live sessions; NoPlace when
-        the model's workers already hold or are about to take `places` sessions (checked and
-        taken in one script on the model's admitted set, so that concurrent creates never admit
-        more). The session is written first, with a short TTL that becomes SESSION_TTL_S once
-        both places are taken: a gateway that dies part-way leaves nothing that lasts."""
+        the model's workers already hold or are about to take `room.places` sessions, or when
+        those sessions' memory and this one's would pass what the workers offer (checked and
+        taken in one script on the model's places, so that concurrent creates never admit more).
+        The session is written first, with a short TTL that becomes SESSION_TTL_S once both
+        places are taken: a gateway that dies part-way leaves nothing that lasts."""
         token = secrets.token_hex(32)  # never begins with "-", so `--token <token>` works on any command line
         record = SessionRecord(
             id=uuid.uuid4().hex,
@@ -89,7 +127,10 @@ class SessionStore:
             pin_turns=options.pin_turns,
             context_tokens=context_tokens,
         )
-        fields = {**protocol.to_hash(**record.model_dump()), "token_sha256": _digest(token), "owner": owner}
+        reserved = f"{room.device_bytes} {room.host_bytes}"  # given again each time it is brought back
+        fields = {
+            **protocol.to_hash(**record.model_dump()), "token_sha256": _digest(token), "owner": owner, "reserved": reserved,
+        }
         session_keys = [self.keys.session(record.id), self.keys.media(record.id), self.keys.questions(record.id)]
         now = time.time()
         await self._create(
@@ -101,8 +142,12 @@ class SessionStore:
             if await self.redis.scard(owned) >= max_per_owner:  # the common refusal, before a place is taken
                 raise TooManySessions()
             await self._forget_unadmitted(model)
-            if not await self._take_place(keys=[self.keys.admitted(model)], args=[places, record.id, now]):
-                raise NoPlace()
+            taken = await self._take_place(keys=[self.keys.places(model)], args=[
+                room.places, record.id, place(now, reserved), room.device_bytes, room.host_bytes, room.device_limit,
+                room.host_limit,
+            ])
+            if taken != 1:
+                raise NoPlace(NO_PLACE[taken])
             if not await self._take_owned(keys=[owned], args=[max_per_owner, record.id, self.session_ttl_s]):
                 await leave(self.redis, self.keys, record.id, model)
                 raise TooManySessions()
@@ -131,9 +176,9 @@ class SessionStore:
             await self.redis.srem(self.keys.owner(owner), *gone)
 
     async def _forget_unadmitted(self, model: str) -> None:
-        """Drop from the model's admitted sessions those gone, failed, or parked (no worker, not
-        queued), unless one was admitted again since it was read."""
-        admitted = await self.redis.zrange(self.keys.admitted(model), 0, -1, withscores=True)
+        """Drop from the model's places those of sessions gone, failed, or parked (no worker, not
+        queued), with the memory they reserve, unless one was admitted again since it was read."""
+        admitted = list((await self.redis.hgetall(self.keys.places(model))).items())
         if not admitted:
             return
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -141,11 +186,11 @@ class SessionStore:
                 pipe.hmget(self.keys.session(session_id.decode()), "state", "worker", "queued")
             found = await pipe.execute()
         unadmitted = []
-        for (session_id, score), (state, worker, queued) in zip(admitted, found, strict=True):
+        for (session_id, entry), (state, worker, queued) in zip(admitted, found, strict=True):
             if state is None or state == SessionState.ERROR.encode() or (not worker and queued is None):
-                unadmitted += [session_id, repr(score)]
+                unadmitted += [session_id, entry]
         if unadmitted:
-            await self._drop_unchanged(keys=[self.keys.admitted(model)], args=unadmitted)
+            await self._drop_unchanged(keys=[self.keys.places(model)], args=unadmitted)
 
     async def owned(self, owner: str) -> list[SessionRecord]:
         """The owner's live sessions, newest first."""

@@ -1,9 +1,18 @@
 """What a worker has room for (cache and host memory, reserved by each session it holds) and
-what it has done since it started: both go into its entry in the worker registry."""
+what it has done since it started: both go into its entry in the worker registry.
 
+Memory is sized from a stated setting (KV_MEMORY, HOST_MEMORY: a share of the whole memory, or
+bytes), never above what the worker holds for its sessions now plus FREE_SHARE of what is free:
+read again each time it advertises (as sessions come and go, and at each heartbeat), so that it
+neither takes memory others use nor keeps a small size it once found."""
+
+from __future__ import annotations
+
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -11,39 +20,152 @@ from engine import Model, SessionConfig
 from engine.host_tier import index_bytes_per_token
 from streamvqa import protocol
 from streamvqa.protocol import SessionRecord
-from worker.settings import WorkerSettings
+from worker.settings import MemorySize, WorkerSettings
+
+log = logging.getLogger(__name__)
+
+FREE_SHARE = 0.9  # of the memory free now, what sessions may take; the rest is left to others and to a step's activations
+AUTO_KV_SHARE = {"cuda": 0.9, "cpu": 0.5}  # KV_MEMORY=auto: of the GPU's memory, or of the RAM on a CPU
+AUTO_HOST_SHARE = {"cuda": 0.5, "cpu": 0.25}  # HOST_MEMORY=auto: of the RAM (on a CPU the caches take RAM too)
+MIN_DEFAULT_SESSIONS = 2  # fewer sessions of the default budget than this in the cache memory: a warning
+RELOG_CHANGE = 0.125  # the memory offered is logged again once it changed by this share
 
 
-def available_kv_memory(device: torch.device) -> int:
-    """Memory the sessions' caches may use: 90% of the GPU's free memory (the model is loaded by
-    now), or half the RAM available on a CPU."""
+@dataclass(frozen=True)
+class Reading:
+    """One look at a memory: a device's, or the machine's RAM."""
+
+    total_bytes: int
+    free_bytes: int  # free to anyone now
+    held_bytes: int  # what this process holds of it now (blocks it freed and keeps count: it reuses them)
+
+
+ReadMemory = Callable[[torch.device], Reading]
+
+
+def read_memory(device: torch.device) -> Reading:
+    """A GPU's memory (torch's view, this process's hold being its allocator's pool), or the
+    machine's RAM for a CPU (available RAM, this process's resident memory)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        free, total = torch.cuda.mem_get_info(device)
+        return Reading(total, free, torch.cuda.memory_reserved(device))
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    free = os.sysconf("SC_AVPHYS_PAGES") * page
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():  # MemAvailable counts the page cache the kernel would give back
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    statm = Path("/proc/self/statm")
+    held = int(statm.read_text().split()[1]) * page if statm.exists() else 0
+    return Reading(total, free, held)
 
 
-def available_host_memory(device: torch.device) -> int:
-    """Host memory the sessions' host tiers may use: half the RAM available beside a GPU, a
-    quarter on a CPU (where the caches take half)."""
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return available // 2 if device.type == "cuda" else available // 4
+@dataclass
+class Offer:
+    """What a worker offers of one kind of memory: the setting, what it states, what is offered now."""
+
+    setting: MemorySize
+    target_bytes: int  # what the setting states
+    stated: str  # how: "8GiB", "0.5 of 16,384 MiB", "auto: 0.9 of 81,920 MiB"
+    offered_bytes: int = 0  # now: the target, or less when memory is short
+    free_bytes: int = 0  # free to anyone in that memory when last read
+    logged_bytes: int = -1  # the offer last logged
+
+    @classmethod
+    def of(cls, setting: MemorySize, whole_bytes: int, auto_share: float) -> Offer:
+        stated = setting.text
+        if setting.bytes is None:
+            share = f"auto: {auto_share}" if setting.share is None else setting.text
+            stated = f"{share} of {_mib(whole_bytes)}"
+        return cls(setting, setting.of(whole_bytes, auto_share), stated)
+
+    def why(self) -> str:
+        if self.offered_bytes < self.target_bytes:
+            return f"less than the {_mib(self.target_bytes)} stated ({self.stated}): {_mib(self.free_bytes)} free now"
+        return f"as stated ({self.stated}), {_mib(self.free_bytes)} free now"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
 
 
 class Capacity:
     """Each session reserves its peak cache (and its index of the host tier) on the device, and
-    its host tier's bound in host memory."""
+    its host tier's bound in host memory; `refresh` sizes both memories again."""
 
-    def __init__(self, settings: WorkerSettings, model: Model) -> None:
+    def __init__(self, settings: WorkerSettings, model: Model, read: ReadMemory = read_memory) -> None:
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self.context_tokens = min(model.context_tokens, settings.max_context_tokens or model.context_tokens)
-        self.kv_memory_bytes = settings.kv_memory_bytes or available_kv_memory(model.device)
-        self.host_memory_bytes = settings.host_memory_bytes or available_host_memory(model.device)
         self.host_bytes_per_token = (
             model.kv_bytes_per_token + model.num_layers * model.kv_heads * protocol.HOST_TOKEN_OVERHEAD_BYTES
         )
         self.index_bytes_per_host_token = index_bytes_per_token(
             model.num_layers, model.kv_heads, model.head_dim, SessionConfig.page_tokens, SessionConfig.page_keys
+        )
+        self.device, self.ram = model.device, torch.device("cpu")
+        self.shared = self.device.type != "cuda"  # caches and host tiers take the same RAM
+        self._read = read
+        device, ram = read(self.device), read(self.ram)
+        self._held_at_start = {"device": device.held_bytes, "ram": ram.held_bytes}  # the model is loaded by now
+        kind = "cuda" if self.device.type == "cuda" else "cpu"
+        kv, host = MemorySize.parse(settings.kv_memory), MemorySize.parse(settings.host_memory)
+        self.kv = Offer.of(kv, device.total_bytes, AUTO_KV_SHARE[kind])
+        self.host = Offer.of(host, ram.total_bytes, AUTO_HOST_SHARE[kind])
+        self.default_session_bytes = protocol.reserved_device_bytes(
+            min(protocol.peak_cache_tokens(protocol.DEFAULT_BUDGET_TOKENS), self.context_tokens), 0,
+            self.kv_bytes_per_token, 0,
+        )
+        self.warning: str | None = None  # said in the registry while the cache memory is short
+        self._warned_sessions = -1
+        self.refresh([])
+
+    @property
+    def kv_memory_bytes(self) -> int:
+        return self.kv.offered_bytes
+
+    @property
+    def host_memory_bytes(self) -> int:
+        return self.host.offered_bytes
+
+    @property
+    def default_sessions(self) -> int:
+        """Sessions of the default budget (a bounded policy's, without recall) the cache memory holds."""
+        return self.kv.offered_bytes // self.default_session_bytes if self.default_session_bytes else 0
+
+    def refresh(self, held: Iterable[SessionRecord]) -> None:
+        """Size both memories again, from what is free now: each offers its target, or less: what
+        this process took since it started serving (its sessions use it) plus FREE_SHARE of what
+        is free, less what the other kind reserved where both take the same RAM. Logs a change
+        of an eighth or more; warns (and says in `warning`) when the cache memory holds fewer than
+        MIN_DEFAULT_SESSIONS sessions of the default budget."""
+        held = list(held)
+        kv_reserved = sum(self.device_bytes(record) for record in held)
+        host_reserved = sum(record.host_budget_tokens for record in held) * self.host_bytes_per_token
+        device = self._read(self.device)
+        ram = device if self.shared else self._read(self.ram)
+        for offer, reading, start, other in (
+            (self.kv, device, self._held_at_start["device"], host_reserved if self.shared else 0),
+            (self.host, ram, self._held_at_start["ram"], kv_reserved if self.shared else 0),
+        ):
+            room = max(0, reading.held_bytes - start) + int(reading.free_bytes * FREE_SHARE) - other
+            offer.offered_bytes, offer.free_bytes = max(0, min(offer.target_bytes, room)), reading.free_bytes
+        for name, offer in (("caches", self.kv), ("host tiers", self.host)):
+            if abs(offer.offered_bytes - offer.logged_bytes) > RELOG_CHANGE * max(offer.logged_bytes, 1):
+                log.info("memory for the sessions' %s: %s, %s", name, _mib(offer.offered_bytes), offer.why())
+                offer.logged_bytes = offer.offered_bytes
+        short = self.default_sessions < MIN_DEFAULT_SESSIONS
+        if short and (self.warning is None or self.default_sessions != self._warned_sessions):
+            log.warning(
+                "%s for caches (%s) holds %d session(s) of the default budget (%d tokens, %s each): set KV_MEMORY, "
+                "or free memory", _mib(self.kv.offered_bytes), self.kv.why(), self.default_sessions,
+                protocol.DEFAULT_BUDGET_TOKENS, _mib(self.default_session_bytes),
+            )
+        self._warned_sessions = self.default_sessions
+        self.warning = (
+            f"room for {self.default_sessions} session(s) of the default budget in {_mib(self.kv.offered_bytes)} "
+            f"for caches: {self.kv.why()}" if short else None
         )
 
     def peak_tokens(self, record: SessionRecord) -> int:

@@ -95,6 +95,7 @@ class Leases:
         """Write this worker's entry: its room, its sessions (and those it is opening) and counters."""
         held = [hosted.record for hosted in sessions.values()]
         capacity, counters = self.capacity, self.counters
+        capacity.refresh(held)
         info = WorkerInfo(
             id=self.worker_id,
             model=self.model,
@@ -108,6 +109,14 @@ class Leases:
             host_bytes_per_token=capacity.host_bytes_per_token,
             index_bytes_per_host_token=capacity.index_bytes_per_host_token,
             host_free_bytes=capacity.host_free_bytes(held),
+            kv_memory=capacity.kv.setting.text,
+            kv_memory_bytes=capacity.kv_memory_bytes,
+            device_free_bytes=capacity.kv.free_bytes,
+            host_memory=capacity.host.setting.text,
+            host_memory_bytes=capacity.host_memory_bytes,
+            ram_free_bytes=capacity.host.free_bytes,
+            default_sessions=capacity.default_sessions,
+            memory_warning=capacity.warning,
             host_bytes=sum(h.host_bytes for h in sessions.values()),
             retrieved_tokens=counters.retrieved_tokens,
             retrieved_pages=counters.retrieved_pages,

@@ -1,9 +1,49 @@
+from __future__ import annotations
+
+import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, field_validator
 
 from streamvqa.settings import CommonSettings
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MEMORY_FORMAT = "`auto`, a share of the whole (`0.5`, `50%`), or bytes (`6000000`, `512MiB`, `8GiB`, `2GB`)"
+
+
+@dataclass(frozen=True)
+class MemorySize:
+    """A stated amount of memory: `auto`, a share of the whole memory (0 < share <= 1), or bytes."""
+
+    text: str
+    share: float | None = None  # None: bytes, or auto (both None)
+    bytes: int | None = None
+
+    @classmethod
+    def parse(cls, text: str | int | float) -> MemorySize:
+        """ValueError unless `text` is `auto` (or 0, the old setting's auto), a share, or bytes."""
+        text = str(text).strip()
+        match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(%|[a-zA-Z]*)", text)
+        if text.lower() == "auto" or text == "0":
+            return cls("auto")
+        if match is None or (match[2] != "%" and match[2].lower() not in UNITS):
+            raise ValueError(f"{text!r} is not {MEMORY_FORMAT}")
+        number, unit = float(match[1]), match[2].lower()
+        if unit == "%":
+            number, unit = number / 100, ""
+        if unit == "" and number <= 1:
+            if number <= 0:
+                raise ValueError(f"{text!r}: a share must be above 0")
+            return cls(text, share=number)
+        return cls(text, bytes=int(number * UNITS[unit]))
+
+    def of(self, total_bytes: int, auto_share: float) -> int:
+        """The bytes it states, of a whole of `total_bytes` (auto: `auto_share` of it)."""
+        if self.bytes is not None:
+            return self.bytes
+        return int(total_bytes * (self.share if self.share is not None else auto_share))
 
 
 class WorkerSettings(CommonSettings):
@@ -20,13 +60,17 @@ class WorkerSettings(CommonSettings):
         0, ge=0, description="The most tokens a session's cache may hold at once; 0: the model's context "
         "(`max_position_embeddings`). A lower value keeps sessions within what the model attends over well.",
     )
-    kv_memory_bytes: int = Field(
-        0, ge=0, description="Memory for the sessions' caches (each reserves its peak); 0: 90% of the GPU's "
-        "free memory once the model is loaded, or half the available RAM on a CPU.",
+    kv_memory: str = Field(
+        "auto", validation_alias=AliasChoices("kv_memory", "kv_memory_bytes"),
+        description=f"Memory for the sessions' caches (each reserves its peak): {MEMORY_FORMAT}; a share is of the "
+        "GPU's memory (of the machine's RAM on a CPU); auto: 0.9 of the GPU, 0.5 of the RAM on a CPU. Never more "
+        "than what the worker holds for its sessions plus 90% of what is free, read again as sessions come and go.",
     )
-    host_memory_bytes: int = Field(
-        0, ge=0, description="Host memory for the sessions' host tiers (recall; each reserves its bound); 0: a "
-        "quarter of the available RAM on a CPU, half of it beside a GPU.",
+    host_memory: str = Field(
+        "auto", validation_alias=AliasChoices("host_memory", "host_memory_bytes"),
+        description=f"Host memory for the sessions' host tiers (recall; each reserves its bound): {MEMORY_FORMAT}; "
+        "a share is of the machine's RAM; auto: 0.5 of it beside a GPU, 0.25 on a CPU (where the caches take RAM too). "
+        "Capped by what is free as KV_MEMORY is.",
     )
     lease_ttl_s: float = Field(15.0, ge=1.0, description="A session whose worker is silent this long is free.")
     idle_release_s: float = Field(
@@ -62,3 +106,8 @@ class WorkerSettings(CommonSettings):
     live_feed_bytes: int = Field(
         4 * 1024 * 1024, ge=64 * 1024, description="Live stream bytes waiting for the decoder, per session."
     )
+
+    @field_validator("kv_memory", "host_memory", mode="before")
+    @classmethod
+    def _memory_size(cls, value: object) -> str:
+        return MemorySize.parse(value).text  # checked once here; `MemorySize.parse` again where it is used

@@ -64,7 +64,7 @@ class Keys:
 
     A session's keys all carry its id as a hash tag (`session:{<id>}...`): on a Redis Cluster
     they live in one slot, so that a script may touch any of them together. The global keys
-    (`owner:`, `rate:`, `pending:`, `admitted:`, `workers`) are one key each, in slots of their
+    (`owner:`, `rate:`, `pending:`, `places:`, `workers`) are one key each, in slots of their
     own; no script touches one of them beside another key (docs/protocol.md says what that costs).
     """
 
@@ -137,9 +137,10 @@ class Keys:
     def pending(self, model: str) -> str:
         return f"{self.prefix}pending:{model}"
 
-    def admitted(self, model: str) -> str:
-        """The sessions of `model` that hold or wait for a place on a worker (not parked, not failed)."""
-        return f"{self.prefix}admitted:{model}"
+    def places(self, model: str) -> str:
+        """The sessions of `model` that hold or wait for a place on a worker (not parked, not failed),
+        each with when it was admitted and the memory it reserves (`scripts.TAKE_PLACE_LUA`)."""
+        return f"{self.prefix}places:{model}"
 
     def workers(self) -> str:
         return f"{self.prefix}workers"

@@ -186,6 +186,16 @@ class WorkerInfo(BaseModel):
     host_bytes_per_token: int = 0  # a host tier token's bytes, over all layers (0: unknown)
     index_bytes_per_host_token: float = 0.0  # cache memory a host tier token's share of its index takes
     host_free_bytes: int = 0  # host memory for host tiers not reserved by its sessions (each reserves its bound)
+    # its memory: the settings (KV_MEMORY, HOST_MEMORY), what it offers now (what they state, or less while memory
+    # is short: it reads what is free as sessions come and go), what was free to anyone when it last read
+    kv_memory: str = ""
+    kv_memory_bytes: int = 0
+    device_free_bytes: int = 0
+    host_memory: str = ""
+    host_memory_bytes: int = 0
+    ram_free_bytes: int = 0
+    default_sessions: int = 0  # sessions of the default budget its cache memory holds
+    memory_warning: str | None = None  # set while that is under 2
     # counters since the worker started, and its live sessions' ingest lag, for GET /metrics
     frames_ingested: int = 0
     evictions: int = 0

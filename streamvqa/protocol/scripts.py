@@ -52,20 +52,33 @@ redis.call('SADD', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
-# Adds ARGV[2] to a model's admitted sessions (KEYS[1]) at time ARGV[3], unless they hold the
-# ARGV[1] places of its live workers already. Returns 1, or 0 when they are full.
+# Admits a session to a model's places (KEYS[1], a hash: session id -> "<admitted at> <device
+# bytes> <host bytes>", the memory it reserves on a worker), unless the places already hold as
+# many sessions as the model's live workers may, or the memory they reserve and this session's
+# would pass what those workers offer. ARGV = the places, the session id, its entry, its device
+# bytes, its host bytes, the workers' device bytes, their host bytes (a limit below 0: not
+# known, not checked). Returns 1, 0 when no place is left, -1 when the device memory is
+# reserved, -2 when the host memory is.
 TAKE_PLACE_LUA = """
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+local admitted = redis.call('HVALS', KEYS[1])
+if #admitted >= tonumber(ARGV[1]) then return 0 end
+local device, host = tonumber(ARGV[4]), tonumber(ARGV[5])
+for _, entry in ipairs(admitted) do
+  local _, d, h = string.match(entry, '^(%S+) (%d+) (%d+)$')
+  device, host = device + tonumber(d or '0'), host + tonumber(h or '0')
+end
+if tonumber(ARGV[6]) >= 0 and device > tonumber(ARGV[6]) then return -1 end
+if tonumber(ARGV[7]) >= 0 and host > tonumber(ARGV[7]) then return -2 end
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 return 1
 """
-# Removes members of a sorted set whose score is still the one read (ARGV: member, score pairs),
-# so that one added again since it was read stays. Returns how many went.
+# Removes fields of a hash whose value is still the one read (ARGV: field, value pairs), so that
+# one set again since it was read stays. Returns how many went.
 DROP_UNCHANGED_LUA = """
 local dropped = 0
 for i = 1, #ARGV, 2 do
-  if tonumber(redis.call('ZSCORE', KEYS[1], ARGV[i])) == tonumber(ARGV[i + 1]) then
-    dropped = dropped + redis.call('ZREM', KEYS[1], ARGV[i])
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    dropped = dropped + redis.call('HDEL', KEYS[1], ARGV[i])
   end
 end
 return dropped
@@ -274,7 +287,7 @@ return 1
 # streamer claim; ARGV = worker id, '1' for a failed session. Refused (0) while the lease is
 # another's, a question waits, or (unless failed) media waits or a socket streams into it; the
 # gateway queues it again at its next question or media. The caller then takes it out of the
-# model's admitted sessions (`streamvqa.pending.leave`).
+# model's places (`streamvqa.pending.leave`), with the memory it reserved.
 PARK_LUA = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
 if redis.call('XLEN', KEYS[3]) > 0 then return 0 end

@@ -266,10 +266,13 @@ def test_list_sessions_shows_the_callers_sessions_without_tokens(stack):
 
 
 def test_models_lists_what_live_workers_serve_and_the_default(stack):
-    assert httpx.get(f"{stack.url}/models").json() == {
+    models = httpx.get(f"{stack.url}/models").json()
+    memory = [{k: m[k] for k in ("kv_memory", "host_memory", "warning")} for m in models["models"][0].pop("memory")]
+    assert models == {
         "default": "tiny-random-llava",
         "models": [{"name": "tiny-random-llava", "workers": 1, "sessions": pytest.approx(0, abs=64), "max_sessions": 64}],
     }
+    assert memory == [{"kv_memory": "auto", "host_memory": "auto", "warning": None}]
 
 
 def test_readyz_needs_a_live_worker_and_metrics_count_the_work(stack, client):

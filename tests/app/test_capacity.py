@@ -85,3 +85,40 @@ def test_a_failed_session_gives_its_place_back_at_once(make_stack):
     assert waiting.wait_for_state("ready")["worker"] == "a"
     assert failing.get().json()["state"] == "error"  # still there to read, on no worker
     assert failing.ask("Anything?").status_code == 409
+
+
+def _create_at_once(stack: Stack, count: int, **options: object) -> tuple[list[Client], list]:
+    users = [Client(stack.url) for _ in range(count)]
+    with ThreadPoolExecutor(count) as pool:
+        replies = list(pool.map(lambda user: user.create(**options), users))
+    return users, replies
+
+
+@pytest.mark.parametrize(("env", "options", "memory"), [
+    # tiny-random-llava: a 2,048-token budget peaks at 2,048 + 2,048 + 1,024 tokens (budget, a
+    # prompt, an answer), x 512 bytes x 1.5 (the rotated copy of the keys): 3,932,160 bytes; two
+    # fit in 10 MB, a third does not
+    ({"KV_MEMORY": "10MB"}, {"budget_tokens": 2048}, "cache"),
+    # a 200,000-token host tier takes 200,000 x 536 bytes: 107,200,000; two fit in 250 MB, a
+    # third does not (their index, 4 MB each on the device, fits the cache memory)
+    ({"HOST_MEMORY": "250MB"}, {"budget_tokens": 256, "recall": True, "host_budget_tokens": 200_000}, "host tier"),
+])
+def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_get_503(make_stack, env, options, memory):
+    stack = make_stack(1, MAX_SESSIONS="8", IDLE_RELEASE_S="0", **env)
+    users, replies = _create_at_once(stack, 4, **options)
+    assert sorted(reply.status_code for reply in replies) == [201, 201, 503, 503], [r.text for r in replies]
+    refused = [reply.json() for reply in replies if reply.status_code == 503]
+    assert {r["code"] for r in refused} == {"no_capacity"}
+    assert all(f"of {memory} memory" in r["message"] or "has room now" in r["message"] for r in refused), refused
+    admitted = [user for user, reply in zip(users, replies, strict=True) if reply.status_code == 201]
+    assert [user.wait_for_state("ready", timeout_s=30)["worker"] for user in admitted] == ["a", "a"]
+
+    late = Client(stack.url)
+    reply = late.create(**options)
+    assert (reply.status_code, reply.json()["code"]) == (503, "no_capacity")
+    admitted[0].delete()  # gives its memory back
+    deadline = time.monotonic() + 10
+    while (reply := late.create(**options)).status_code != 201:
+        assert reply.json()["code"] == "no_capacity" and time.monotonic() < deadline, reply.text
+        time.sleep(0.2)
+    assert late.wait_for_state("ready", timeout_s=30)["worker"] == "a"
