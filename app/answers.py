@@ -3,9 +3,12 @@
 Each answer is a bounded Redis stream of token events ending with one `done` or `error` event
 (written by the worker). A session keeps the ids of its latest ASKED_MAXLEN questions with the
 time they were asked, and their text, so that an answer can be looked up, resumed and told
-apart from an unknown id, and the conversation listed.
+apart from an unknown id, and the conversation listed. A client that leaves before its answer is
+done cancels it (`cancel_soon`): the worker stops it at its next token.
 """
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +24,10 @@ from streamvqa.pending import enqueue
 from streamvqa.protocol import (
     Answer, AnswerEnvelope, DoneEvent, ErrorEvent, Keys, Question, Sampling, SessionRecord, TokenEvent, scripts,
 )
+from streamvqa.redis_client import FAILURES
+
+log = logging.getLogger(__name__)
+_cancelling: set[asyncio.Task] = set()  # cancel marks on their way to Redis: one per client that left, each done in a moment
 
 
 class QuestionsBacklogFull(Exception):
@@ -56,13 +63,15 @@ class AnswerStatus(BaseModel):
 
 async def submit(
     redis: Redis, keys: Keys, session: SessionRecord, question: str, max_new_tokens: int, sampling: Sampling,
-    session_ttl_s: int,
+    session_ttl_s: int, after_media: str | None = None,
 ) -> str:
-    """Queue a question for the session's worker; returns the answer id."""
+    """Queue a question for the session's worker; returns the answer id. With `after_media` (a
+    media entry's id), the worker starts it once that entry's frames are in the cache."""
     answer_id = uuid.uuid4().hex
     asked_at = time.time()
     message = Question(
-        answer_id=answer_id, question=question, max_new_tokens=max_new_tokens, asked_at=asked_at, sampling=sampling
+        answer_id=answer_id, question=question, max_new_tokens=max_new_tokens, asked_at=asked_at, sampling=sampling,
+        after_media=after_media,
     )
     queued, woke = await redis.eval(
         scripts.SUBMIT_QUESTION_LUA, 4, keys.questions(session.id), keys.asked(session.id), keys.session(session.id),
@@ -77,6 +86,28 @@ async def submit(
     if queued < 0:
         raise QuestionRefused("session_not_found" if queued == -1 else "session_error")
     return answer_id
+
+
+async def cancel(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> None:
+    """Mark an answer cancelled: its worker stops it at its next token (or never begins it)."""
+    await redis.eval(
+        scripts.CANCEL_ANSWER_LUA, 2, keys.session(session_id), keys.cancel(session_id, answer_id), protocol.ANSWER_TTL_S
+    )
+
+
+def cancel_soon(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> None:
+    """Cancel an answer whose client left, from a task of its own: the request's own task is
+    being cancelled, and could await nothing more."""
+
+    async def cancelling() -> None:
+        try:
+            await cancel(redis, keys, session_id, answer_id)
+        except FAILURES as err:
+            log.warning("answer %s: its client left, and Redis failed to take the cancel (%s)", answer_id, err)
+
+    task = asyncio.create_task(cancelling())
+    _cancelling.add(task)
+    task.add_done_callback(_cancelling.discard)
 
 
 class AskedAnswer(AnswerStatus):

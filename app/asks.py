@@ -88,11 +88,14 @@ async def ask(
     if streaming:
         location = _answer_url(session.id, answer_id)
         started = sse.frame("started", {"answer_id": answer_id, "location": location})  # no id: resuming starts after it
-        events = _answer_events(redis, keys, session.id, answer_id, "0-0", settings, metrics, first=started)
+        events = _answer_events(redis, keys, session.id, answer_id, "0-0", settings, metrics, first=started, leaving_cancels=True)
         return sse.response(events, headers={"Location": location})
     wait_s = settings.ask_timeout_s if body.wait_s is None else min(body.wait_s, settings.ask_timeout_s)
     try:
         async for item in answers.events(redis, keys, session.id, answer_id, wait_s):
+            if await request.is_disconnected():  # nobody will read the answer: the worker stops it
+                answers.cancel_soon(redis, keys, session.id, answer_id)
+                raise ApiError(499, "client_closed_request", "the client left; its answer was cancelled")
             if item is None:  # a keepalive: a blocking reply has nothing to send meanwhile
                 continue
             _, event = item
@@ -163,14 +166,15 @@ async def _nothing():
 
 
 async def submit(
-    redis, keys, session: SessionRecord, question: str, options: AskOptions, settings, metrics: GatewayMetrics, via: str
+    redis, keys, session: SessionRecord, question: str, options: AskOptions, settings, metrics: GatewayMetrics, via: str,
+    after_media: str | None = None,
 ) -> str:
     """Queue a question (asked via `rest`, `sse`, `socket` or `openai`) with its length and
-    sampling; its answer id. 429 when the session's question backlog is full; 404 when it is
-    gone, 409 when it failed."""
+    sampling, and on a socket the media entry it follows; its answer id. 429 when the session's
+    question backlog is full; 404 when it is gone, 409 when it failed."""
     try:
         answer_id = await answers.submit(
-            redis, keys, session, question, options.answer_tokens, options.sampling(), settings.session_ttl_s
+            redis, keys, session, question, options.answer_tokens, options.sampling(), settings.session_ttl_s, after_media
         )
     except answers.QuestionsBacklogFull as err:
         raise ApiError(429, "too_many_questions", "too many unanswered questions on this session") from err
@@ -183,24 +187,34 @@ async def submit(
 
 
 async def _answer_events(
-    redis, keys, session_id: str, answer_id: str, since: str, settings, metrics: GatewayMetrics, first: str | None = None
+    redis, keys, session_id: str, answer_id: str, since: str, settings, metrics: GatewayMetrics, first: str | None = None,
+    leaving_cancels: bool = False,
 ):
-    if first:
-        yield first
+    """The answer's events as Server-Sent Events; with `leaving_cancels` (the asking request), a
+    client that leaves before the final event cancels the answer."""
+    over = False  # the final event came, or the gateway stopped waiting for it
     try:
+        if first:
+            yield first
         async for item in answers.events(redis, keys, session_id, answer_id, settings.ask_timeout_s, since):
             if item is None:
                 yield sse.KEEPALIVE
                 continue
             event_id, event = item
             if isinstance(event, DoneEvent):
+                over = True
                 metrics.answered(event)
                 yield sse.frame("done", event.answered(answer_id).model_dump(mode="json"), event_id)
             elif isinstance(event, ErrorEvent):
+                over = True
                 metrics.answers.labels("error").inc()
                 yield sse.frame("error", {"code": event.code, "message": event.message}, event_id)
             else:
                 yield sse.frame("token", {"text": event.text}, event_id)
     except answers.AnswerTimeout:
+        over = True
         message = f"no answer within {settings.ask_timeout_s} s; resume at {_answer_url(session_id, answer_id)}"
         yield sse.frame("error", {"code": "answer_timeout", "message": message})
+    finally:
+        if leaving_cancels and not over:  # the client left (the response was cancelled, or closed)
+            answers.cancel_soon(redis, keys, session_id, answer_id)

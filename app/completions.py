@@ -10,10 +10,11 @@ Errors on these routes take OpenAI's shape (app/errors.py).
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -211,16 +212,19 @@ async def list_models(store: Store, settings: Settings) -> ModelCards:
     },
 )
 async def chat_completions(
-    body: ChatCompletionRequest, session: CompletionSession, redis: RedisDep, keys: KeysDep, settings: Settings,
-    metrics: Metrics,
+    body: ChatCompletionRequest, session: CompletionSession, request: Request, redis: RedisDep, keys: KeysDep,
+    settings: Settings, metrics: Metrics,
 ) -> ChatCompletion:
     """Answer the last user message about the session's video so far, as OpenAI's chat
-    completions API does: one JSON completion, or with `stream` its chunks as Server-Sent Events."""
+    completions API does: one JSON completion, or with `stream` its chunks as Server-Sent Events.
+    A client that leaves before the answer is done cancels it."""
     try:
         options = body.options()
     except ValidationError as err:
         first = err.errors()[0]
         param = str(first["loc"][0]) if first["loc"] else None
+        if param == "max_tokens" and body.max_completion_tokens is not None:
+            param = "max_completion_tokens"  # the one that counted
         raise ApiError(400, "invalid_value", f"{param}: {first['msg']}" if param else first["msg"], param=param) from err
     if session.state == SessionState.ERROR:
         raise ApiError(409, "session_error", f"the session failed: {session.error}")
@@ -233,10 +237,14 @@ async def chat_completions(
         raise refusal(first)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _chunks(first, events, f"chatcmpl-{answer_id}", created, name, usage, metrics)
+        leave = partial(answers.cancel_soon, redis, keys, session.id, answer_id)
+        chunks = _chunks(first, events, f"chatcmpl-{answer_id}", created, name, usage, metrics, leave)
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     text, done = [], first
     while not isinstance(done, DoneEvent):
+        if await request.is_disconnected():  # nobody will read the answer: the worker stops it
+            answers.cancel_soon(redis, keys, session.id, answer_id)
+            raise ApiError(499, "client_closed_request", "the client left; its answer was cancelled")
         text.append(done.text)
         done = await _next_event(events, settings.ask_timeout_s, answer_id)
         if isinstance(done, ErrorEvent):
@@ -264,10 +272,11 @@ async def _next_event(events: AsyncIterator, timeout_s: float, answer_id: str) -
 
 async def _chunks(
     first: TokenEvent | DoneEvent, events: AsyncIterator, completion_id: str, created: int, model: str,
-    include_usage: bool, metrics: GatewayMetrics,
+    include_usage: bool, metrics: GatewayMetrics, leave: Callable[[], None],
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk` events: the role, a delta per piece of text, the finish reason
-    (with `usage`), with `include_usage` a usage-only chunk, then `[DONE]`."""
+    (with `usage`), with `include_usage` a usage-only chunk, then `[DONE]`. A client that leaves
+    before the final event calls `leave` (which cancels the answer)."""
 
     def chunk(choices: list[dict], **extra) -> str:
         body = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -277,10 +286,12 @@ async def _chunks(
     def delta(content: dict, finish_reason: str | None = None) -> list[dict]:
         return [{"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}]
 
-    yield chunk(delta({"role": "assistant", "content": ""}))
-    event = first
+    event, over = first, False  # over: the final event came, or the gateway stopped waiting for it
     try:
+        yield chunk(delta({"role": "assistant", "content": ""}))
         while True:
+            if isinstance(event, (DoneEvent, ErrorEvent)):
+                over = True
             if isinstance(event, DoneEvent):
                 metrics.answered(event)
                 usage = _usage(event).model_dump()
@@ -298,11 +309,16 @@ async def _chunks(
                 yield chunk(delta({"content": event.text}))
             item = await anext(events, _END)
             if item is _END:
+                over = True
                 yield _error_data("answer_incomplete", "the answer stream ended without a final record")
                 break
             event = None if item is None else item[1]
     except AnswerTimeout:
+        over = True
         yield _error_data("answer_timeout", "no answer in time")
+    finally:
+        if not over:  # the client left (the response was cancelled, or closed)
+            leave()
     yield "data: [DONE]\n\n"
 
 

@@ -230,7 +230,7 @@ class SessionStore:
             asked, *(key for key in self.keys.session_data(session.id) if key != asked),
             self.keys.streamer(session.id), self.keys.lease(session.id),
         ]
-        await self._delete(keys=keys, args=[self.keys.answer(session.id, "")])
+        await self._delete(keys=keys, args=[self.keys.answer(session.id, ""), self.keys.cancel(session.id, "")])
         await leave(self.redis, self.keys, session.id, session.model)
 
     async def upload(

@@ -147,6 +147,10 @@ class StreamConnection:
         self._inbox_bytes = 0
         self._inbox_drained = asyncio.Event()
         self._paused = False  # a `backpressure` event told the client to stop
+        self._media_received = 0  # media messages (and `end`) taken from the client, in order
+        self._media_forwarded = 0  # of them, those the forwarder is done with
+        self._media_moved = asyncio.Event()  # set when it is done with one
+        self._last_media: str | None = None  # the id of the last media entry this socket added
         self._sent_while_paused = 0
         self._ended = False
         self._send_lock = asyncio.Lock()
@@ -316,6 +320,7 @@ class StreamConnection:
                 self._inbox_bytes += len(data)
                 self.metrics.stream_bytes.inc(len(data))
                 await self._inbox.put(data)
+                self._media_received += 1
             else:
                 await self._control(message.get("text") or "")
 
@@ -328,6 +333,7 @@ class StreamConnection:
         if kind == "end" and message == {"type": "end"} and self.format:
             self._ended = True
             await self._inbox.put(_END)
+            self._media_received += 1
         elif kind == "ask":
             try:
                 question = AskMessage.model_validate(message)
@@ -339,19 +345,23 @@ class StreamConnection:
                 busy = f"this socket has {MAX_ASKING} questions unanswered; wait for one"
                 await self.send(AnswerErrorEvent(ref=question.ref, code="too_many_questions", message=busy))
                 return
-            task = asyncio.create_task(self._answer(question))
+            task = asyncio.create_task(self._answer(question, self._media_received))
             self._asking.add(task)
             task.add_done_callback(self._asking.discard)
         else:
             usage = '{"type": "ask", "question": "..."}' + (' or {"type": "end"}' if self.format else "")
             await self.send(MediaErrorEvent(code="bad_message", message=f"text messages: {usage}"))
 
-    async def _answer(self, question: AskMessage) -> None:
-        """Ask, then send the answer's events as they come."""
-        ref, answer_id = question.ref, None
+    async def _answer(self, question: AskMessage, media_before: int) -> None:
+        """Ask, once the `media_before` media messages the client sent before the question are in
+        the media stream (the worker starts it once they are in the cache), then send the answer's
+        events as they come. A socket that closes before the final event cancels the answer."""
+        ref, answer_id, over = question.ref, None, False  # over: the final event came, or the gateway stopped waiting
         try:
+            after_media = await self._media_sent(media_before)
             answer_id = await submit(
                 self.redis, self.keys, self.record, question.question, question, self.settings, self.metrics, "socket",
+                after_media,
             )
             await self.send(AnswerStartedEvent(answer_id=answer_id, ref=ref))
             async for item in answers.events(self.redis, self.keys, self.session_id, answer_id, self.settings.ask_timeout_s):
@@ -361,14 +371,17 @@ class StreamConnection:
                 if event.type == "token":
                     await self.send(AnswerTokenEvent(answer_id=answer_id, ref=ref, text=event.text))
                 elif event.type == "done":
+                    over = True
                     self.metrics.answered(event)
                     await self.send(AnswerDoneEvent.of(event.answered(answer_id), ref))
                 else:
+                    over = True
                     self.metrics.answers.labels("error").inc()
                     await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code=event.code, message=event.message))
         except ApiError as err:
             await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code=err.code, message=err.message))
         except answers.AnswerTimeout:
+            over = True
             message = f"no answer within {self.settings.ask_timeout_s} s"
             await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code="answer_timeout", message=message))
         except (WebSocketDisconnect, RuntimeError) as err:
@@ -382,6 +395,17 @@ class StreamConnection:
                 code, message = "internal_error", "the gateway failed; the error is in its log"
             with contextlib.suppress(Exception):  # the socket may be gone too
                 await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code=code, message=message))
+        finally:
+            if answer_id is not None and not over:  # the socket closed (or failed) before the answer was done
+                answers.cancel_soon(self.redis, self.keys, self.session_id, answer_id)
+
+    async def _media_sent(self, count: int) -> str | None:
+        """Wait until the first `count` media messages taken from the client are in the session's
+        media stream; the id of the last entry the socket added (None: none yet)."""
+        while self._media_forwarded < count and not self._stopping:
+            self._media_moved.clear()
+            await self._media_moved.wait()
+        return self._last_media
 
     async def _forward(self) -> None:
         """Inbox to the media stream, waiting while the worker's backlog is full; returns once
@@ -392,10 +416,12 @@ class StreamConnection:
                 return
             if item is _END:
                 await self._add(MediaEntry(MediaKind.END))
-                continue
-            await self._forward_media(item)
-            self._inbox_bytes -= len(item)
-            self._inbox_drained.set()
+            else:
+                await self._forward_media(item)
+                self._inbox_bytes -= len(item)
+                self._inbox_drained.set()
+            self._media_forwarded += 1
+            self._media_moved.set()
 
     async def _forward_media(self, message: bytes) -> None:
         if self.format == "frames":
@@ -450,6 +476,8 @@ class StreamConnection:
             "" if offset is None else offset, *pairs,
         ]
         added, woke = await self._add_entry(keys=keys, args=args)
+        if isinstance(added, bytes):  # added: its entry's id
+            self._last_media, added = added.decode(), 1
         if woke:
             await enqueue(self.redis, self.keys, self.session_id, self.record.model, now)
         if added == 1:

@@ -4,6 +4,9 @@ left behind.
 
 An answer's events go to its own stream by a script that adds each at its index once, so a
 step retried after Redis failed, or a worker that takes a session over, never sends one twice.
+The same script finds an answer whose client left (its cancel mark, set by the gateway): the
+answer stops at that token, its turn still closed in the cache, and ends with a `done` event whose
+`finish_reason` is `cancelled`; a question cancelled before it began is not begun.
 """
 
 import logging
@@ -21,9 +24,12 @@ from worker.capacity import Counters
 from worker.decode import INTERNAL
 from worker.hosted import Hosted
 from worker.records import RecordWriter, progress
+from worker.scheduler import entry_time
 from worker.threads import Threads
 
 log = logging.getLogger(__name__)
+
+GONE, PUBLISHED, CANCELLED = 0, 1, 2  # what publishing an answer event found (PUBLISH_ANSWER_LUA)
 
 
 def engine_sampling(options: protocol.Sampling) -> Sampling:
@@ -56,8 +62,8 @@ class AnswerRun:
             self.text.append(piece)
             self.outbox.append(TokenEvent(text=piece))
 
-    def done(self, engine: Session) -> DoneEvent:
-        """The final event, once the engine's iterator has ended."""
+    def done(self, engine: Session, cancelled: bool = False) -> DoneEvent:
+        """The final event, once the engine's iterator has ended (or was closed: `cancelled`)."""
         finished_at = time.time()
         stats = engine.stats()
         return DoneEvent(
@@ -65,7 +71,7 @@ class AnswerRun:
             tokens=self.pieces.tokens,
             evidence=[Evidence(time_s=e.time_s, weight=e.weight) for e in self.pieces.evidence],
             recalled_s=self.pieces.recalled_s,
-            finish_reason=self.pieces.finish_reason,
+            finish_reason="cancelled" if cancelled else self.pieces.finish_reason,
             prompt_tokens=self.pieces.prompt_tokens,
             video_time_s=stats.video_time_s,
             cache_tokens=stats.cache_tokens,
@@ -135,10 +141,26 @@ class Answering:
                 hosted.answer = run
                 await self._send(session_id, hosted, piece)
 
+    async def queue(self, session_id: str, hosted: Hosted, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """A question read joins its session's queue. One asked on a stream socket after media
+        waits for that media, unless the media entry is gone already (in the cache of the worker
+        that held the session before: it is acknowledged only once a snapshot holds it)."""
+        hosted.questions.append((entry_id, fields))
+        try:
+            after = Question.model_validate_json(fields[b"m"]).after_media
+        except (KeyError, TypeError, ValueError):
+            return  # dropped when its turn comes
+        if after is None:
+            return
+        if entry_time(after) > hosted.media_read and not await self.redis.xrange(self.keys.media(session_id), after, after, 1):
+            return
+        hosted.wait_for_media(entry_id, after)
+
     async def _take_question(self, session_id: str, hosted: Hosted) -> tuple[bytes, Question, str] | None:
         """The session's next question, to be started: (entry id, question, answer stream); None
         when it was refused or needs no answer (each such is acknowledged)."""
         entry_id, fields = hosted.questions.popleft()
+        hosted.waits.pop(entry_id, None)
         questions = self.keys.questions(session_id)
         try:
             question = Question.model_validate_json(fields[b"m"])
@@ -147,9 +169,21 @@ class Answering:
             await self.records.consume(questions, entry_id)
             return None
         stream = self.keys.answer(session_id, question.answer_id)
-        if await self.redis.xlen(stream):  # the same question twice (a retried submit): answered once
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(stream)
+            pipe.exists(self.keys.cancel(session_id, question.answer_id))
+            events, cancelled = await pipe.execute()
+        if events:  # the same question twice (a retried submit): answered once
             log.warning("session %s: answer %s already has events; not answering again", session_id, question.answer_id)
             await self.records.consume(questions, entry_id)
+            return None
+        if cancelled:  # its client left before it began
+            stats = hosted.engine.stats()
+            done = DoneEvent(
+                answer="", tokens=0, finish_reason="cancelled", video_time_s=stats.video_time_s,
+                cache_tokens=stats.cache_tokens, worker_ms=0.0,
+            )
+            await self._refuse(session_id, entry_id, stream, done)
             return None
         if hosted.failed:
             await self._refuse(session_id, entry_id, stream, ErrorEvent(code="session_error", message=hosted.error))
@@ -214,25 +248,37 @@ class Answering:
             await self._publish_event(session_id, stream, ErrorEvent(code="session_reset", message=message), len(events))
             await self.records.consume(questions, entry_id)
         else:
-            hosted.questions.append((entry_id, fields))
+            await self.queue(session_id, hosted, entry_id, fields)
 
     async def _send(self, session_id: str, hosted: Hosted, piece: str | None) -> None:
-        """Send a generated piece (None: the answer is over). A session found gone stops here."""
+        """Send a generated piece (None: the answer is over). A session found gone, or an answer
+        found cancelled, stops here."""
         run = hosted.answer
         run.add(piece or "")
+        cancel = self.keys.cancel(session_id, run.question.answer_id)
         while run.outbox:
-            if not await self._publish_event(session_id, run.stream, run.outbox[0], run.published):
+            published = await self._publish_event(session_id, run.stream, run.outbox[0], run.published, cancel)
+            if published == GONE:
                 await self.cancel(session_id, hosted)  # deleted: nobody will read on
                 hosted.lost = True
+                return
+            if published == CANCELLED:
+                await self._finish(session_id, hosted, cancelled=True)
                 return
             run.outbox.pop(0)
             run.published += 1
         if piece is None:
             await self._finish(session_id, hosted)
 
-    async def _finish(self, session_id: str, hosted: Hosted) -> None:
+    async def _finish(self, session_id: str, hosted: Hosted, cancelled: bool = False) -> None:
+        """The answer's final event; a `cancelled` answer's engine answer is closed first (its
+        turn ends in the cache), and the pieces not sent are left out of its text."""
         run = hosted.answer
-        if not await self._publish_event(session_id, run.stream, run.done(hosted.engine), run.published):  # Redis failing: tried again
+        if cancelled:
+            await self.threads.engine(run.pieces.close)
+            del run.text[len(run.text) - len(run.outbox) :]
+            run.outbox.clear()
+        if not await self._publish_event(session_id, run.stream, run.done(hosted.engine, cancelled), run.published):  # Redis failing: tried again
             hosted.lost = True  # deleted meanwhile
         hosted.answer = None
         hosted.changed = True
@@ -247,13 +293,17 @@ class Answering:
         await self.records.set(session_id, **progress(hosted.engine))
         await self.records.report_memory(session_id, hosted, force=True)
 
-    async def _refuse(self, session_id: str, entry_id: bytes, stream: str, error: ErrorEvent) -> None:
-        await self._publish_event(session_id, stream, error, 0)
+    async def _refuse(self, session_id: str, entry_id: bytes, stream: str, final: ErrorEvent | DoneEvent) -> None:
+        """Answer a question that is not begun with its one final event."""
+        await self._publish_event(session_id, stream, final, 0)
         await self.records.consume(self.keys.questions(session_id), entry_id)
 
-    async def _publish_event(self, session_id: str, stream: str, event: TokenEvent | DoneEvent | ErrorEvent, index: int) -> bool:
-        """Add an answer's `index`-th event (from 0); False when the session is gone."""
+    async def _publish_event(
+        self, session_id: str, stream: str, event: TokenEvent | DoneEvent | ErrorEvent, index: int, cancel: str | None = None
+    ) -> int:
+        """Add an answer's `index`-th event (from 0): PUBLISHED, GONE when the session is gone,
+        CANCELLED (nothing added) when the answer's `cancel` mark is set."""
         document = AnswerEnvelope(event=event).model_dump_json()
-        keys = [self.keys.session(session_id), stream]
+        keys = [self.keys.session(session_id), stream, *([cancel] if cancel else [])]
         args = [document, protocol.ANSWER_MAXLEN, protocol.ANSWER_TTL_S, index]
-        return bool(await self._publish(keys=keys, args=args))
+        return int(await self._publish(keys=keys, args=args))

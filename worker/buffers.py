@@ -105,6 +105,7 @@ class FrameQueue:
         self.capacity = capacity
         self.max_lag_s = max_lag_s
         self.dropped = 0  # frames dropped as late, ever
+        self.queued = 0  # frames queued, ever (those taken or dropped: queued - len)
         self._clock = clock
         self._frames: deque[tuple[Frame, float]] = deque()  # (frame, due wall time)
         self._start: tuple[float, float] | None = None  # (wall time, video time) of the clock's start
@@ -136,6 +137,7 @@ class FrameQueue:
                 self._start = (self._clock(), frame.time_s)
             start_wall, start_t = self._start
             self._frames.append((frame, start_wall + frame.time_s - start_t))
+            self.queued += 1
             return True
 
     def take(self, count: int) -> tuple[list[Frame], float]:

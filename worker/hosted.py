@@ -4,6 +4,11 @@ The media's phase is a state machine (`Phase`, its legal moves in `MOVES`); the 
 view, finer than the record's `SessionState` that clients read. The lease (`lease_until`,
 `lost`) and the bookkeeping marks (`changed`, `memory_stale`, `orphaned`) are not phases: they
 hold in any phase.
+
+A question asked on a stream socket after media carries the id of the last media entry that
+socket added (`Question.after_media`): it waits (`MediaWait`) until the worker has handed that
+entry to the ingest and the frames the ingest had queued by then are taken into the cache (or
+dropped); a failed session, or an ingest closed meanwhile, ends the wait.
 """
 
 from __future__ import annotations
@@ -22,6 +27,16 @@ from worker.scheduler import entry_time
 
 if TYPE_CHECKING:
     from worker.answering import AnswerRun  # which needs this module
+
+
+@dataclass
+class MediaWait:
+    """What a question asked after media waits for: its media entry, until this worker hands
+    it to the session's ingest; then that ingest's frames queued by then (`Ingest.frames_queued`)."""
+
+    entry: tuple[int, int] | None  # the media entry (ms, seq), until taken in
+    ingest: Ingest | None = None
+    frames: int = 0
 
 
 class Phase(StrEnum):
@@ -76,6 +91,8 @@ class Hosted:
     memory_stale: bool = False  # the cache changed after it
     snapshot_at: float = field(default_factory=time.monotonic)
     questions: deque[tuple[bytes, dict[bytes, bytes]]] = field(default_factory=deque)  # read, not started
+    waits: dict[bytes, MediaWait] = field(default_factory=dict)  # of those questions, the ones asked after media not yet in
+    media_read: tuple[int, int] = (0, 0)  # the last media entry (ms, seq) handed to its ingest
     answer: AnswerRun | None = None  # the answer under way
     batch: asyncio.Future | None = None  # an upload's next frames, being decoded on the decode thread
     active_at: float = field(default_factory=time.monotonic)  # its last question, media or step
@@ -114,9 +131,39 @@ class Hosted:
 
     @property
     def next_question_at(self) -> tuple[int, int] | None:
-        if self.held and self.answer is None and self.questions:
+        if self.held and self.answer is None and self.questions and self.media_in(self.questions[0][0]):
             return entry_time(self.questions[0][0])
         return None
+
+    def wait_for_media(self, question_id: bytes, media_id: str) -> None:
+        """The question `question_id` starts once media entry `media_id` is in the cache."""
+        self.waits[question_id] = MediaWait(entry_time(media_id))
+        self._taken_in()
+
+    def took_media(self, entry_id: bytes) -> None:
+        """A media entry went to the ingest: the questions that wait for it (or an earlier one)
+        now wait for the frames queued so far."""
+        self.media_read = max(self.media_read, entry_time(entry_id))
+        self._taken_in()
+
+    def _taken_in(self) -> None:
+        for wait in self.waits.values():
+            if wait.entry is not None and wait.entry <= self.media_read:
+                wait.entry, wait.ingest = None, self.ingest
+                wait.frames = self.ingest.frames_queued if self.ingest is not None else 0
+
+    def media_in(self, question_id: bytes) -> bool:
+        """Whether the media the question waits for (if any) is in the cache, or never will be."""
+        wait = self.waits.get(question_id)
+        if wait is None or self.failed:
+            return True
+        if wait.entry is not None:
+            return False
+        ingest = wait.ingest
+        if ingest is None or ingest is not self.ingest:  # closed since: its frames are gone
+            return True
+        queued = ingest.frames_queued  # before the backlog: a frame queued in between is counted as waiting
+        return queued - ingest.backlog >= wait.frames
 
     @property
     def answering(self) -> bool:

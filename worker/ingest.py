@@ -76,6 +76,10 @@ class Ingest(Protocol):
         """Frames received and waiting to be taken (in no snapshot yet)."""
 
     @property
+    def frames_queued(self) -> int:
+        """Frames queued for the engine, ever: those taken or dropped are `frames_queued - backlog`."""
+
+    @property
     def dropped(self) -> int:
         """Frames dropped so far because the engine fell behind."""
 
@@ -130,6 +134,10 @@ class _LiveIngest:
     @property
     def backlog(self) -> int:
         return len(self.queue)
+
+    @property
+    def frames_queued(self) -> int:
+        return self.queue.queued
 
     @property
     def settling(self) -> bool:

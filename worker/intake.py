@@ -129,6 +129,8 @@ class MediaIntake:
             log.exception("session %s: receiving media failed", session_id)
             await self.records.consume(media, entry_id)
             await self.fail(session_id, hosted, f"receiving media failed {INTERNAL}")
+        finally:
+            hosted.took_media(entry_id)  # questions asked after it now wait for its frames
 
     async def _connect(self, session_id: str, hosted: Hosted, media_format: str, connection: str) -> None:
         """A stream socket connected: keep the session's live ingest (a reconnection) or open one."""

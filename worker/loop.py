@@ -187,7 +187,7 @@ class Worker:
             known = hosted.holding() if seen else set()
             for entry_id, fields in entries.get(self.keys.questions(session_id), []):
                 if entry_id not in known:
-                    hosted.questions.append((entry_id, fields))
+                    await self.answering.queue(session_id, hosted, entry_id, fields)
                     hosted.active_at = now
             for entry_id, fields in entries.get(self.keys.media(session_id), []):
                 if entry_id in known:

@@ -16,10 +16,12 @@ otherwise answers and frames take turns (an `answer` step, then an `ingest` step
 have work), and within each kind the sessions take turns after those that ran last, so that
 past `batch_sessions` every session's turn comes within ceil(sessions / batch_sessions) steps
 of its kind. A session does one thing at a time, its questions in order and before its media
-(frames never enter the cache in the middle of an answer). So a question read by the worker
-waits for the step running when it came and for the starts of questions read before it, never
-for another session's whole answer or whole video; and an answer's next token waits for at
-most one `ingest` step and the starts of new questions.
+(frames never enter the cache in the middle of an answer); a question asked on a stream socket
+after media is not ready (`next_question_at` is None) until that media is in the cache, and its
+session's `ingest` steps go on meanwhile. So a question read by the worker waits for the step
+running when it came and for the starts of questions read before it, never for another
+session's whole answer or whole video; and an answer's next token waits for at most one
+`ingest` step and the starts of new questions.
 """
 
 from collections.abc import Mapping

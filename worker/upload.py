@@ -18,6 +18,7 @@ class UploadIngest:
     connection = ""  # an upload's media is not a stream socket's
     frames_block = True  # `next_frames` decodes the file
     backlog = 0  # frames are decoded when taken: none wait
+    frames_queued = 0
     dropped = 0
 
     def __init__(self, spool_path: Path, fps: float, max_side: int, max_bytes: int) -> None:

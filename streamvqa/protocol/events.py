@@ -34,6 +34,9 @@ class Question(BaseModel):
     max_new_tokens: int
     asked_at: float | None = None  # unix time the gateway received it; answer times count from it
     sampling: Sampling = Field(default_factory=Sampling)  # absent (older gateways): greedy
+    # asked on a stream socket after media: the id of the last media entry that socket added
+    # before it; the worker starts the question once that media is in the cache
+    after_media: str | None = Field(None, pattern=r"^\d{1,20}-\d{1,20}$")
 
 
 class TokenEvent(BaseModel):
@@ -59,8 +62,9 @@ class Answer(BaseModel):
     recalled_s: list[int] = Field(
         [], description="With recall: whole seconds of video whose tokens the answer brought back from the host tier."
     )
-    finish_reason: Literal["stop", "length"] = Field(
-        "stop", description="stop: the model ended its answer, or a stop string came; length: it reached max_new_tokens."
+    finish_reason: Literal["stop", "length", "cancelled"] = Field(
+        "stop", description="stop: the model ended its answer, or a stop string came; length: it reached max_new_tokens; "
+        "cancelled: the client that asked left before the answer was done (its text is what came until then).",
     )
     video_time_s: float = Field(description="Video time of the last frame the answer could see.")
     cache_tokens: int = Field(description="KV cache tokens when the answer finished.")

@@ -127,6 +127,10 @@ class Keys:
     def answer(self, session_id: str, answer_id: str) -> str:
         return self._of(session_id, f"answer:{answer_id}")
 
+    def cancel(self, session_id: str, answer_id: str) -> str:
+        """Set when the client that asked left: the answer stops at its next token."""
+        return self._of(session_id, f"cancel:{answer_id}")
+
     def owner(self, owner: str) -> str:
         """The sessions created with one API key (or from one address, without keys)."""
         return f"{self.prefix}owner:{owner}"

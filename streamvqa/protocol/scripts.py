@@ -83,10 +83,10 @@ for i = 1, #ARGV, 2 do
 end
 return dropped
 """
-# Deletes a session with every answer it was asked, at once. KEYS = the session's keys (the
-# asked set first); ARGV = the answer keys' prefix.
+# Deletes a session with every answer it was asked (and their cancel marks), at once. KEYS = the
+# session's keys (the asked set first); ARGV = the answer keys' prefix, the cancel marks' prefix.
 DELETE_SESSION_LUA = """
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do redis.call('DEL', ARGV[1] .. id) end
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do redis.call('DEL', ARGV[1] .. id, ARGV[2] .. id) end
 return redis.call('DEL', unpack(KEYS))
 """
 
@@ -181,10 +181,10 @@ return 0
 # a frame sent again after a reconnection, is found there and not added twice. KEYS = hash, media
 # stream, streamer key; ARGV = MAXLEN, stream bytes to count, this connection, a frame's time
 # ('' for none), the time, the offset ('' for none), then the entry's field, value pairs.
-# Returns {1 (added, or found added), 0 for a frame not after the last one, -1 when the session
-# is gone (nothing outlives a session), -2 when it failed, -3 when another connection took the
-# stream over, -4 when bytes before these are missing (Redis lost them: the client sends on from
-# `bytes_received`); 1 when the session must be queued for a worker}.
+# Returns {the new entry's id (a string), 1 when found added, 0 for a frame not after the last
+# one, -1 when the session is gone (nothing outlives a session), -2 when it failed, -3 when
+# another connection took the stream over, -4 when bytes before these are missing (Redis lost
+# them: the client sends on from `bytes_received`); 1 when the session must be queued for a worker}.
 ADD_STREAM_ENTRY_LUA = waking("""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'state') == 'error' then return -2 end
@@ -196,11 +196,11 @@ if ARGV[6] ~= '' then
   if received > tonumber(ARGV[6]) then return 1 end
   if received < tonumber(ARGV[6]) then return -4 end
 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 7))
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 7))
 if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[1], 'stream_bytes', ARGV[2]) end
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'last_frame_s', ARGV[4]) end
 wake(KEYS[1], ARGV[5])
-return 1
+return id
 """)
 # Counts a socket among its session's open sockets, unless ARGV[3] are open. KEYS[1] = the
 # session's sockets (a sorted set: connection id -> expiry, ms); ARGV = connection id, TTL (ms),
@@ -217,6 +217,15 @@ return 1
 
 
 # -- a session's questions (the gateway) -----------------------------------------------------------
+
+# Marks an answer cancelled (its client left) while the session lives: the worker stops it at its
+# next token, or skips the question if it has not begun. KEYS = the hash, the cancel mark; ARGV =
+# TTL (s). Returns 1 when marked, 0 when the session is gone.
+CANCEL_ANSWER_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[1])
+return 1
+"""
 
 # Queues a question unless ARGV[1] already wait, records its id, and marks the session to be
 # brought back to a worker if it left its worker idle. KEYS = the question stream, the session's
@@ -344,11 +353,13 @@ return 1
 """
 # Adds an answer event while the session lives (a deleted session's answers are not brought
 # back, and its answer stops), once: the event is the answer's ARGV[4]-th (from 0), and a call
-# retried after its reply was lost finds it there. KEYS = the hash, the answer stream; ARGV =
-# the event, MAXLEN, TTL (s), its index. Returns 0 when the session is gone.
+# retried after its reply was lost finds it there. KEYS = the hash, the answer stream, and for a
+# token its cancel mark; ARGV = the event, MAXLEN, TTL (s), its index. Returns 1 when added (or
+# found added), 0 when the session is gone, 2 when the answer was cancelled (nothing added).
 PUBLISH_ANSWER_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if redis.call('XLEN', KEYS[2]) > tonumber(ARGV[4]) then return 1 end
+if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then return 2 end
 redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], '*', 'm', ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1

@@ -287,6 +287,22 @@ def test_a_question_on_the_stream_socket_is_answered_there(client):
     socket.close()
 
 
+def test_a_question_sent_right_after_frames_sees_every_one_of_them(client):
+    client.create(fps=1)
+    socket = StreamSocket(client, "frames")
+    sent = 0
+    for round_frames, ref in [(5, "first"), (2, "second")]:
+        for _ in range(round_frames):  # no waiting for the frames: the question comes right behind them
+            socket.send(timed_jpeg(float(sent), sent))
+            sent += 1
+        socket.send(json.dumps({"type": "ask", "question": "What now?", "max_new_tokens": 2, "ref": ref}))
+        done = socket.wait_for(lambda e: e["type"] in ("answer_done", "answer_error") and e["ref"] == ref)
+        assert done["type"] == "answer_done", done  # not `no_video`
+        assert done["video_time_s"] == sent - 1  # the last frame sent before it, at 4 s, then at 6 s
+    assert client.get().json()["frames_ingested"] == 7
+    socket.close()
+
+
 def test_a_socket_without_a_format_watches_another_sockets_stream_and_asks(client):
     client.create(fps=1)
     watcher = StreamSocket(client, None)
