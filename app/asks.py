@@ -15,7 +15,7 @@ from app.deps import AuthorizedSession, KeysDep, Metrics, RedisDep, Settings
 from app.errors import ApiError, ErrorBody
 from app.metrics import GatewayMetrics
 from streamvqa import protocol
-from streamvqa.protocol import MAX_QUESTION_CHARS, Answer, AskOptions, DoneEvent, ErrorEvent, SessionRecord, SessionState
+from streamvqa.protocol import Answer, AskOptions, DoneEvent, ErrorEvent, QuestionText, SessionRecord, SessionState
 
 router = APIRouter(tags=["questions"])
 ANSWER_ID = re.compile(r"[0-9a-f]{32}")
@@ -37,10 +37,10 @@ class AskRequest(AskOptions):
         },
     )
 
-    question: str = Field(min_length=1, max_length=MAX_QUESTION_CHARS)
-    stream: bool = Field(False, description="Stream the answer as Server-Sent Events.")
+    question: QuestionText
+    stream: bool = Field(False, strict=True, description="Stream the answer as Server-Sent Events.")
     wait_s: float | None = Field(
-        None, ge=0, le=300,
+        None, ge=0, le=300, strict=True,
         description="Wait at most this long; an answer not done by then is 202 with its id, to fetch at "
         "`GET /sessions/{id}/answers/{answer_id}`. Without it, `ask` waits up to the gateway's ASK_TIMEOUT_S.",
     )

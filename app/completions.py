@@ -58,7 +58,9 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = Field(False, description="Send one more chunk, with `usage` and no choices, before [DONE].")
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = Field(False, strict=True, description="Send one more chunk, with `usage` and no choices, before [DONE].")
 
 
 class ChatCompletionRequest(BaseModel):
@@ -77,16 +79,18 @@ class ChatCompletionRequest(BaseModel):
     model: str | None = Field(
         None, max_length=200, description="Informative: the session's own model answers, and the reply names it."
     )
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, description="As `ask`'s (0 to 2, 0 greedy); default 0.")
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    temperature: float | None = Field(None, strict=True, description="As `ask`'s (0 to 2, 0 greedy); default 0.")
+    top_p: float | None = Field(None, strict=True)
+    top_k: int | None = Field(None, strict=True)
+    seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
-    max_tokens: int | None = Field(None, description="The answer's most tokens (1 to 1024); default 64.")
-    max_completion_tokens: int | None = Field(None, description="The same as max_tokens.")
-    n: int = Field(1, ge=1, le=1, description="One choice per completion.")
+    max_tokens: int | None = Field(None, strict=True, description="The answer's most tokens (1 to 1024); default 64.")
+    max_completion_tokens: int | None = Field(
+        None, strict=True, description="The same as max_tokens (OpenAI's newer name); given both, this one counts."
+    )
+    n: int = Field(1, ge=1, le=1, strict=True, description="One choice per completion.")
     user: str | None = Field(None, max_length=200, description="Accepted and not used.")
 
     @field_validator("messages")
@@ -100,10 +104,12 @@ class ChatCompletionRequest(BaseModel):
         return messages
 
     def options(self) -> AskOptions:
-        """The question's length and sampling, checked as `ask` checks them (ValidationError)."""
+        """The question's length and sampling, checked as `ask` checks them (ValidationError);
+        `max_completion_tokens` counts over `max_tokens`, as in vLLM."""
+        length = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-            "stop": self.stop, "max_tokens": self.max_tokens if self.max_tokens is not None else self.max_completion_tokens,
+            "stop": self.stop, "max_tokens": length,
         }
         return AskOptions.model_validate({name: value for name, value in given.items() if value is not None})
 

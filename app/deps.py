@@ -7,6 +7,7 @@ pool, a hop that made `GET /sessions/{id}` measurably slower (docs/benchmarks.md
 import hmac
 import re
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from fastapi import Depends, Request
 from fastapi.requests import HTTPConnection
@@ -103,6 +104,43 @@ async def rate_limit(limiter: Limiter, caller: LimitedCaller, metrics: Metrics) 
 
 
 Caller = Annotated[str, Depends(api_caller)]
+
+
+async def metrics_reader(
+    settings: Settings, api_key: Annotated[str | None, Depends(_api_key)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """With API keys configured, `/metrics` needs one (unless METRICS_PUBLIC): as X-API-Key, or as
+    a bearer token, which is what Prometheus' `authorization` setting sends."""
+    if not settings.api_key_list or settings.metrics_public:
+        return
+    key = api_key if api_key is not None else credentials.credentials if credentials else None
+    if key is None:
+        raise ApiError(401, "api_key_required", "send an API key as the X-API-Key header or as a bearer token")
+    if not valid_api_key(settings, key):
+        raise ApiError(403, "api_key_invalid", "the API key is not valid")
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def origin_allowed(connection: HTTPConnection, settings: GatewaySettings) -> bool:
+    """Whether a socket's page may open it: no Origin (not a browser), the gateway's own origin
+    (the Origin's host and port are the Host header's), or one of CORS_ORIGINS."""
+    origin = connection.headers.get("origin")
+    if origin is None:
+        return True
+    allowed = settings.cors_origin_list
+    if "*" in allowed or origin.rstrip("/") in allowed:
+        return True
+    parts = urlsplit(origin)
+    try:
+        port = parts.port or DEFAULT_PORTS.get(parts.scheme)
+        host = urlsplit(f"//{connection.headers.get('host', '')}")
+        host_port = host.port or DEFAULT_PORTS.get(parts.scheme)
+    except ValueError:  # a port that is not a number
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.hostname, port) == (host.hostname, host_port)
 
 
 async def authorized_session(

@@ -16,6 +16,7 @@ from streamvqa.redis_client import UNAVAILABLE
 log = logging.getLogger(__name__)
 
 REDIS_UNREACHABLE = "Redis is unreachable (the gateway's log has the cause)"
+INVALID_BODY = "the body is not valid JSON (UTF-8)"
 
 
 class ErrorBody(BaseModel):
@@ -82,6 +83,7 @@ def _json(
     param: str | None = None, **extra,
 ) -> JSONResponse:
     if request.url.path.startswith(OPENAI_PREFIX):
+        status = 400 if status == 422 else status  # OpenAI answers a request it cannot take with 400
         error = {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": param, "code": code}
         return JSONResponse({"error": error}, status_code=status, headers=headers)
     return JSONResponse({"code": code, "message": message, **extra}, status_code=status, headers=headers)
@@ -92,6 +94,8 @@ async def _api_error(request: Request, err: ApiError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+    if any(_undecodable(e) for e in err.errors()):
+        return _json(request, 400, "invalid_body", INVALID_BODY)
     named = {(".".join(str(part) for part in e["loc"]), e["msg"]): None for e in err.errors()}  # each once
     fields = [{"field": field, "message": message} for field, message in named]
     message = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
@@ -102,9 +106,14 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
     return _json(request, 422, "invalid_request", message, fields=fields)
 
 
+def _undecodable(error: dict) -> bool:
+    """A body that is not JSON at all: not UTF-8 JSON text, or sent as another content type."""
+    return error["type"] == "json_invalid" or (tuple(error["loc"]) == ("body",) and isinstance(error.get("input"), bytes))
+
+
 async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
     code = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
-    message = "the body is not valid JSON (UTF-8)" if err.status_code == 400 else str(err.detail)
+    message = INVALID_BODY if err.status_code == 400 else str(err.detail)
     return _json(request, err.status_code, code, message, err.headers)
 
 

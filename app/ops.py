@@ -1,13 +1,14 @@
-"""Operations: liveness, readiness and Prometheus metrics (no session, no token)."""
+"""Operations: liveness, readiness and Prometheus metrics (no session, no token; with API keys,
+metrics need one unless METRICS_PUBLIC)."""
 
 import logging
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from app.deps import Metrics, RedisDep, Store
-from app.errors import REDIS_UNREACHABLE, ApiError, ErrorBody
+from app.deps import Metrics, RedisDep, Store, metrics_reader
+from app.errors import ERROR_RESPONSES, REDIS_UNREACHABLE, ApiError, ErrorBody
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["operations"])
@@ -40,8 +41,12 @@ async def readyz(store: Store) -> dict[str, str | int]:
     return {"status": "ready", "workers": len(alive)}
 
 
-@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+@router.get(
+    "/metrics", response_class=Response, dependencies=[Depends(metrics_reader)],
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, 401: ERROR_RESPONSES[401], 403: ERROR_RESPONSES[403]},
+)
 async def metrics(store: Store, gateway: Metrics) -> Response:
     """Prometheus text format: this gateway's requests, questions, answer latencies and stream
-    bytes, and every live worker's sessions, frames ingested, evictions, answers and ingest lag."""
+    bytes, and every live worker's sessions, frames ingested, evictions, answers and ingest lag.
+    With API_KEYS set, it needs a key (X-API-Key or a bearer token) unless METRICS_PUBLIC is true."""
     return Response(gateway.render(await store.live_workers(None)), media_type=CONTENT_TYPE_LATEST)

@@ -69,6 +69,11 @@ def _reason(err: ValueError) -> str:
     return str(err)
 
 
+def _invalid(field: str, model: str, err: ValueError) -> RequestValidationError:
+    """Options that do not fit the model: a 422 like any invalid field, naming `field`."""
+    return RequestValidationError([{"loc": ("body", field), "msg": f"{model}: {_reason(err)}", "type": "value_error"}])
+
+
 @router.post("/sessions", status_code=status.HTTP_201_CREATED)
 async def create_session(
     store: Store, settings: Settings, caller: Caller, metrics: Metrics, options: SessionOptions | None = None
@@ -87,8 +92,11 @@ async def create_session(
     try:
         options = options.within(context_tokens)
     except ValueError as err:  # a 422 like any invalid field, naming the model's limit
-        where = ("body", "budget_tokens" if options.budget_tokens is not None else "policy")
-        raise RequestValidationError([{"loc": where, "msg": f"{model}: {_reason(err)}", "type": "value_error"}]) from err
+        raise _invalid("budget_tokens" if options.budget_tokens is not None else "policy", model, err) from err
+    try:  # every worker of a model counts the same pins: the least is the safe side
+        options.check_pins(min(w.opening_tokens for w in workers), min(w.turn_marker_tokens for w in workers))
+    except ValueError as err:
+        raise _invalid("pin_turns", model, err) from err
     peak_tokens = options.peak_tokens(context_tokens)
     tier = f" and a {options.host_tokens}-token host tier" if options.recall else ""
     no_room = f"no worker serving {model!r} has room now for a cache of {peak_tokens} tokens at its peak{tier}"

@@ -62,7 +62,12 @@ class GatewaySettings(CommonSettings):
         64 * 1024, ge=1024, description="Largest request body, uploads excepted (those have MAX_UPLOAD_BYTES)."
     )
     cors_origins: str = Field(
-        "", description="Comma-separated origins allowed to call the API from a browser (`*` for any); none by default."
+        "", description="Comma-separated origins allowed to call the API from a browser (`*` for any); none by default. "
+        "A browser's socket is refused (close 4403) unless its Origin is the gateway's own or one of these.",
+    )
+    metrics_public: bool = Field(
+        False, description="With API_KEYS set, `/metrics` needs a key (X-API-Key, or as a bearer token) unless this is "
+        "true; without API_KEYS it is public.",
     )
 
     @property

@@ -27,7 +27,7 @@ from redis.asyncio import Redis
 
 from app import answers, backlog
 from app.asks import submit
-from app.deps import SESSION_ID, KeysDep, Limiter, LimitedCaller, Metrics, RedisDep, Settings, Store
+from app.deps import SESSION_ID, KeysDep, Limiter, LimitedCaller, Metrics, RedisDep, Settings, Store, origin_allowed
 from app.errors import ApiError
 from app.limits import MessageRate
 from app.metrics import GatewayMetrics
@@ -90,6 +90,10 @@ async def stream(
     await websocket.accept()
     state = websocket.app.state
     connection = StreamConnection(websocket, redis, keys, store, settings, metrics, session_id)
+    if not origin_allowed(websocket, settings):  # another site's page, which could use a token it found
+        origin = websocket.headers["origin"][:60]
+        await connection.close(CloseCode.FORBIDDEN_ORIGIN, f"a page of {origin} may not open sockets here (CORS_ORIGINS)")
+        return
     if state.stream_sockets >= settings.max_stream_sockets:
         await connection.close(CloseCode.TRY_AGAIN_LATER, "this gateway streams as many sockets as it may")
         return

@@ -28,6 +28,8 @@ export class Conversation {
     this.onFocus = onFocus;
     this.hint = form.querySelector(".hint");
     this.hintText = this.hint.textContent; // shown while questions may be asked
+    this.button = form.querySelector("button[type=submit]");
+    this.refused = false;
     this.session = null;
     this.streams = new Set();
     this.asked = 0;
@@ -35,6 +37,7 @@ export class Conversation {
       event.preventDefault();
       this.submit();
     });
+    input.addEventListener("input", () => this.enable());
     input.addEventListener("keydown", (event) => {
       if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
         event.preventDefault();
@@ -73,8 +76,14 @@ export class Conversation {
   refuse(reason) {
     this.hint.textContent = reason || this.hintText;
     this.hint.dataset.refused = String(Boolean(reason));
-    this.input.disabled = Boolean(reason);
-    this.form.querySelector("button[type=submit]").disabled = Boolean(reason);
+    this.refused = Boolean(reason);
+    this.input.disabled = this.refused;
+    this.enable();
+  }
+
+  /** Ask is enabled for a question with text in it (not only white space), when one may be asked. */
+  enable() {
+    this.button.disabled = this.refused || !this.input.value.trim();
   }
 
   async submit() {
@@ -82,6 +91,7 @@ export class Conversation {
     if (!question || !this.session) return;
     const session = this.session;
     this.input.value = "";
+    this.enable();
     const item = this.addItem(question);
     try {
       const { answerId, done } = await session.ask(question);

@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 PENDING_POLL_S = 0.1  # how often a busy worker looks for new sessions
 NO_ROOM_WAIT_S = 1.0  # after a session that did not fit, the pending queue waits this long
 
+
+class OptionsDoNotFit(Exception):
+    """A new session whose options the engine refuses for this worker's model."""
+
+
 Read = Callable[[dict[str, str], int, int | None], Awaitable[list]]
 
 
@@ -120,6 +125,11 @@ class Claims:
             hosted = await self._open(session_id, record)
         except FAILURES:
             raise
+        except OptionsDoNotFit as err:  # the client's options, not a fault: the session fails saying why
+            await self.leases.release(session_id)
+            await self.records.set(session_id, SessionState.ERROR, error=str(err))
+            log.info("session %s not opened: %s", session_id, err)
+            return
         except Exception:
             await self.leases.release(session_id)
             await self.records.set(session_id, SessionState.ERROR, error=f"the worker could not open it {INTERNAL}")
@@ -140,23 +150,29 @@ class Claims:
         """The session's engine and ingest: restored from its snapshot when it has one."""
         snapshot = await self.store.load(session_id)
         if snapshot is None:
-            config = SessionConfig(
-                policy=record.policy,
-                budget_tokens=record.budget_tokens,
-                policy_options=record.policy_options,
-                recall=record.recall,
-                pin_turns=record.pin_turns,
-                context_tokens=self.capacity.context_tokens,
-                peak_tokens=self.capacity.peak_tokens(record),
-                **({"host_budget_tokens": record.host_budget_tokens, "retrieval_tokens": record.retrieval_tokens} if record.recall else {}),
-                **({"system_prompt": record.system_prompt} if record.system_prompt else {}),
-            )
-            hosted = Hosted(record, await self.threads.engine(Session, self.model, config))
+            try:
+                hosted = Hosted(record, await self.threads.engine(Session, self.model, self._config(record)))
+            except ValueError as err:  # the engine's checks of the options against the model (pins, the opening)
+                raise OptionsDoNotFit(f"the session's options do not fit its model: {err}") from err
         else:
             log.info("session %s: restoring its snapshot of %d bytes", session_id, len(snapshot.engine))
             hosted = Hosted(record, await self.threads.engine(Session.restore, self.model, snapshot.engine))
         await self.intake.reopen(session_id, hosted, snapshot.ingest if snapshot is not None else None)
         return hosted
+
+    def _config(self, record: SessionRecord) -> SessionConfig:
+        """A new session's engine options, from its record."""
+        return SessionConfig(
+            policy=record.policy,
+            budget_tokens=record.budget_tokens,
+            policy_options=record.policy_options,
+            recall=record.recall,
+            pin_turns=record.pin_turns,
+            context_tokens=self.capacity.context_tokens,
+            peak_tokens=self.capacity.peak_tokens(record),
+            **({"host_budget_tokens": record.host_budget_tokens, "retrieval_tokens": record.retrieval_tokens} if record.recall else {}),
+            **({"system_prompt": record.system_prompt} if record.system_prompt else {}),
+        )
 
     async def _replay(self, session_id: str) -> None:
         """Finish what a dead worker had read but not finished: its questions (each answered once,

@@ -17,6 +17,7 @@ from streamvqa.pending import enqueue, leave
 from streamvqa.protocol import Keys, WorkerInfo, scripts
 from worker.capacity import Capacity, Counters
 from worker.hosted import Hosted
+from worker.pins import PinCosts
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ DEAD_WORKER_FORGET_S = 3600  # workers silent this long leave the registry
 class Leases:
     def __init__(
         self, redis: Redis, keys: Keys, worker_id: str, model: str, lease_ttl_s: float, max_sessions: int,
-        capacity: Capacity, counters: Counters,
+        capacity: Capacity, counters: Counters, pins: PinCosts,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -38,6 +39,7 @@ class Leases:
         self.max_sessions = max_sessions
         self.capacity = capacity
         self.counters = counters
+        self.pins = pins
         self._take = redis.register_script(scripts.TAKE_LEASE_LUA)
         self._renew = redis.register_script(scripts.RENEW_LEASE_LUA)
         self._release = redis.register_script(scripts.RELEASE_LUA)
@@ -108,6 +110,8 @@ class Leases:
             context_tokens=capacity.context_tokens,
             host_bytes_per_token=capacity.host_bytes_per_token,
             index_bytes_per_host_token=capacity.index_bytes_per_host_token,
+            opening_tokens=self.pins.opening_tokens,
+            turn_marker_tokens=self.pins.turn_marker_tokens,
             host_free_bytes=capacity.host_free_bytes(held),
             kv_memory=capacity.kv.setting.text,
             kv_memory_bytes=capacity.kv_memory_bytes,

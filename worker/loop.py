@@ -42,6 +42,7 @@ from worker.hosted import Hosted, Phase
 from worker.ingest import LiveLimits
 from worker.intake import MediaIntake
 from worker.leases import Leases
+from worker.pins import PinCosts
 from worker.records import RecordWriter
 from worker.scheduler import Scheduler, Step
 from worker.settings import WorkerSettings
@@ -99,7 +100,8 @@ class Worker:
             settings.snapshot_redis_max_bytes, settings.session_ttl_s,
         )
         self.leases = Leases(
-            redis, keys, self.id, model.name, settings.lease_ttl_s, settings.max_sessions, self.capacity, counters
+            redis, keys, self.id, model.name, settings.lease_ttl_s, settings.max_sessions, self.capacity, counters,
+            PinCosts.of(model),
         )
         self.records = records = RecordWriter(redis, keys, settings.session_ttl_s, threads)
         self.snapshots = Snapshots(self.store, records, threads, settings.snapshot_interval_s)

@@ -87,6 +87,7 @@ from streamvqa.protocol.options import (
     AskOptions,
     Policy,
     PolicyOptions,
+    QuestionText,
     Sampling,
     SessionOptions,
 )
@@ -111,7 +112,7 @@ __all__ = [
     "Answer", "AnswerDoneEvent", "AnswerEnvelope", "AnswerErrorEvent", "AnswerEvent", "AnswerStartedEvent", "AnswerTokenEvent",
     "AskMessage", "AskOptions", "BackpressureEvent", "CloseCode", "DoneEvent", "ErrorEvent", "EventEnvelope",
     "Evidence", "IngestEvent", "Keys", "MediaEntry", "MediaErrorEvent", "MediaKind", "MemoryReport", "MemorySpan",
-    "Policy", "PolicyOptions", "Question", "Sampling", "SessionEvent", "SessionOptions", "SessionRecord",
+    "Policy", "PolicyOptions", "Question", "QuestionText", "Sampling", "SessionEvent", "SessionOptions", "SessionRecord",
     "SessionState", "StartMessage", "StartedEvent", "StateEvent", "TokenEvent", "WarningEvent", "WorkerInfo",
     "check_transition", "frame_message", "parse_frame_header", "peak_cache_tokens", "reserved_device_bytes",
     "scripts", "session_peak_tokens", "to_hash",

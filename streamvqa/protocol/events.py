@@ -11,8 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from streamvqa.protocol.keys import MAX_QUESTION_CHARS
-from streamvqa.protocol.options import AskOptions, Sampling
+from streamvqa.protocol.options import AskOptions, QuestionText, Sampling
 from streamvqa.protocol.records import SessionState
 
 
@@ -23,6 +22,7 @@ class CloseCode(IntEnum):
     TRY_AGAIN_LATER = 1013  # the session's worker stopped reading the stream
     BAD_REQUEST = 4400  # no valid `start` message, or a message that breaks the protocol
     UNAUTHORIZED = 4401  # no token, or not this session's token
+    FORBIDDEN_ORIGIN = 4403  # a browser's page from an origin neither the gateway's own nor in CORS_ORIGINS
     NOT_FOUND = 4404  # no such session (or it expired)
     CONFLICT = 4409  # the session already has other media, or another socket streams into it
     TOO_MANY = 4429  # messages after a `backpressure` event, over the message rate, or sockets on the session
@@ -187,7 +187,7 @@ class AskMessage(AskOptions):
     """A question asked on a stream socket; its answer comes back as `answer_*` events."""
 
     type: Literal["ask"]
-    question: str = Field(min_length=1, max_length=MAX_QUESTION_CHARS)
+    question: QuestionText
     ref: str | None = Field(None, max_length=200, description="The client's own name for the question, echoed back.")
 
 

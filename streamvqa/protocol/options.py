@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from streamvqa.protocol.keys import (
     DEFAULT_BUDGET_TOKENS,
     HOST_BUDGET_MULTIPLE,
     MAX_ANSWER_TOKENS,
     MAX_HOST_BUDGET_TOKENS,
+    MAX_QUESTION_CHARS,
     MAX_SYSTEM_PROMPT_CHARS,
     PROMPT_RESERVE_TOKENS,
     session_peak_tokens,
@@ -27,17 +28,17 @@ class PolicyOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    sinks: int | None = Field(None, ge=0, le=1024, description="S: first tokens always kept (default 4).")
-    recent: int | None = Field(None, ge=0, le=65_536, description="R: latest tokens always kept (default 128; h2o: half the budget).")
+    sinks: int | None = Field(None, ge=0, le=1024, strict=True, description="S: first tokens always kept (default 4).")
+    recent: int | None = Field(None, ge=0, le=65_536, strict=True, description="R: latest tokens always kept (default 128; h2o: half the budget).")
     per_layer: bool | None = Field(
-        None, description="One selection per layer instead of one per KV head (default false; tova: true)."
+        None, strict=True, description="One selection per layer instead of one per KV head (default false; tova: true)."
     )
-    evict_on_question: bool | None = Field(None, description="Also evict right after a question, before answering.")
-    window: int | None = Field(None, ge=1, le=1024, description="infmllm, snapkv: the prompt's last queries that score the cache (default 32).")
-    beta: float | None = Field(None, ge=0, le=1000, description="infmllm: weight of the recency bias (default 0.5).")
+    evict_on_question: bool | None = Field(None, strict=True, description="Also evict right after a question, before answering.")
+    window: int | None = Field(None, ge=1, le=1024, strict=True, description="infmllm, snapkv: the prompt's last queries that score the cache (default 32).")
+    beta: float | None = Field(None, ge=0, le=1000, strict=True, description="infmllm: weight of the recency bias (default 0.5).")
     bias_shape: Literal["linear", "square"] | None = Field(None, description="infmllm: how the bias grows with recency.")
-    local_sum: int | None = Field(None, ge=1, le=63, description="infmllm: keys summed around each one, odd (default 5).")
-    kernel: int | None = Field(None, ge=1, le=63, description="snapkv: pooling width, odd (default 7).")
+    local_sum: int | None = Field(None, ge=1, le=63, strict=True, description="infmllm: keys summed around each one, odd (default 5).")
+    kernel: int | None = Field(None, ge=1, le=63, strict=True, description="snapkv: pooling width, odd (default 7).")
 
     @field_validator("local_sum", "kernel")
     @classmethod
@@ -79,7 +80,7 @@ class SessionOptions(BaseModel):
         },
     )
 
-    fps: float = Field(1.0, ge=0.1, le=4.0, description="Frames sampled per second of video.")
+    fps: float = Field(1.0, ge=0.1, le=4.0, strict=True, description="Frames sampled per second of video.")
     model: str | None = Field(
         None, min_length=1, max_length=200, description="Model name; the gateway's default when absent."
     )
@@ -89,7 +90,7 @@ class SessionOptions(BaseModel):
         "snapkv, tova, knorm, h2o, sliding (sinks and recent tokens), or full (no eviction: memory grows).",
     )
     budget_tokens: int | None = Field(
-        None, ge=256, le=1_000_000,
+        None, ge=256, le=1_000_000, strict=True,
         description=f"Tokens each cache layer keeps after an eviction; when absent {DEFAULT_BUDGET_TOKENS}, or the "
         "most the model's context leaves room for beside a prompt, an answer and the retrieval.",
     )
@@ -100,22 +101,22 @@ class SessionOptions(BaseModel):
         None, min_length=1, max_length=MAX_SYSTEM_PROMPT_CHARS, description="Replaces the model's default system prompt."
     )
     recall: bool = Field(
-        False,
+        False, strict=True,
         description="Keep what the cache evicts in a bounded host tier (CPU memory), and let each question "
         "bring back the parts of the past it needs for its answer. Needs a policy that evicts.",
     )
     host_budget_tokens: int | None = Field(
-        None, ge=32, le=MAX_HOST_BUDGET_TOKENS,
+        None, ge=32, le=MAX_HOST_BUDGET_TOKENS, strict=True,
         description=f"With recall: evicted tokens the host tier keeps, per layer (oldest and least recalled "
         f"pages go first); {HOST_BUDGET_MULTIPLE}x budget_tokens when absent.",
     )
     retrieval_tokens: int | None = Field(
-        None, ge=0, le=1_000_000,
+        None, ge=0, le=1_000_000, strict=True,
         description="With recall: host tokens one question brings back, per layer; half of budget_tokens when absent.",
     )
 
     pin_turns: int = Field(
-        0, ge=0, le=64,
+        0, ge=0, le=64, strict=True,
         description="Never evict the opening (system prompt) nor the markers that close the last this many "
         "questions and answers; 0: only the first and the latest tokens are kept for sure.",
     )
@@ -161,6 +162,25 @@ class SessionOptions(BaseModel):
         largest = (2 * room_tokens + 1) // 3  # half the budget is borrowed
         return largest - (largest + largest // 2 > room_tokens)
 
+    def check_pins(self, opening_tokens: int, turn_marker_tokens: int) -> None:
+        """A ValueError when what `pin_turns` pins leaves the policy no room in the budget beside
+        sinks and recent (the engine's rule, engine/session.py): the opening (`opening_tokens`,
+        with the model's default system prompt) and `turn_marker_tokens` for each pinned turn.
+        A system prompt of the session's own is counted as nothing here, for want of a
+        tokenizer: its worker counts it when it opens the session. 0: not known, not checked."""
+        if not self.pin_turns or self.policy == "full" or not turn_marker_tokens:
+            return
+        opening = opening_tokens if self.system_prompt is None else 0
+        pinned = opening + self.pin_turns * turn_marker_tokens
+        kept = _kept_tokens(self.policy, self.budget, self.policy_options)
+        if pinned + kept >= self.budget:
+            most = max(0, (self.budget - 1 - kept - opening) // turn_marker_tokens)
+            raise ValueError(
+                f"pin_turns {self.pin_turns} pins {pinned} tokens ({opening} of the opening, {turn_marker_tokens} "
+                f"for each turn): beside sinks and recent ({kept}), budget_tokens {self.budget} leaves room for "
+                f"pin_turns {most} at most"
+            )
+
     @property
     def budget(self) -> int:
         return self.budget_tokens if self.budget_tokens is not None else DEFAULT_BUDGET_TOKENS
@@ -194,13 +214,17 @@ class SessionOptions(BaseModel):
             takes = ", ".join(POLICY_KNOBS[policy]) or "none"
             raise ValueError(f"policy {policy!r} has no option {', '.join(foreign)} (it takes: {takes})")
         if budget is not None and policy != "full":
-            default_recent = budget // 2 if policy == "h2o" else DEFAULT_RECENT  # h2o: half the budget
-            kept = (options.sinks if options.sinks is not None else DEFAULT_SINKS) + (
-                options.recent if options.recent is not None else default_recent
-            )
+            kept = _kept_tokens(policy, budget, options)
             if budget <= kept:
                 raise ValueError(f"budget_tokens ({budget}) must exceed sinks + recent ({kept})")
         return options
+
+
+def _kept_tokens(policy: str, budget: int, options: PolicyOptions) -> int:
+    """Sinks and recent tokens, which a bounded policy always keeps (their defaults when unset)."""
+    default_recent = budget // 2 if policy == "h2o" else DEFAULT_RECENT  # h2o: half the budget
+    sinks = options.sinks if options.sinks is not None else DEFAULT_SINKS
+    return sinks + (options.recent if options.recent is not None else default_recent)
 
 
 # The engine's bounds (engine/sampling.py; tests/engine/test_sampling.py checks they agree).
@@ -217,16 +241,16 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     temperature: float = Field(
-        0.0, ge=0, le=MAX_TEMPERATURE,
+        0.0, ge=0, le=MAX_TEMPERATURE, strict=True,
         description="0: greedy, the most likely token each time (top_p, top_k and seed are then unused); "
         "higher draws more freely.",
     )
     top_p: float = Field(
-        1.0, gt=0, le=1, description="Draw among the fewest most likely tokens whose probabilities reach top_p."
+        1.0, gt=0, le=1, strict=True, description="Draw among the fewest most likely tokens whose probabilities reach top_p."
     )
-    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Draw among the k most likely tokens; 0: no such limit.")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, strict=True, description="Draw among the k most likely tokens; 0: no such limit.")
     seed: int | None = Field(
-        None, ge=0, le=MAX_SEED,
+        None, ge=0, le=MAX_SEED, strict=True,
         description="The same seed, question and cache give the same answer; without one each draw is fresh.",
     )
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
@@ -247,9 +271,11 @@ class Sampling(BaseModel):
 class AskOptions(Sampling):
     """What every way of asking takes besides the question: the answer's length and sampling."""
 
-    max_new_tokens: int = Field(64, ge=1, le=MAX_ANSWER_TOKENS, description="The most tokens the answer may have.")
+    max_new_tokens: int = Field(
+        64, ge=1, le=MAX_ANSWER_TOKENS, strict=True, description="The most tokens the answer may have."
+    )
     max_tokens: int | None = Field(
-        None, ge=1, le=MAX_ANSWER_TOKENS, description="The same as max_new_tokens (the name OpenAI's API uses)."
+        None, ge=1, le=MAX_ANSWER_TOKENS, strict=True, description="The same as max_new_tokens (the name OpenAI's API uses)."
     )
 
     @model_validator(mode="after")
@@ -261,3 +287,13 @@ class AskOptions(Sampling):
     @property
     def answer_tokens(self) -> int:
         return self.max_tokens if self.max_tokens is not None else self.max_new_tokens
+
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("the question has no text: only white space")
+    return text
+
+
+# A question, however it is asked: 1 to MAX_QUESTION_CHARS characters, not all of them white space.
+QuestionText = Annotated[str, Field(min_length=1, max_length=MAX_QUESTION_CHARS), AfterValidator(_not_blank)]

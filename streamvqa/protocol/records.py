@@ -196,6 +196,9 @@ class WorkerInfo(BaseModel):
     ram_free_bytes: int = 0
     default_sessions: int = 0  # sessions of the default budget its cache memory holds
     memory_warning: str | None = None  # set while that is under 2
+    # what `pin_turns` pins on its model (SessionOptions.check_pins; 0: unknown)
+    opening_tokens: int = 0  # the opening, with the model's default system prompt
+    turn_marker_tokens: int = 0  # the markers closing one question and its answer
     # counters since the worker started, and its live sessions' ingest lag, for GET /metrics
     frames_ingested: int = 0
     evictions: int = 0

@@ -127,6 +127,67 @@ def test_an_empty_or_overlong_question_is_422(client):
     assert client.ask("ok", max_new_tokens=0).status_code == 422
 
 
+def test_loose_types_and_a_blank_question_are_422_naming_the_field(client):
+    loose = client.http.post("/sessions", json={"pin_turns": True, "budget_tokens": "1024", "recall": 1})
+    assert loose.status_code == 422
+    assert {f["field"] for f in loose.json()["fields"]} == {"body.pin_turns", "body.budget_tokens", "body.recall"}
+    assert client.create().status_code == 201
+    for body, field in (
+        ({"question": "What?", "stream": "yes"}, "body.stream"),
+        ({"question": "What?", "max_new_tokens": 2.0}, "body.max_new_tokens"),
+        ({"question": "What?", "temperature": "0.5"}, "body.temperature"),
+        ({"question": " \n\t "}, "body.question"),
+    ):
+        reply = client.http.post(f"/sessions/{client.id}/ask", json=body, headers=client.auth)
+        assert reply.status_code == 422, body
+        assert [f["field"] for f in reply.json()["fields"]] == [field], body
+    blank = client.ask("   ")
+    assert blank.json()["message"] == "body.question: Value error, the question has no text: only white space"
+
+
+def test_a_body_that_is_not_json_is_400_invalid_body(client):
+    assert client.create().status_code == 201
+    for path, headers in (("/sessions", {}), (f"/sessions/{client.id}/ask", client.auth)):
+        for content_type in ("application/json", "text/plain"):
+            reply = client.http.post(path, content=b"question: what?", headers={**headers, "Content-Type": content_type})
+            assert (reply.status_code, reply.json()) == (
+                400, {"code": "invalid_body", "message": "the body is not valid JSON (UTF-8)"}
+            ), (path, content_type)
+    completion = client.http.post(
+        "/v1/chat/completions", content=b"{'messages': []}", headers={**client.auth, "Content-Type": "application/json"}
+    )
+    assert (completion.status_code, completion.json()) == (400, {"error": {
+        "message": "the body is not valid JSON (UTF-8)", "type": "invalid_request_error", "param": None,
+        "code": "invalid_body",
+    }})
+
+
+def test_pin_turns_that_cannot_fit_the_budget_are_422_at_creation(client):
+    # the tiny model pins 149 tokens of opening and 21 a turn; sinks and recent keep 4 + 128
+    reply = client.http.post("/sessions", json={"pin_turns": 64, "budget_tokens": 256})
+    assert reply.status_code == 422
+    assert [f["field"] for f in reply.json()["fields"]] == ["body.pin_turns"]
+    assert reply.json()["fields"][0]["message"] == (
+        "tiny-random-llava: pin_turns 64 pins 1493 tokens (149 of the opening, 21 for each turn): beside sinks and "
+        "recent (132), budget_tokens 256 leaves room for pin_turns 0 at most"
+    )
+    one_over = client.http.post("/sessions", json={"pin_turns": 36, "budget_tokens": 1024})
+    assert one_over.status_code == 422
+    assert "leaves room for pin_turns 35 at most" in one_over.json()["message"]
+    assert client.create(pin_turns=35, budget_tokens=1024).status_code == 201
+    session = client.wait_for_state("ready", "error")
+    assert (session["state"], session["pin_turns"]) == ("ready", 35)  # the worker's engine agrees: it fits
+
+
+def test_a_session_whose_own_system_prompt_leaves_its_pins_no_room_fails_saying_why(client):
+    # the gateway cannot count a system prompt's tokens: the worker finds that 400 more leave no room
+    assert client.create(pin_turns=35, budget_tokens=1024, system_prompt="Be brief. " * 40).status_code == 201
+    session = client.wait_for_state("error", "ready")
+    assert session["state"] == "error"
+    assert session["error"].startswith("the session's options do not fit its model: pin_turns (35) pins ")
+    assert "fault of the worker" not in session["error"]
+
+
 def test_the_dashboard_is_served_at_root(stack):
     reply = httpx.get(f"{stack.url}/")
     assert reply.status_code == 200

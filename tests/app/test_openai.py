@@ -129,6 +129,45 @@ def test_a_bad_request_is_400_in_openais_shape(stack, session):
     assert (missing.value.body["param"], missing.value.body["message"]) == ("session_id", "body.session_id: Field required")
 
 
+def test_loose_options_are_400_and_max_completion_tokens_counts_over_max_tokens(stack, session):
+    def post(**body) -> httpx.Response:
+        body = {"session_id": session.id, "messages": [{"role": "user", "content": QUESTION}], **body}
+        return httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=session.auth, timeout=60)
+
+    for body, param in (
+        ({"stream": "yes"}, "stream"),
+        ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats"),
+        ({"stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"messages": [{"role": "user", "content": "  \n "}]}, "messages"),
+    ):
+        reply = post(**body)
+        assert reply.status_code == 400, body
+        assert (reply.json()["error"]["code"], reply.json()["error"]["param"]) == ("invalid_request", param), body
+    # given both, max_completion_tokens (OpenAI's newer name) is the one that counts
+    over = post(max_tokens=4, max_completion_tokens=5000)
+    assert over.status_code == 400
+    assert over.json()["error"] == {
+        "message": "max_completion_tokens: Input should be less than or equal to 1024", "type": "invalid_request_error",
+        "param": "max_completion_tokens", "code": "invalid_value",
+    }
+    within = post(max_tokens=5000, max_completion_tokens=2)
+    assert within.status_code == 200 and within.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_a_question_over_the_token_limit_is_400_on_v1_as_openai_answers(stack, session):
+    reply = httpx.post(
+        f"{stack.url}/v1/chat/completions", headers=session.auth, timeout=60,
+        json={"session_id": session.id, "messages": [{"role": "user", "content": "x" * 1500}], "max_tokens": 2},
+    )
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert (error["code"], error["type"]) == ("question_too_long", "invalid_request_error")
+    assert "at most 1024" in error["message"]
+
+
 def test_a_wrong_token_an_unknown_session_and_no_video_are_openai_errors(stack, session):
     messages = [{"role": "user", "content": QUESTION}]
     stranger = OpenAI(base_url=f"{stack.url}/v1", api_key="not-the-token", max_retries=0)

@@ -129,6 +129,44 @@ def test_only_configured_origins_may_call_from_a_browser(guarded):
     assert "access-control-allow-origin" not in refused.headers
 
 
+def test_a_browser_socket_from_a_page_of_another_origin_is_closed_with_4403(guarded, users):
+    a, _ = users
+    url = f"ws://127.0.0.1:{guarded.port}/sessions/{a.id}/stream"
+    start = json.dumps({"type": "start", "format": None})
+
+    def first_event(origin: str | None) -> tuple[str | None, int | None, str]:
+        with ws_connect(url, origin=origin, additional_headers=a.auth, open_timeout=10) as socket:
+            try:
+                socket.send(start)
+                return json.loads(socket.recv(timeout=10))["type"], None, ""
+            except ConnectionClosed as closed:
+                return None, closed.rcvd.code, closed.rcvd.reason
+
+    assert first_event("https://evil.example") == (
+        None, 4403, "a page of https://evil.example may not open sockets here (CORS_ORIGINS)"
+    )
+    assert first_event("http://127.0.0.1:1")[1] == 4403  # the gateway's host, another port
+    assert first_event("https://dash.example") == ("started", None, "")  # in CORS_ORIGINS
+    assert first_event(f"http://127.0.0.1:{guarded.port}") == ("started", None, "")  # the gateway's own page
+    assert first_event(None) == ("started", None, "")  # not a browser
+
+
+def test_with_api_keys_metrics_need_a_key(guarded):
+    missing = httpx.get(f"{guarded.url}/metrics")
+    assert (missing.status_code, missing.json()["code"]) == (401, "api_key_required")
+    wrong = httpx.get(f"{guarded.url}/metrics", headers={"X-API-Key": "key-c-guessed"})
+    assert (wrong.status_code, wrong.json()["code"]) == (403, "api_key_invalid")
+    for headers in ({"X-API-Key": KEY_A}, {"Authorization": f"Bearer {KEY_B}"}):  # Prometheus sends a bearer token
+        reply = httpx.get(f"{guarded.url}/metrics", headers=headers)
+        assert reply.status_code == 200 and "streamvqa_gateway_sessions_created_total" in reply.text
+
+
+def test_metrics_public_opens_metrics_beside_api_keys(redis_url, tmp_path):
+    with running_stack(redis_url, tmp_path, API_KEYS=KEY_A, METRICS_PUBLIC="true") as stack:
+        assert httpx.get(f"{stack.url}/metrics").status_code == 200
+        assert httpx.get(f"{stack.url}/sessions").status_code == 401  # the rest still needs a key
+
+
 def test_a_session_has_at_most_max_sockets_per_session(users):
     a, _ = users
     first, second = StreamSocket(a, "frames"), StreamSocket(a, None)

@@ -167,6 +167,10 @@ def test_a_file_is_uploaded_ingested_previewed_and_asked_about(page):
     assert page.locator("#timeline .span[data-held='all']").count() == 10
 
     assert page.text_content("#ask-hint") == "Enter to send · Shift+Enter for a new line"
+    page.fill("#question", " \n ")  # only white space: nothing to ask
+    assert page.is_disabled("#ask-form button[type=submit]")
+    page.fill("#question", "What?")
+    assert page.is_enabled("#ask-form button[type=submit]")
     item = ask(page, "What is happening?")
     assert item.locator(".meta").text_content().startswith("at 9.0 s of video")
     page.wait_for_selector("#timeline .span[data-evidence]", state="attached")
