@@ -15,7 +15,8 @@ loopback. Clients use either gateway and move to the other when theirs is down:
   gone): then the stream counts as failed and stops;
 - uploaders: create a session, upload a generated 6-s video, wait until it is ingested, ask two
   questions, delete it; again and again;
-- one idle session, asked now and then (it leaves its worker in between: IDLE_RELEASE_S=20).
+- one idle session, shown one frame, then asked now and then (it leaves its worker in between:
+  IDLE_RELEASE_S=20).
 
 Every `--fault-every` seconds (0.5x to 1.5x, at random), once the last fault has been recovered
 from, one of `--faults`: kill -9 a worker, a gateway or Redis, restarted 1 to 3 s later (Redis
@@ -298,6 +299,22 @@ async def _failed(api: Api, session: tuple[str, str], tally: Tally) -> bool:
     return False
 
 
+async def _show_frame(api: Api, session: tuple[str, str]) -> None:
+    """One frame into the session, over a `frames` socket, and wait until it is in the cache."""
+    sid, token = session
+    url = api.urls[api.at].replace("http://", "ws://") + f"/sessions/{sid}/stream?token={token}"
+    async with websockets.connect(url, max_size=None, open_timeout=10) as socket:
+        await socket.send(json.dumps({"type": "start", "format": "frames"}))
+        await socket.send(frame_message(0.0, _jpeg(0)))
+        await socket.send(json.dumps({"type": "end"}))
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            async for message in socket:
+                event = json.loads(message)
+                if (event.get("type"), event.get("state")) == ("state", "ingested"):
+                    return
+    raise OSError("the idle session's frame was not ingested")
+
+
 async def _drain(socket) -> None:
     """Read (and drop) the socket's events, so that the gateway never waits on this client."""
     async for _ in socket:
@@ -392,6 +409,7 @@ async def _run(deployment: Deployment, args: argparse.Namespace, tally: Tally) -
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as http:
         apis = [Api(http, deployment.urls, random.Random(args.seed + i)) for i in range(args.streamers + args.uploaders + 2)]
         idle = await apis[-1].create(fps=1.0)
+        await _show_frame(apis[-1], idle)  # a question needs video to be about
         streamers = [asyncio.create_task(_streamer(apis[i], tally, stop, random.Random(i))) for i in range(args.streamers)]
         while len(tally.streams) < args.streamers:  # their sessions exist
             await asyncio.sleep(0.1)
@@ -506,6 +524,7 @@ async def _frames(store: aioredis.Redis, prefix: str, tally: Tally) -> None:
                 events[event.frames] = event.times
         times = [t for batch in events.values() for t in batch]
         counted = int(await store.hget(f"{prefix}session:{{{sid}}}", "frames_ingested") or 0)
+        frames["dropped"] += int(await store.hget(f"{prefix}session:{{{sid}}}", "frames_dropped") or 0)  # the worker's live bound
         frames["sent"] += len(sent)
         frames["ingested"] += counted
         frames["duplicated"] += max(0, counted - len(set(times)))  # in the cache more than once

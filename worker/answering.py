@@ -291,6 +291,14 @@ class Answering:
         hosted.host_bytes = stats.host_bytes
         await self.records.consume(self.keys.questions(session_id), run.entry_id)
         await self.records.set(session_id, **progress(hosted.engine))
+        if hosted.engine.context_full and not hosted.record.context_full:  # answers filled a cache that does not evict
+            hosted.record.context_full = True
+            message = (
+                f"the cache holds {stats.cache_tokens} of the model's {hosted.engine.context_tokens}-token context after "
+                f"an answer, the rest kept for questions: later frames are not taken; ask about what it holds, or use a "
+                f"policy that evicts"
+            )
+            await self.records.warn(session_id, hosted, "context_full", message, context_full=True)
         await self.records.report_memory(session_id, hosted, force=True)
 
     async def _refuse(self, session_id: str, entry_id: bytes, stream: str, final: ErrorEvent | DoneEvent) -> None:

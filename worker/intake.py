@@ -237,15 +237,7 @@ class MediaIntake:
         """The cache reached the model's context: later frames are not taken (said once)."""
         hosted.record.context_full = True
         message = f"{err}: later frames are not taken; ask about what it holds, or use a policy that evicts"
-        await self._warn(session_id, hosted, "context_full", message, context_full=True)
-
-    async def _warn(self, session_id: str, hosted: Hosted, code: str, message: str, **fields: object) -> None:
-        """A warning the session keeps (its record's `warnings`, with `fields`) and sends as an
-        event; said once."""
-        if hosted.record.warn(code, message):
-            warnings = [warning.model_dump() for warning in hosted.record.warnings]
-            await self.records.set(session_id, warnings=warnings, **fields)
-            await self.records.event(session_id, WarningEvent(code=code, message=message))
+        await self.records.warn(session_id, hosted, "context_full", message, context_full=True)
 
     # -- ends ----------------------------------------------------------------------------------
 
@@ -280,7 +272,7 @@ class MediaIntake:
                     f"download or copy that stopped part-way): {stats.frames} frames were ingested, up to "
                     f"{stats.video_time_s:.1f} s; upload the whole file to a new session for the rest"
                 )
-                await self._warn(session_id, hosted, "truncated_media", message)
+                await self.records.warn(session_id, hosted, "truncated_media", message)
         else:
             hosted.move(Phase.SETTLED)
         if hosted.engine.stats().frames == 0:

@@ -61,6 +61,14 @@ class RecordWriter:
             pipe.expire(stream, self.ttl_s)
             await pipe.execute()
 
+    async def warn(self, session_id: str, hosted: Hosted, code: str, message: str, **fields: object) -> None:
+        """A warning the session keeps (its record's `warnings`, with `fields`) and sends as an
+        event; said once."""
+        if hosted.record.warn(code, message):
+            warnings = [warning.model_dump() for warning in hosted.record.warnings]
+            await self.set(session_id, warnings=warnings, **fields)
+            await self.event(session_id, WarningEvent(code=code, message=message))
+
     async def consume(self, stream: str, *entry_ids: bytes) -> None:
         """Acknowledge entries and delete them: done with."""
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -68,3 +68,28 @@ def test_a_full_session_stops_taking_frames_at_the_context_and_still_answers(sta
         "ask a shorter question, or start a session with a policy that evicts",
     }
     user.delete()
+
+
+# 149 tokens of opening and 2 frames of 23: 195 held; the question takes 19 and its turn 21, so an
+# answer could take 465: it leaves half (232, less than the 256 kept for questions) and takes 233
+HELD_TOKENS, LONG_ANSWER_TOKENS = 195, 233
+LONG_TURN_TOKENS = 19 + 13 + LONG_ANSWER_TOKENS + 8
+
+
+def test_a_long_answer_leaves_the_room_for_questions_and_the_session_says_it_is_full(stack):
+    user = Client(stack.url)
+    assert user.create(policy="full").status_code == 201
+    assert user.show_frames(2)["frames_ingested"] == 2
+    held = user.get().json()["cache_tokens"]
+    assert held == HELD_TOKENS
+    long = user.ask("Tell me everything.", max_new_tokens=1000)
+    assert long.status_code == 200
+    assert (long.json()["tokens"], long.json()["finish_reason"]) == (LONG_ANSWER_TOKENS, "length")
+    session = user.get().json()
+    assert (session["cache_tokens"], session["context_full"]) == (held + LONG_TURN_TOKENS, True)
+    assert [w["code"] for w in session["warnings"]] == ["context_full"]
+    assert session["warnings"][0]["message"].startswith(f"the cache holds {held + LONG_TURN_TOKENS} of the model's 700-token")
+    for _ in range(3):  # the room kept takes later questions
+        later = user.ask("And then?", max_new_tokens=8)
+        assert later.status_code == 200 and later.json()["tokens"] == 8
+    user.delete()
