@@ -95,6 +95,9 @@ async def cancel(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> N
     )
 
 
+LEAVE_CHECK_S = 1.0  # how often a request that waits for its answer checks that its client is still there
+
+
 def cancel_soon(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> None:
     """Cancel an answer whose client left, from a task of its own: the request's own task is
     being cancelled, and could await nothing more."""
@@ -139,13 +142,14 @@ async def asked_at(redis: Redis, keys: Keys, session_id: str, answer_id: str) ->
 
 
 async def events(
-    redis: Redis, keys: Keys, session_id: str, answer_id: str, timeout_s: float, since: str = "0-0"
+    redis: Redis, keys: Keys, session_id: str, answer_id: str, timeout_s: float, since: str = "0-0",
+    idle_s: float = sse.KEEPALIVE_S,
 ) -> AsyncIterator[tuple[str, TokenEvent | DoneEvent | ErrorEvent] | None]:
     """(entry id, event) in order after `since`, ending with the done or error event; None after
-    each sse.KEEPALIVE_S without one; AnswerTimeout after `timeout_s`."""
+    each `idle_s` without one; AnswerTimeout after `timeout_s`."""
     stream = keys.answer(session_id, answer_id)
     try:
-        async for item in tail(redis, stream, since, AnswerEnvelope, 256, sse.KEEPALIVE_S, timeout_s):
+        async for item in tail(redis, stream, since, AnswerEnvelope, 256, idle_s, timeout_s):
             yield item
             if item is not None and item[1].type != "token":
                 return

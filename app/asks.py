@@ -55,6 +55,14 @@ class AnswerPending(BaseModel):
 REFUSAL_STATUS = {"session_error": 409, "no_video": 409, "context_full": 409, "question_too_long": 422}  # a worker's error events, as HTTP statuses
 
 
+async def cancel_if_left(request: Request, redis: RedisDep, keys: KeysDep, session_id: str, answer_id: str) -> None:
+    """A blocking request whose client has left: its answer cancelled (the worker stops it, or
+    never begins it), and 499."""
+    if await request.is_disconnected():
+        answers.cancel_soon(redis, keys, session_id, answer_id)
+        raise ApiError(499, "client_closed_request", "the client left; its answer was cancelled")
+
+
 def refusal(error: ErrorEvent) -> ApiError:
     """A worker's refusal of a question (or failure while answering) as an HTTP error."""
     if error.code == "session_reset":  # its worker died or stopped while answering: ask again
@@ -92,10 +100,8 @@ async def ask(
         return sse.response(events, headers={"Location": location})
     wait_s = settings.ask_timeout_s if body.wait_s is None else min(body.wait_s, settings.ask_timeout_s)
     try:
-        async for item in answers.events(redis, keys, session.id, answer_id, wait_s):
-            if await request.is_disconnected():  # nobody will read the answer: the worker stops it
-                answers.cancel_soon(redis, keys, session.id, answer_id)
-                raise ApiError(499, "client_closed_request", "the client left; its answer was cancelled")
+        async for item in answers.events(redis, keys, session.id, answer_id, wait_s, idle_s=answers.LEAVE_CHECK_S):
+            await cancel_if_left(request, redis, keys, session.id, answer_id)  # at each keepalive too
             if item is None:  # a keepalive: a blocking reply has nothing to send meanwhile
                 continue
             _, event = item

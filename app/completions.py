@@ -10,7 +10,7 @@ Errors on these routes take OpenAI's shape (app/errors.py).
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Annotated, Literal
 
@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from app import answers
 from app.answers import AnswerTimeout
-from app.asks import refusal, submit
+from app.asks import cancel_if_left, refusal, submit
 from app.deps import SESSION_ID, KeysDep, Metrics, RedisDep, Settings, Store
 from app.errors import ApiError, openai_responses
 from app.metrics import GatewayMetrics
@@ -235,9 +235,10 @@ async def chat_completions(
     if session.state == SessionState.ERROR:
         raise ApiError(409, "session_error", f"the session failed: {session.error}")
     answer_id = await submit(redis, keys, session, body.messages[-1].text, options, settings, metrics, "openai")
-    events = answers.events(redis, keys, session.id, answer_id, settings.ask_timeout_s)
+    events = answers.events(redis, keys, session.id, answer_id, settings.ask_timeout_s, idle_s=answers.LEAVE_CHECK_S)
     created, name = int(time.time()), session.model
-    first = await _next_event(events, settings.ask_timeout_s, answer_id)  # a refusal is an error reply, not a failed stream
+    left = partial(cancel_if_left, request, redis, keys, session.id, answer_id)
+    first = await _next_event(events, settings.ask_timeout_s, answer_id, left)  # a refusal is an error reply, not a failed stream
     if isinstance(first, ErrorEvent):
         metrics.answers.labels("error").inc()
         raise refusal(first)
@@ -248,11 +249,8 @@ async def chat_completions(
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     text, done = [], first
     while not isinstance(done, DoneEvent):
-        if await request.is_disconnected():  # nobody will read the answer: the worker stops it
-            answers.cancel_soon(redis, keys, session.id, answer_id)
-            raise ApiError(499, "client_closed_request", "the client left; its answer was cancelled")
         text.append(done.text)
-        done = await _next_event(events, settings.ask_timeout_s, answer_id)
+        done = await _next_event(events, settings.ask_timeout_s, answer_id, left)
         if isinstance(done, ErrorEvent):
             metrics.answers.labels("error").inc()
             raise refusal(done)
@@ -265,10 +263,14 @@ async def chat_completions(
     )
 
 
-async def _next_event(events: AsyncIterator, timeout_s: float, answer_id: str) -> TokenEvent | DoneEvent | ErrorEvent:
-    """The answer's next event; 504 when none comes in time (keepalives are skipped)."""
+async def _next_event(
+    events: AsyncIterator, timeout_s: float, answer_id: str, left: Callable[[], Awaitable[None]]
+) -> TokenEvent | DoneEvent | ErrorEvent:
+    """The answer's next event; 504 when none comes in time; `left` (which raises 499 once the
+    client has left, its answer cancelled) awaited at every event and keepalive."""
     try:
         async for item in events:
+            await left()
             if item is not None:
                 return item[1]
     except AnswerTimeout as err:

@@ -65,7 +65,7 @@ class Room:
     def of(cls, workers: Iterable[WorkerInfo], peak_tokens: int, host_tokens: int) -> "Room":
         """The live workers of one model (which share its bytes per token) and a session's needs."""
         workers = list(workers)
-        known = all(w.kv_bytes_per_token for w in workers)
+        known = all(w.kv_bytes_per_token and w.kv_memory_bytes for w in workers)  # not a worker that offers no figure
         return cls(
             places=sum(w.max_sessions for w in workers),
             device_bytes=max(

@@ -285,9 +285,10 @@ class Session:
             markers = len(model.tokenize(model.chat.user_to_assistant)) + len(model.tokenize(model.chat.assistant_to_user))
             pinned = opening.tokens + self.config.pin_turns * markers
             if pinned + self.policy.sinks + self.policy.recent >= self.policy.budget_tokens:
+                kept = self.policy.sinks + self.policy.recent
                 raise ValueError(
-                    f"pin_turns ({self.config.pin_turns}) pins {pinned} tokens: with sinks and recent, "
-                    f"more than budget_tokens ({self.policy.budget_tokens}) leaves room for"
+                    f"pin_turns ({self.config.pin_turns}) pins {pinned} tokens: beside sinks and recent ({kept}), "
+                    f"budget_tokens ({self.policy.budget_tokens}) leaves no room for them"
                 )
             self.cache.pin(torch.arange(opening.tokens), self.config.pin_turns)
         self._make_room("the system prompt", opening.tokens)

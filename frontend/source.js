@@ -9,7 +9,7 @@ const MAX_BUFFERED_BYTES = 1024 * 1024; // unsent bytes on the socket past which
 const RECONNECT_MS = [1000, 2000, 4000, 8000];
 const END_WAIT_MS = 10000; // how long `stop` waits for the last frames to reach the cache
 // Close codes after which reconnecting cannot help (docs/streaming.md, "Close codes").
-const FINAL_CLOSES = new Set([1007, 1009, 4400, 4401, 4404, 4409]);
+const FINAL_CLOSES = new Set([1007, 1009, 4400, 4401, 4403, 4404, 4409]);
 
 const CLOSE_REASONS = {
   1006: "the connection to the server was lost",

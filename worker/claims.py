@@ -12,6 +12,7 @@ from redis.exceptions import ResponseError
 
 from engine import Model, Session, SessionConfig
 from streamvqa import protocol
+from streamvqa.pending import leave
 from streamvqa.protocol import Keys, SessionRecord, SessionState
 from streamvqa.redis_client import FAILURES
 from worker.answering import Answering
@@ -128,11 +129,13 @@ class Claims:
         except OptionsDoNotFit as err:  # the client's options, not a fault: the session fails saying why
             await self.leases.release(session_id)
             await self.records.set(session_id, SessionState.ERROR, error=str(err))
+            await leave(self.redis, self.keys, session_id, self.leases.model)  # its place and memory back at once
             log.info("session %s not opened: %s", session_id, err)
             return
         except Exception:
             await self.leases.release(session_id)
             await self.records.set(session_id, SessionState.ERROR, error=f"the worker could not open it {INTERNAL}")
+            await leave(self.redis, self.keys, session_id, self.leases.model)
             raise
         finally:
             self.claiming.discard(session_id)
@@ -188,12 +191,14 @@ class Claims:
                     hosted = self.sessions.get(session_id)
                     if hosted is None or not fields or (hosted.failed and handle == self.intake.receive):
                         await self.records.consume(stream, entry_id)  # gone, deleted after it was read, or media of a failed session
+                        if hosted is not None and handle == self.intake.receive:
+                            hosted.took_media(entry_id)  # a question that waits for it waits no more
                         continue
                     for _ in range(1000):  # the queue has room before the next entry
                         ingest = hosted.ingest
                         if ingest is None or ingest.frames_block or ingest.accepts_media:
                             break
-                        await self.intake.step(session_id, hosted)
+                        await self.intake.step([(session_id, hosted)])
                     await handle(session_id, hosted, entry_id, fields)
                 if start in (b"0-0", "0-0"):
                     break

@@ -196,6 +196,7 @@ class Worker:
                     continue
                 if not fields:  # deleted after it was read
                     await self.records.consume(self.keys.media(session_id), entry_id)
+                    hosted.took_media(entry_id)  # a question that waits for it waits no more
                     continue
                 await self.intake.receive(session_id, hosted, entry_id, fields)
 

@@ -11,6 +11,7 @@ from streamvqa.settings import CommonSettings
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 MEMORY_FORMAT = "`auto`, a share of the whole (`0.5`, `50%`), or bytes (`6000000`, `512MiB`, `8GiB`, `2GB`)"
+MIN_MEMORY_BYTES = 2**20  # less is a mistake (a share without its point, bytes without their unit)
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,15 @@ class MemorySize:
             raise ValueError(f"{text!r} is not {MEMORY_FORMAT}")
         number, unit = float(match[1]), match[2].lower()
         if unit == "%":
+            if not 0 < number <= 100:
+                raise ValueError(f"{text!r}: a share must be above 0% and at most 100%")
             number, unit = number / 100, ""
         if unit == "" and number <= 1:
             if number <= 0:
                 raise ValueError(f"{text!r}: a share must be above 0")
             return cls(text, share=number)
+        if number * UNITS[unit] < MIN_MEMORY_BYTES:  # "2" or "1.5": a share misread, or a unit left out
+            raise ValueError(f"{text!r} is under {MIN_MEMORY_BYTES} bytes: {MEMORY_FORMAT}")
         return cls(text, bytes=int(number * UNITS[unit]))
 
     def of(self, total_bytes: int, auto_share: float) -> int:

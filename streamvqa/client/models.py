@@ -19,6 +19,7 @@ CLOSE_CODES = {
     1013: "try_again_later",
     4400: "bad_request",
     4401: "unauthorized",
+    4403: "forbidden_origin",
     4404: "session_not_found",
     4409: "conflict",
     4429: "backpressure_ignored",

@@ -57,8 +57,9 @@ return 1
 # many sessions as the model's live workers may, or the memory they reserve and this session's
 # would pass what those workers offer. ARGV = the places, the session id, its entry, its device
 # bytes, its host bytes, the workers' device bytes, their host bytes (a limit below 0: not
-# known, not checked). Returns 1, 0 when no place is left, -1 when the device memory is
-# reserved, -2 when the host memory is.
+# known, not checked; a session that reserves none of a kind is not checked against it).
+# Returns 1, 0 when no place is left, -1 when the device memory is reserved, -2 when the host
+# memory is.
 TAKE_PLACE_LUA = """
 local admitted = redis.call('HVALS', KEYS[1])
 if #admitted >= tonumber(ARGV[1]) then return 0 end
@@ -67,8 +68,8 @@ for _, entry in ipairs(admitted) do
   local _, d, h = string.match(entry, '^(%S+) (%d+) (%d+)$')
   device, host = device + tonumber(d or '0'), host + tonumber(h or '0')
 end
-if tonumber(ARGV[6]) >= 0 and device > tonumber(ARGV[6]) then return -1 end
-if tonumber(ARGV[7]) >= 0 and host > tonumber(ARGV[7]) then return -2 end
+if tonumber(ARGV[4]) > 0 and tonumber(ARGV[6]) >= 0 and device > tonumber(ARGV[6]) then return -1 end
+if tonumber(ARGV[5]) > 0 and tonumber(ARGV[7]) >= 0 and host > tonumber(ARGV[7]) then return -2 end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 return 1
 """

@@ -118,3 +118,31 @@ def test_a_question_whose_client_left_before_it_began_is_never_begun(watching):
     assert (second_answer["status"], second_answer["result"]["finish_reason"]) == ("done", "cancelled")
     assert (second_answer["tokens"], second_answer["answer"]) == (0, "")
     _assert_cancelled(watching, first_id)
+
+
+def test_a_completion_whose_client_left_before_its_question_began_is_never_begun(watching):
+    url = f"/sessions/{watching.id}/ask"
+    first_body = {"question": "Describe everything.", "max_new_tokens": LONG_TOKENS, "stream": True}
+    body = {"session_id": watching.id, "messages": [{"role": "user", "content": "And then?"}], "max_tokens": LONG_TOKENS}
+    data = json.dumps(body).encode()
+    host, port = watching.http.base_url.host, watching.http.base_url.port
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {watching.token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    with watching.http.stream("POST", url, json=first_body, headers=watching.auth) as first:
+        first_events = sse_events(first)
+        first_id = next(first_events)["data"]["answer_id"]
+        assert next(first_events)["event"] == "token"  # the first answer is under way
+        with socket.create_connection((host, port)) as connection:
+            connection.sendall(head.encode() + data)  # queued behind it; then its client leaves
+            deadline = time.monotonic() + 30
+            while len(asked := watching.http.get(f"{url.removesuffix('/ask')}/answers", headers=watching.auth).json()["answers"]) < 2:
+                assert time.monotonic() < deadline, asked
+                time.sleep(0.05)
+        second_id = next(a["answer_id"] for a in asked if a["answer_id"] != first_id)
+        time.sleep(2 * 1.0)  # the gateway checks for its client every second; the first answer goes on
+    second = _final(watching, second_id)
+    assert (second["status"], second["result"]["finish_reason"]) == ("done", "cancelled")
+    assert (second["tokens"], second["answer"]) == (0, "")
+    _assert_cancelled(watching, first_id)

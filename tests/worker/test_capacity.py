@@ -38,7 +38,7 @@ def test_a_memory_setting_is_a_share_or_bytes(text, share, size):
     assert (MemorySize.parse(text).share, MemorySize.parse(text).bytes) == (share, size)
 
 
-@pytest.mark.parametrize("text", ["-1", "lots", "8XB", "0.0", ""])
+@pytest.mark.parametrize("text", ["-1", "lots", "8XB", "0.0", "", "150%", "2", "1.5", "64kB"])
 def test_a_memory_setting_that_is_neither_is_refused_at_start_up(text):
     with pytest.raises(ValueError, match="kv_memory"):
         WorkerSettings(kv_memory=text)
