@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from engine import Session
 from streamvqa.protocol import SessionRecord
-from worker.ingest import Ingest
+from worker.ingest import Batch, Ingest
 from worker.scheduler import entry_time
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ TAKES_MEDIA = frozenset({Phase.WAITING, Phase.UPLOADING, Phase.STREAMING, Phase.
 INGESTING = frozenset({Phase.UPLOADING, Phase.SAMPLING, Phase.STREAMING})  # its ingest has frames to come
 
 
+UNREPORTED_STEPS = 64
+
+
 @dataclass
 class Hosted:
     """A session this worker holds; `worker.scheduler.Work` for the scheduler."""
@@ -98,6 +101,9 @@ class Hosted:
     active_at: float = field(default_factory=time.monotonic)  # its last question, media or step
     media_at: float = field(default_factory=time.monotonic)  # its last media entry
     orphaned: bool = False  # its media connection is gone while its ingest waits for more (found by the heartbeat)
+    # its ingest steps not yet reported (their events, its record): (batch, frames appended); more
+    # than one only while Redis fails, and then only the last UNREPORTED_STEPS
+    reports: deque[tuple[Batch, int]] = field(default_factory=lambda: deque(maxlen=UNREPORTED_STEPS))
 
     def move(self, phase: Phase) -> None:
         """ValueError when `MOVES` does not allow it."""

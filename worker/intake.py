@@ -190,7 +190,18 @@ class MediaIntake:
                 hosted.lag_s = batch.lag_s
         for session_id, hosted, batch in taken:
             if not hosted.failed:
-                await self._report(session_id, hosted, batch, appended.get(session_id, 0))
+                hosted.reports.append((batch, appended.get(session_id, 0)))
+        for session_id, hosted, _ in taken:
+            await self._send_reports(session_id, hosted)
+
+    async def _send_reports(self, session_id: str, hosted: Hosted) -> None:
+        """The session's step reports not yet sent, oldest first: a Redis failure leaves the rest
+        for the next turn (`tend`), so that no ingest event is lost for frames in the cache."""
+        if hosted.failed or hosted.ingest is None:  # nothing more to say of its frames
+            hosted.reports.clear()
+        while hosted.reports:
+            await self._report(session_id, hosted, *hosted.reports[0])
+            hosted.reports.popleft()
 
     async def _take(self, session_id: str, hosted: Hosted) -> Batch | None:
         """The frames ready for the session's step (None: its ingest failed)."""
@@ -242,7 +253,9 @@ class MediaIntake:
     # -- ends ----------------------------------------------------------------------------------
 
     async def tend(self, session_id: str, hosted: Hosted) -> None:
-        """Between steps: a connection found gone handled, the end of the media noticed."""
+        """Between steps: reports a Redis failure held back sent, a connection found gone
+        handled, the end of the media noticed."""
+        await self._send_reports(session_id, hosted)
         if hosted.orphaned:
             await self._connection_lost(session_id, hosted)
         ingest = hosted.ingest
