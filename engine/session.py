@@ -277,13 +277,17 @@ class Answer(Iterator[str]):
         self._pieces.close()
 
 
+def turn_marker_tokens(model: Model) -> int:
+    """The markers closing one question and its answer: what `pin_turns` pins of each turn."""
+    return len(model.tokenize(model.chat.user_to_assistant)) + len(model.tokenize(model.chat.assistant_to_user))
+
+
 class Session:
     def __init__(self, model: Model, config: SessionConfig | None = None) -> None:
         self._setup(model, config or SessionConfig())
         opening = self._text(model.chat.open(self.config.system_prompt))
         if self.config.pin_turns and self.policy.evicts:
-            markers = len(model.tokenize(model.chat.user_to_assistant)) + len(model.tokenize(model.chat.assistant_to_user))
-            pinned = opening.tokens + self.config.pin_turns * markers
+            pinned = opening.tokens + self.config.pin_turns * turn_marker_tokens(model)
             if pinned + self.policy.sinks + self.policy.recent >= self.policy.budget_tokens:
                 kept = self.policy.sinks + self.policy.recent
                 raise ValueError(

@@ -5,7 +5,7 @@ than create one its worker cannot open."""
 from dataclasses import dataclass
 
 from engine import Model
-from engine.session import DEFAULT_SYSTEM_PROMPT
+from engine.session import DEFAULT_SYSTEM_PROMPT, turn_marker_tokens
 
 
 @dataclass(frozen=True)
@@ -15,9 +15,8 @@ class PinCosts:
 
     @classmethod
     def of(cls, model: Model) -> "PinCosts":
-        """The same counts the engine's session takes (engine/session.py, `Session.__init__`)."""
-        chat = model.chat
+        """The counts the engine's session takes (engine/session.py, `Session.__init__`)."""
         return cls(
-            opening_tokens=len(model.tokenize(chat.open(DEFAULT_SYSTEM_PROMPT))),
-            turn_marker_tokens=len(model.tokenize(chat.user_to_assistant)) + len(model.tokenize(chat.assistant_to_user)),
+            opening_tokens=len(model.tokenize(model.chat.open(DEFAULT_SYSTEM_PROMPT))),
+            turn_marker_tokens=turn_marker_tokens(model),
         )
