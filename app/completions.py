@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from app import answers
 from app.answers import AnswerTimeout
@@ -26,8 +26,7 @@ from app.deps import SESSION_ID, KeysDep, Metrics, RedisDep, Settings, Store
 from app.errors import ApiError, openai_responses
 from app.metrics import GatewayMetrics
 from streamvqa.protocol import (
-    MAX_QUESTION_CHARS, AskOptions, DoneEvent, ErrorEvent, Evidence, SessionRecord, SessionState,
-    TokenEvent,
+    AskOptions, DoneEvent, ErrorEvent, Evidence, QuestionText, SessionRecord, SessionState, TokenEvent,
 )
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -35,6 +34,7 @@ MAX_MESSAGES = 256
 MAX_CONTENT_PARTS = 64
 KEEPALIVE_EVENT = ": keepalive\n\n"
 _END = object()
+_QUESTION = TypeAdapter(QuestionText)
 _bearer = HTTPBearer(auto_error=False, description="The session's token, as OpenAI's `api_key`.")
 
 
@@ -99,8 +99,10 @@ class ChatCompletionRequest(BaseModel):
         last = messages[-1]
         if last.role != "user":
             raise ValueError(f"the last message is the question: its role must be 'user', not {last.role!r}")
-        if not 1 <= len(last.text.strip()) <= MAX_QUESTION_CHARS:
-            raise ValueError(f"the last message's text must be 1 to {MAX_QUESTION_CHARS} characters")
+        try:  # the rule of every way of asking
+            _QUESTION.validate_python(last.text)
+        except ValidationError as err:
+            raise ValueError(f"the last message's text: {err.errors()[0]['msg']}") from err
         return messages
 
     def options(self) -> AskOptions:
