@@ -295,12 +295,12 @@ class _Window:
         self.parts: list[torch.Tensor] = []  # (q_heads, c, head_dim) each, oldest first
 
     def add(self, queries: torch.Tensor) -> None:
-        """Keeps a copy of what it needs (the forward's queries may be inference tensors)."""
-        with outside_inference():
-            if queries.shape[1] >= self.size:
-                self.parts = [queries[:, -self.size :].clone()]
-                return
-            self.parts.append(queries.clone())
+        """Keeps a copy of what it needs: the forward's queries are inference tensors, and
+        `KVCache.attend` calls this `outside_inference`."""
+        if queries.shape[1] >= self.size:
+            self.parts = [queries[:, -self.size :].clone()]
+            return
+        self.parts.append(queries.clone())
         if len(self.parts) > self.size:
             self.read()
 
