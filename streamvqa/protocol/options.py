@@ -34,6 +34,9 @@ class PolicyOptions(BaseModel):
         None, strict=True, description="One selection per layer instead of one per KV head (default false; tova: true)."
     )
     evict_on_question: bool | None = Field(None, strict=True, description="Also evict right after a question, before answering.")
+    block_tokens: int | None = Field(
+        None, ge=1, le=256, strict=True, description="Tokens kept or evicted together: runs of this many stream places (default 16)."
+    )
     window: int | None = Field(None, ge=1, le=1024, strict=True, description="infmllm, snapkv: the prompt's last queries that score the cache (default 32).")
     beta: float | None = Field(None, ge=0, le=1000, strict=True, description="infmllm: weight of the recency bias (default 0.5).")
     bias_shape: Literal["linear", "square"] | None = Field(None, description="infmllm: how the bias grows with recency.")
@@ -54,7 +57,7 @@ class PolicyOptions(BaseModel):
 
 # The knobs each policy takes: the fields of its engine dataclass (engine/policies/), and the
 # engine's defaults for sinks and recent (tests/worker/test_session_options.py checks both).
-_COMMON_KNOBS = ("sinks", "recent", "per_layer", "evict_on_question")
+_COMMON_KNOBS = ("sinks", "recent", "per_layer", "evict_on_question", "block_tokens")
 POLICY_KNOBS: dict[str, tuple[str, ...]] = {
     "full": (),
     "sliding": _COMMON_KNOBS,

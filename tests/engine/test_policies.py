@@ -115,7 +115,7 @@ def test_infmllm_per_layer_selection_shares_the_heads_mean():
 
 def test_evicting_through_the_cache_keeps_the_chosen_tokens_in_order():
     queries, keys = _random(2)
-    policy = make_policy("infmllm", budget_tokens=24, sinks=2, recent=6, window=WINDOW, beta=0.7, local_sum=1)
+    policy = make_policy("infmllm", budget_tokens=24, sinks=2, recent=6, window=WINDOW, beta=0.7, local_sum=1, block_tokens=1)
     cache, seen = _cache(policy, queries, keys)
     cache.times[0] = torch.arange(TOTAL, dtype=torch.float32).expand(KV_HEADS, TOTAL).clone()  # each token's index
     s = _reference_column_means(queries, seen)
@@ -163,7 +163,7 @@ def _received(queries, keys) -> list[list[float]]:
 
 def test_h2o_in_the_cache_sums_every_querys_attention_and_carries_it_over():
     queries, keys = _random(4)
-    policy = make_policy("h2o", budget_tokens=40, sinks=2, recent=6)
+    policy = make_policy("h2o", budget_tokens=40, sinks=2, recent=6, block_tokens=1)
     cache, seen = _cache(policy, queries, keys)
     first = _received(queries, seen)
     cache.evict()
@@ -215,7 +215,7 @@ def test_tova_keeps_what_the_newest_token_attends_to_averaged_over_the_layers_he
 
 def test_tova_in_the_cache_scores_by_the_last_query_only():
     queries, keys = _random(5)
-    policy = make_policy("tova", budget_tokens=24, sinks=2, recent=6)
+    policy = make_policy("tova", budget_tokens=24, sinks=2, recent=6, block_tokens=1)
     cache, seen = _cache(policy, queries, keys)
     cache.times[0] = torch.arange(TOTAL, dtype=torch.float32).expand(KV_HEADS, TOTAL).clone()
     mean = [0.0] * TOTAL  # the last query's softmax, averaged over all 6 query heads
@@ -238,12 +238,32 @@ def test_knorm_keeps_the_keys_of_lowest_norm_through_the_cache():
     torch.manual_seed(6)
     directions = torch.nn.functional.normalize(torch.randn(1, KV_HEADS, 10, HEAD_DIM), dim=-1)
     keys = directions * torch.tensor(KNORM_NORMS)[None, :, :, None]
-    policy = make_policy("knorm", budget_tokens=5, sinks=1, recent=1)
+    policy = make_policy("knorm", budget_tokens=5, sinks=1, recent=1, block_tokens=1)
     cache, _ = _cache(policy, torch.randn(1, KV_HEADS * GROUP, 1, HEAD_DIM), keys)
     cache.times[0] = torch.arange(10, dtype=torch.float32).expand(KV_HEADS, 10).clone()
     cache.evict()
     # sink 0 and recent 9; of keys 1..8 the 3 of lowest norm: 7, 1, 3 in head 0; 2, 4, 6 in head 1
     assert cache.times[0].long().tolist() == [[0, 1, 3, 7, 9], [0, 2, 4, 6, 9]]
+
+
+def test_blocks_of_stream_places_are_kept_or_evicted_whole_by_their_mean_score():
+    """A sentence is not kept in part: tokens are ranked by their block's mean score (blocks of
+    `block_tokens` stream places), so the low-scored number of a well-scored statement stays with it."""
+    policy = make_policy("knorm", budget_tokens=8, sinks=0, recent=0, block_tokens=4)
+    scores = torch.tensor([[5.0, 5.0, 5.0, 0.0, 0.0, 9.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]])
+    places = torch.arange(16)[None]
+    # block means: 3.75, 2.25, 1.0, 2.0; token by token, 5 (9.0) would be kept and 3 (0.0) evicted
+    assert policy.select(scores, places=places).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    # blocks are by stream place, not by index: a head holding places 0-3, 6-7 and 8-15
+    held = torch.tensor([[0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
+    scores = torch.tensor([[1.0, 1.0, 1.0, 1.0, 4.0, 0.0, 3.0, 3.0, 3.0, 3.0, 0.5, 0.5, 0.5]])
+    policy = make_policy("knorm", budget_tokens=6, sinks=0, recent=0, block_tokens=4)
+    # means: places 0-3: 1.0, 6-7: 2.0, 8-11: 3.0, 12-14: 0.5: blocks 8-11 and 6-7 are kept whole
+    assert policy.select(scores, places=held).tolist() == [[4, 5, 6, 7, 8, 9]]
+    # token by token: 4.0, the four 3.0s and, of the equal 1.0s, the newest
+    assert make_policy("knorm", budget_tokens=6, sinks=0, recent=0, block_tokens=1).select(scores, places=held).tolist() == [
+        [3, 4, 6, 7, 8, 9]
+    ]
 
 
 @pytest.mark.parametrize("name", POLICIES)
