@@ -1,11 +1,10 @@
-"""An OpenAI-compatible API: `POST /v1/chat/completions` and `GET /v1/models`.
+"""An OpenAI-compatible API: `POST /v1/chat/completions`, `GET /v1/models` and `GET /v1/models/{id}`.
 
-A completion answers against one session's live cache. The session is named by the body's
-`session_id` and authorised by its token as the bearer key, so that the official client works
-as `OpenAI(base_url=".../v1", api_key=token)` with `extra_body={"session_id": id}`. The last
-message, a user's, is the question; the session's own conversation (every question and answer
-before, and its system prompt) is already in its cache, so earlier messages are not sent again.
-Errors on these routes take OpenAI's shape (app/errors.py).
+A completion answers the user's last question against one session's live cache: a session the
+request names (`session_id`, or the `X-Session-Id` header), or the one its media (a `video_url`
+or `image_url` part in `messages`) is in, made for it when there is none (app/chat_sessions.py).
+The reply names the session in its `X-Session-Id` header and its `session_id` field, so that the
+next turn asks the same cache. Errors on these routes take OpenAI's shape (app/errors.py).
 """
 
 import json
@@ -14,47 +13,28 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.responses import StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from redis.asyncio import Redis
 
-from app import answers
+from app import answers, chat_messages
 from app.answers import AnswerTimeout
 from app.asks import cancel_if_left, refusal, submit
-from app.deps import SESSION_ID, KeysDep, Metrics, RedisDep, Settings, Store
+from app.chat_messages import MAX_MESSAGES, Message
+from app.chat_sessions import ChatSessions
+from app.deps import KeysDep, Metrics, RedisDep, Settings, Store
 from app.errors import ApiError, openai_responses
 from app.metrics import GatewayMetrics
-from streamvqa.protocol import (
-    AskOptions, DoneEvent, ErrorEvent, Evidence, QuestionText, SessionRecord, SessionState, TokenEvent,
-)
+from app.settings import GatewaySettings
+from app.sessions import SessionStore
+from streamvqa.protocol import AskOptions, DoneEvent, ErrorEvent, Evidence, Keys, SessionRecord, SessionState, TokenEvent
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-MAX_MESSAGES = 256
-MAX_CONTENT_PARTS = 64
+CHAT_PATH = "/v1/chat/completions"
+SESSION_HEADER = "X-Session-Id"
 KEEPALIVE_EVENT = ": keepalive\n\n"
 _END = object()
-_QUESTION = TypeAdapter(QuestionText)
-_bearer = HTTPBearer(auto_error=False, description="The session's token, as OpenAI's `api_key`.")
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = Field(
-        None, description="Text, or text parts; the video comes from the session."
-    )
-    name: str | None = None
-
-    @property
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
-        return self.content or ""
 
 
 class StreamOptions(BaseModel):
@@ -68,16 +48,27 @@ class ChatCompletionRequest(BaseModel):
         extra="forbid",
         json_schema_extra={
             "examples": [
+                {"model": "streamvqa-demo", "max_tokens": 32, "messages": [
+                    {"role": "system", "content": "Answer in one sentence."},
+                    {"role": "user", "content": [
+                        {"type": "text", "text": "What happens in this video?"},
+                        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAAIGZ0eXBpc29t..."}},
+                    ]},
+                ]},
                 {"model": "streamvqa-demo", "session_id": "3b03e9c6b4a54d0f9d2f0c5e8f1a7b21",
                  "messages": [{"role": "user", "content": "What do you see?"}], "temperature": 0.7, "seed": 1},
             ]
         },
     )
 
-    session_id: str = Field(description="The session to answer about (the `openai` client: `extra_body`).")
+    session_id: str | None = Field(
+        None, description="The session to ask (the `openai` client: `extra_body`); left out, the session of the media "
+        "in `messages`, made for it when there is none.",
+    )
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     model: str | None = Field(
-        None, max_length=200, description="Informative: the session's own model answers, and the reply names it."
+        None, max_length=200, description="A model of `GET /v1/models` (404 `model_not_found` otherwise); the session's "
+        "own when it names one. Left out: the session's model, or the gateway's default.",
     )
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
@@ -93,27 +84,23 @@ class ChatCompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=1, strict=True, description="One choice per completion.")
     user: str | None = Field(None, max_length=200, description="Accepted and not used.")
 
-    @field_validator("messages")
-    @classmethod
-    def _a_user_question_last(cls, messages: list[Message]) -> list[Message]:
-        last = messages[-1]
-        if last.role != "user":
-            raise ValueError(f"the last message is the question: its role must be 'user', not {last.role!r}")
-        try:  # the rule of every way of asking
-            _QUESTION.validate_python(last.text)
-        except ValidationError as err:
-            raise ValueError(f"the last message's text: {err.errors()[0]['msg']}") from err
-        return messages
-
     def options(self) -> AskOptions:
-        """The question's length and sampling, checked as `ask` checks them (ValidationError);
-        `max_completion_tokens` counts over `max_tokens`, as in vLLM."""
+        """The question's length and sampling, checked as `ask` checks them (ApiError 400 naming
+        the option); `max_completion_tokens` counts over `max_tokens`, as in vLLM."""
         length = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "stop": self.stop, "max_tokens": length,
         }
-        return AskOptions.model_validate({name: value for name, value in given.items() if value is not None})
+        try:
+            return AskOptions.model_validate({name: value for name, value in given.items() if value is not None})
+        except ValidationError as err:
+            first = err.errors()[0]
+            param = str(first["loc"][0]) if first["loc"] else None
+            if param == "max_tokens" and self.max_completion_tokens is not None:
+                param = "max_completion_tokens"  # the one that counted
+            message = f"{param}: {first['msg']}" if param else first["msg"]
+            raise ApiError(400, "invalid_value", message, param=param) from err
 
 
 class ChatMessage(BaseModel):
@@ -154,6 +141,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    session_id: str = Field(description="The session asked (also the `X-Session-Id` header): name it in the next turn.")
     choices: list[Choice]
     usage: Usage
     streamvqa: AnswerDetails
@@ -171,44 +159,53 @@ class ModelCards(BaseModel):
     data: list[ModelCard]
 
 
-async def completion_session(
-    body: ChatCompletionRequest, store: Store,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> SessionRecord:
-    """The session `session_id` names, when the bearer key is its token: 404, 401 otherwise."""
-    if not SESSION_ID.fullmatch(body.session_id):
-        raise ApiError(404, "session_not_found", f"no session {body.session_id}")
-    record, valid = await store.authenticate(body.session_id, credentials.credentials if credentials else None)
-    if record is None:
-        raise ApiError(404, "session_not_found", f"no session {body.session_id}")
-    if credentials is None or not valid:
-        raise ApiError(401, "invalid_api_key", "the API key must be the session's token (OpenAI(api_key=token))")
-    await store.touch(body.session_id)
-    return record
-
-
-CompletionSession = Annotated[SessionRecord, Depends(completion_session)]
-
-
 UNAVAILABLE = {429: "Over the rate limit; see Retry-After.", 503: "Redis is unreachable; see Retry-After."}
 COMPLETION_ERRORS = openai_responses({
-    400: "A bad request: an option out of range (`invalid_value`, `param` names it), or a body that does not parse.",
-    401: "No bearer key, or not the session's token (`invalid_api_key`).",
-    404: "No such session (`session_not_found`).",
+    400: "A bad request: an option out of range (`invalid_value`, `param` names it), a body or message that cannot be "
+    "used (`invalid_request`), media that cannot be read (`invalid_media_url`, `media_unreachable`, `invalid_media`, "
+    "`too_many_media`), a system message or model not the named session's (`system_prompt_mismatch`, `model_mismatch`).",
+    401: "Not the session's token, nor (with API_KEYS) the key that owns it (`invalid_api_key`).",
+    404: "No such session (`session_not_found`), or no such model (`model_not_found`).",
     409: "`no_video`: no frame in the session's cache yet; `session_error`: its media failed; `context_full`: the "
-    "question does not fit in what is left of the model's context.",
-    413: "A body over the limit.",
+    "question does not fit in what is left of the model's context; `media_exists`: the named session has other media.",
+    413: "A body over the limit (`body_too_large`), or media over its own (`media_too_large`).",
     500: "A bug (`internal_error`); the gateway's log has the details.",
     **UNAVAILABLE,
-    504: "`answer_timeout`: no answer within the gateway's ASK_TIMEOUT_S.",
+    503: "Redis is unreachable (`redis_unreachable`); no worker or no room for a session made for media (`no_worker`, "
+    "`no_capacity`); another request kept making the session for the same media (`session_busy`). See Retry-After.",
+    504: "`answer_timeout`: no answer within the gateway's ASK_TIMEOUT_S; `ingest_timeout`: the media not read by then.",
 })
+
+
+async def known_models(store: SessionStore, settings: GatewaySettings, live: bool) -> list[str]:
+    """The gateway's default model and those of live workers (`live`), or of every worker in
+    the registry (the models `POST /sessions` knows)."""
+    workers = await (store.live_workers(None) if live else store.workers())
+    return sorted({worker.model for worker in workers} | {settings.model})
+
+
+def _no_model(model: str) -> ApiError:
+    return ApiError(
+        404, "model_not_found", f"the model {model!r} does not exist: GET /v1/models lists the models served",
+        param="model", type="invalid_request_error",
+    )
 
 
 @router.get("/models", responses=openai_responses(UNAVAILABLE))
 async def list_models(store: Store, settings: Settings) -> ModelCards:
-    """The models live workers serve now (a completion is answered by its session's model)."""
-    served = sorted({worker.model for worker in await store.live_workers(None)} | {settings.model})
-    return ModelCards(data=[ModelCard(id=name) for name in served])
+    """The models live workers serve now, and the gateway's default."""
+    return ModelCards(data=[ModelCard(id=name) for name in await known_models(store, settings, live=True)])
+
+
+@router.get(
+    "/models/{model_id:path}",
+    responses=openai_responses({404: "No live worker serves this model (`model_not_found`).", **UNAVAILABLE}),
+)
+async def get_model(model_id: str, store: Store, settings: Settings) -> ModelCard:
+    """One model of `GET /v1/models`."""
+    if model_id not in await known_models(store, settings, live=True):
+        raise _no_model(model_id)
+    return ModelCard(id=model_id)
 
 
 @router.post(
@@ -220,23 +217,36 @@ async def list_models(store: Store, settings: Settings) -> ModelCards:
     },
 )
 async def chat_completions(
-    body: ChatCompletionRequest, session: CompletionSession, request: Request, redis: RedisDep, keys: KeysDep,
-    settings: Settings, metrics: Metrics,
+    body: ChatCompletionRequest, chat: Annotated[ChatSessions, Depends()], request: Request, response: Response,
+    redis: RedisDep, keys: KeysDep, store: Store, settings: Settings, metrics: Metrics,
+    x_session_id: Annotated[str | None, Header(description="The session to ask, as `session_id`.")] = None,
 ) -> ChatCompletion:
     """Answer the last user message about the session's video so far, as OpenAI's chat
     completions API does: one JSON completion, or with `stream` its chunks as Server-Sent Events.
     A client that leaves before the answer is done cancels it."""
+    options = body.options()
+    if body.model is not None and body.model not in await known_models(store, settings, live=False):
+        raise _no_model(body.model)
+    dialogue = chat_messages.read(body.messages)
+    if body.session_id and x_session_id and body.session_id != x_session_id:
+        raise ApiError(400, "invalid_request", f"session_id and the {SESSION_HEADER} header name two sessions", param="session_id")
+    session = await chat.session_for(body.session_id or x_session_id, dialogue, body.model)
+    named = {SESSION_HEADER: session.id}
     try:
-        options = body.options()
-    except ValidationError as err:
-        first = err.errors()[0]
-        param = str(first["loc"][0]) if first["loc"] else None
-        if param == "max_tokens" and body.max_completion_tokens is not None:
-            param = "max_completion_tokens"  # the one that counted
-        raise ApiError(400, "invalid_value", f"{param}: {first['msg']}" if param else first["msg"], param=param) from err
+        question = await chat.question(session, dialogue)
+        return await _answer(body, session, question, options, request, redis, keys, settings, metrics, response)
+    except ApiError as err:
+        err.headers = {**(err.headers or {}), **named}
+        raise
+
+
+async def _answer(
+    body: ChatCompletionRequest, session: SessionRecord, question: str, options: AskOptions, request: Request,
+    redis: Redis, keys: Keys, settings: GatewaySettings, metrics: GatewayMetrics, response: Response,
+) -> ChatCompletion | StreamingResponse:
     if session.state == SessionState.ERROR:
         raise ApiError(409, "session_error", f"the session failed: {session.error}")
-    answer_id = await submit(redis, keys, session, body.messages[-1].text, options, settings, metrics, "openai")
+    answer_id = await submit(redis, keys, session, question, options, settings, metrics, "openai")
     events = answers.events(redis, keys, session.id, answer_id, settings.ask_timeout_s, idle_s=answers.LEAVE_CHECK_S)
     created, name = int(time.time()), session.model
     left = partial(cancel_if_left, request, redis, keys, session.id, answer_id)
@@ -247,8 +257,9 @@ async def chat_completions(
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         leave = partial(answers.cancel_soon, redis, keys, session.id, answer_id)
-        chunks = _chunks(first, events, f"chatcmpl-{answer_id}", created, name, usage, metrics, leave)
-        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        chunks = _chunks(first, events, f"chatcmpl-{answer_id}", created, name, session.id, usage, metrics, leave)
+        headers = {"Cache-Control": "no-cache", SESSION_HEADER: session.id}
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
     text, done = [], first
     while not isinstance(done, DoneEvent):
         text.append(done.text)
@@ -258,8 +269,9 @@ async def chat_completions(
             raise refusal(done)
     metrics.answered(done)
     details = done.answered(answer_id).model_dump(include=set(AnswerDetails.model_fields))
+    response.headers[SESSION_HEADER] = session.id
     return ChatCompletion(
-        id=f"chatcmpl-{answer_id}", created=created, model=name,
+        id=f"chatcmpl-{answer_id}", created=created, model=name, session_id=session.id,
         choices=[Choice(message=ChatMessage(content=done.answer), finish_reason=done.finish_reason)],
         usage=_usage(done), streamvqa=AnswerDetails(**details, session_id=session.id),
     )
@@ -281,7 +293,7 @@ async def _next_event(
 
 
 async def _chunks(
-    first: TokenEvent | DoneEvent, events: AsyncIterator, completion_id: str, created: int, model: str,
+    first: TokenEvent | DoneEvent, events: AsyncIterator, completion_id: str, created: int, model: str, session_id: str,
     include_usage: bool, metrics: GatewayMetrics, leave: Callable[[], None],
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk` events: the role, a delta per piece of text, the finish reason
@@ -290,7 +302,7 @@ async def _chunks(
 
     def chunk(choices: list[dict], **extra) -> str:
         body = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": choices, **extra}
+                "session_id": session_id, "choices": choices, **extra}
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     def delta(content: dict, finish_reason: str | None = None) -> list[dict]:

@@ -82,13 +82,16 @@ async def api_caller(request: Request, settings: Settings, api_key: Annotated[st
             raise ApiError(401, "api_key_required", "send an API key as the X-API-Key header")
         if not valid_api_key(settings, api_key):
             raise ApiError(403, "api_key_invalid", "the API key is not valid")
-    return caller_of(settings, api_key, request.client.host if request.client else "unknown")
+    return caller_of(settings, api_key, _address(request))
 
 
 async def limited_caller(connection: HTTPConnection, settings: Settings) -> str:
-    """Who a rate limit counts: the caller's valid API key, else its address (no key needed)."""
-    address = connection.client.host if connection.client else "unknown"
-    return caller_of(settings, connection.headers.get("x-api-key"), address)
+    """Who a rate limit counts: the caller's valid API key (as X-API-Key, or as the bearer token,
+    as OpenAI's clients send it), else its address (no key needed)."""
+    scheme, _, bearer = connection.headers.get("authorization", "").partition(" ")
+    address = _address(connection)
+    keyed = session_owner(settings, connection.headers.get("x-api-key"), bearer if scheme.lower() == "bearer" else None, address)
+    return keyed or caller_of(settings, None, address)
 
 
 LimitedCaller = Annotated[str, Depends(limited_caller)]
@@ -143,26 +146,71 @@ def origin_allowed(connection: HTTPConnection, settings: GatewaySettings) -> boo
     return parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.hostname, port) == (host.hostname, host_port)
 
 
+async def _session(
+    session_id: str, store: SessionStore, token: str | None, owner: str | None = None, presented: bool = False,
+    hint: str = "",
+) -> SessionRecord:
+    """The session `session_id` when `token` is its token or `owner` created it: 404 when there
+    is none, 401 when nothing was presented (no token, nor `presented`: an API key), 403 else;
+    `hint` ends the 401's message."""
+    if not SESSION_ID.fullmatch(session_id):
+        raise ApiError(404, "session_not_found", f"no session {session_id}")
+    record, valid = await store.authenticate(session_id, token, owner)
+    if record is None:
+        raise ApiError(404, "session_not_found", f"no session {session_id}")
+    if not valid and token is None and not presented:
+        raise ApiError(
+            401, "unauthorized", f"send the session token as 'Authorization: Bearer <token>'{hint}",
+            {"WWW-Authenticate": "Bearer"},
+        )
+    if not valid:
+        whose = "this session's token" + (" nor its owner's API key" if presented else "")
+        raise ApiError(403, "forbidden", f"the {'credentials are' if presented else 'token is'} not {whose}")
+    await store.touch(session_id)
+    return record
+
+
 async def authorized_session(
     session_id: str,
     store: Store,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> SessionRecord:
     """The session named in the path, when the caller holds its token: 404, 401 or 403 otherwise."""
-    if not SESSION_ID.fullmatch(session_id):
-        raise ApiError(404, "session_not_found", f"no session {session_id}")
-    record, valid = await store.authenticate(session_id, credentials.credentials if credentials else None)
-    if record is None:
-        raise ApiError(404, "session_not_found", f"no session {session_id}")
-    if credentials is None:
-        raise ApiError(
-            401, "unauthorized", "send the session token as 'Authorization: Bearer <token>'",
-            {"WWW-Authenticate": "Bearer"},
-        )
-    if not valid:
-        raise ApiError(403, "forbidden", "the token is not this session's token")
-    await store.touch(session_id)
-    return record
+    return await _session(session_id, store, credentials.credentials if credentials else None)
 
 
 AuthorizedSession = Annotated[SessionRecord, Depends(authorized_session)]
+
+
+def session_owner(settings: GatewaySettings, api_key: str | None, bearer: str | None, address: str) -> str | None:
+    """Who may act as the owner of the sessions it created: with API_KEYS, the valid key sent as
+    X-API-Key or as the bearer token (None without one); without, the client's `address`."""
+    if not settings.api_key_list:
+        return caller_of(settings, None, address)
+    key = next((key for key in (api_key, bearer) if valid_api_key(settings, key)), None)
+    return None if key is None else caller_of(settings, key, address)
+
+
+def _address(connection: HTTPConnection) -> str:
+    return connection.client.host if connection.client else "unknown"
+
+
+async def owned_session(
+    session_id: str,
+    connection: HTTPConnection,
+    store: Store,
+    settings: Settings,
+    api_key: Annotated[str | None, Depends(_api_key)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> SessionRecord:
+    """The session named in the path, when the caller holds its token or is its owner (the API
+    key that created it; without API_KEYS, the address it was created from): 404, 401 or 403
+    otherwise. A caller that is not the owner learns no more than without this: that the id exists."""
+    bearer = credentials.credentials if credentials else None
+    owner = session_owner(settings, api_key, bearer, _address(connection))
+    keyed = bool(settings.api_key_list)
+    hint = ", or call as its owner: with the API key that created it" if keyed else ", or call from the address that created it"
+    return await _session(session_id, store, bearer, owner, keyed and api_key is not None, hint)
+
+
+OwnedSession = Annotated[SessionRecord, Depends(owned_session)]

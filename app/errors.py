@@ -3,13 +3,16 @@ OpenAI-compatible routes (`/v1/...`) in OpenAI's shape, `{"error": {"message", "
 "code"}}`, with the same codes."""
 
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import BaseRoute
 
 from streamvqa.redis_client import UNAVAILABLE
 
@@ -63,34 +66,46 @@ class OpenAIErrorBody(BaseModel):
 OPENAI_PREFIX = "/v1/"
 OPENAI_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    409: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+    405: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+    422: "invalid_request_error", 429: "rate_limit_error",
 }  # any other status: server_error
+
+
 def openai_responses(descriptions: dict[int, str]) -> dict[int | str, dict]:
     """The OpenAPI entries of errors in OpenAI's shape."""
     return {status: {"model": OpenAIErrorBody, "description": text} for status, text in descriptions.items()}
 
 
 class ApiError(Exception):
+    """An error reply. On `/v1`, `param` names the request field at fault and `type` (OpenAI's
+    error type) replaces the one its status has by default."""
+
     def __init__(
-        self, status: int, code: str, message: str, headers: dict[str, str] | None = None, param: str | None = None
+        self, status: int, code: str, message: str, headers: dict[str, str] | None = None, param: str | None = None,
+        type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.headers, self.param = status, code, message, headers, param
+        self.type = type
+
+
+def openai_error(status: int, code: str, message: str, param: str | None = None, type: str | None = None) -> dict:
+    """An error body in OpenAI's shape."""
+    return {"error": {"message": message, "type": type or OPENAI_TYPES.get(status, "server_error"), "param": param, "code": code}}
 
 
 def _json(
     request: Request, status: int, code: str, message: str, headers: dict[str, str] | None = None,
-    param: str | None = None, **extra,
+    param: str | None = None, type: str | None = None, **extra,
 ) -> JSONResponse:
     if request.url.path.startswith(OPENAI_PREFIX):
         status = 400 if status == 422 else status  # OpenAI answers a request it cannot take with 400
-        error = {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": param, "code": code}
-        return JSONResponse({"error": error}, status_code=status, headers=headers)
+        return JSONResponse(openai_error(status, code, message, param, type), status_code=status, headers=headers)
     return JSONResponse({"code": code, "message": message, **extra}, status_code=status, headers=headers)
 
 
 async def _api_error(request: Request, err: ApiError) -> JSONResponse:
-    return _json(request, err.status, err.code, err.message, err.headers, err.param)
+    return _json(request, err.status, err.code, err.message, err.headers, err.param, err.type)
 
 
 async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -111,10 +126,30 @@ def _undecodable(error: dict) -> bool:
     return error["type"] == "json_invalid" or (tuple(error["loc"]) == ("body",) and isinstance(error.get("input"), bytes))
 
 
-async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
-    code = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
-    message = INVALID_BODY if err.status_code == 400 else str(err.detail)
-    return _json(request, err.status_code, code, message, err.headers)
+def _http_error(openai_routes: Sequence[BaseRoute]) -> Callable[[Request, HTTPException], Awaitable[JSONResponse]]:
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        if request.url.path.startswith(OPENAI_PREFIX) and err.status_code in (404, 405):
+            return _openai_no_route(request, openai_routes)
+        code = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+        message = INVALID_BODY if err.status_code == 400 else str(err.detail)
+        return _json(request, err.status_code, code, message, err.headers)
+
+    return http_error
+
+
+def _openai_no_route(request: Request, routes: Sequence[BaseRoute]) -> JSONResponse:
+    """A path under /v1 that none of `routes` serves (404), or one they serve with other methods
+    (405, with `Allow`), in OpenAI's shape. The dashboard's static files, mounted at `/`, would
+    answer either for any path; the API's own routes decide here."""
+    path, method = request.url.path, request.method
+    served = [route for route in routes if isinstance(route, APIRoute)]
+    allowed = sorted({name for route in served if route.path_regex.fullmatch(path) for name in route.methods})
+    if not allowed:
+        listed = ", ".join(sorted(f"{min(route.methods)} {route.path_format}" for route in served))
+        return _json(request, 404, "unknown_url", f"no route {method} {path}; the routes under /v1 are: {listed}",
+                     type="invalid_request_error")
+    return _json(request, 405, "method_not_allowed", f"{method} is not allowed on {path}; use {', '.join(allowed)}",
+                 {"Allow": ", ".join(allowed)})
 
 
 async def _redis_unreachable(request: Request, err: Exception) -> JSONResponse:
@@ -131,10 +166,11 @@ async def _unexpected(request: Request, err: Exception) -> JSONResponse:
     return _json(request, 500, "internal_error", "the gateway failed; the error is in its log")
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, openai_routes: Sequence[BaseRoute] = ()) -> None:
+    """The error handlers; `openai_routes` are the routes under /v1 (for its 404 and 405)."""
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(HTTPException, _http_error(openai_routes))
     for unavailable in UNAVAILABLE:  # Redis down, or a cluster's master before its replica takes over
         app.add_exception_handler(unavailable, _redis_unreachable)
     app.add_exception_handler(ClientDisconnect, _client_left)

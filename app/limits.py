@@ -8,7 +8,7 @@ import time
 from redis.asyncio import Redis
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import ApiError
+from app.errors import OPENAI_PREFIX, ApiError, openai_error
 from streamvqa.protocol import scripts
 
 
@@ -53,21 +53,34 @@ class MessageRate:
 class BodyLimit:
     """ASGI middleware: request bodies over `max_bytes` are refused with 413, whether they
     announce their length or not, and bodies not all received within `timeout_s` with 408;
-    uploads (paths ending in /upload) have limits of their own."""
+    uploads (paths ending in /upload) have limits of their own. A path of `larger` (path ->
+    bytes: a route that carries media in its JSON) may be that large instead, and its body may
+    take longer: `timeout_s` plus a second for each `min_bytes_per_s` received (the upload's
+    pace). Refusals on /v1 take OpenAI's error shape."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, timeout_s: float, larger: dict[str, int] | None = None,
+        min_bytes_per_s: int = 0,
+    ) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+        self.larger, self.min_bytes_per_s = larger or {}, min_bytes_per_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"].endswith("/upload"):
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
+        max_bytes = self.larger.get(path, self.max_bytes)
+        paced = path in self.larger and self.min_bytes_per_s > 0
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _refuse(send, 413, "body_too_large", f"the request body exceeds {self.max_bytes} bytes")
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            await _refuse(send, path, 413, "body_too_large", f"the request body exceeds {max_bytes} bytes")
             return
         received, refused, complete = 0, False, False
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+
+        def deadline() -> float:
+            return started + self.timeout_s + (received / self.min_bytes_per_s if paced else 0.0)
 
         async def limited() -> Message:
             nonlocal received, refused, complete
@@ -76,16 +89,17 @@ class BodyLimit:
             if complete:  # the body is in; later calls wait for the client to leave
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                message = await asyncio.wait_for(receive(), max(0.0, deadline() - time.monotonic()))
             except TimeoutError:
                 refused = True
-                await _refuse(send, 408, "body_timeout", f"the request body did not arrive within {self.timeout_s:g} s")
+                pace = f" plus a second per {self.min_bytes_per_s} bytes" if paced else ""
+                await _refuse(send, path, 408, "body_timeout", f"the request body did not arrive within {self.timeout_s:g} s{pace}")
                 return {"type": "http.disconnect"}
             received += len(message.get("body", b""))
             complete = not message.get("more_body", False)
-            if received > self.max_bytes:  # answer now; the app sees the client leave
+            if received > max_bytes:  # answer now; the app sees the client leave
                 refused = True
-                await _refuse(send, 413, "body_too_large", f"the request body exceeds {self.max_bytes} bytes")
+                await _refuse(send, path, 413, "body_too_large", f"the request body exceeds {max_bytes} bytes")
                 return {"type": "http.disconnect"}
             return message
 
@@ -96,8 +110,9 @@ class BodyLimit:
         await self.app(scope, limited, sending)
 
 
-async def _refuse(send: Send, status: int, code: str, message: str) -> None:
-    body = json.dumps({"code": code, "message": message}).encode()
+async def _refuse(send: Send, path: str, status: int, code: str, message: str) -> None:
+    error = openai_error(status, code, message) if path.startswith(OPENAI_PREFIX) else {"code": code, "message": message}
+    body = json.dumps(error).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

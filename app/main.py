@@ -26,8 +26,11 @@ its token: `Authorization: Bearer <token>`. Errors are JSON: `{"code": "...", "m
 The WebSocket protocol is in docs/streaming.md and docs/protocol.md.
 
 OpenAI's clients work against `/v1`: `POST /v1/chat/completions` answers the last user message
-about a session's video (its `session_id` in the body, its token as the API key), and
-`GET /v1/models` lists the models served. Errors there take OpenAI's shape.
+about a video or image sent in `messages` (a `video_url` or `image_url` part: a session is made
+for it, named in the `X-Session-Id` header and the reply's `session_id`), or about a session's
+video (its `session_id` in the body; its token, or with `API_KEYS` the key that owns it, as the
+API key). `GET /v1/models` and `GET /v1/models/{id}` tell the models served. Errors there take
+OpenAI's shape.
 """
 
 
@@ -53,7 +56,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     # /docs (Swagger UI) and /redoc with the assets fastapi-offline ships: no CDN, so they work offline
     app = FastAPIOffline(title="streamvqa", description=DESCRIPTION, version="0.1.0", lifespan=lifespan)
-    errors.install(app)
+    errors.install(app, openai_routes=completions.router.routes)
     limited = [Depends(rate_limit)]
     app.include_router(ops.router)
     app.include_router(routes.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
@@ -61,14 +64,17 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(completions.router, dependencies=limited)
     app.include_router(samples.router, dependencies=limited)
     app.include_router(streams.router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.header_timeout_s)
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.header_timeout_s,
+        larger={completions.CHAT_PATH: settings.chat_body_bytes}, min_bytes_per_s=settings.upload_min_bytes_per_s,
+    )
     if settings.cors_origin_list:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(settings.cors_origin_list),
             allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type", "X-API-Key", "Last-Event-ID", "Accept"],
-            expose_headers=["Location", "Retry-After"],
+            allow_headers=["Authorization", "Content-Type", "X-API-Key", "Last-Event-ID", "Accept", completions.SESSION_HEADER],
+            expose_headers=["Location", "Retry-After", completions.SESSION_HEADER],
             max_age=600,
         )
     app.add_middleware(RequestCounter, metrics=metrics)

@@ -8,12 +8,13 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
 
 from app import sse
-from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, RedisDep, Settings, Store
+from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, OwnedSession, RedisDep, Settings, Store
 from app.errors import ApiError, ErrorBody
 from app.sessions import NoPlace, Room, TooManySessions, UploadRefused
+from app.settings import GatewaySettings
 from app.tail import tail
 from app.uploads import file_chunks
-from streamvqa.protocol import EventEnvelope, MemoryReport, SessionOptions, SessionRecord
+from streamvqa.protocol import EventEnvelope, MemoryReport, SessionOptions, SessionRecord, SessionState
 
 router = APIRouter(tags=["sessions"])
 
@@ -27,7 +28,9 @@ class CreatedSession(BaseModel):
 
 
 class SessionList(BaseModel):
-    sessions: list[SessionRecord] = Field(description="The caller's live sessions, newest first.")
+    sessions: list[SessionRecord] = Field(description="The caller's sessions, failed ones among them, newest first.")
+    counted: int = Field(description="Those that count toward `max_sessions`: all but the failed ones.")
+    max_sessions: int = Field(description="The most sessions that count one caller may hold (MAX_SESSIONS_PER_KEY).")
 
 
 class UploadReceipt(BaseModel):
@@ -106,13 +109,21 @@ async def create_session(
     try:
         record, token = await store.create(options, model, context_tokens, caller, settings.max_sessions_per_key, room)
     except TooManySessions as err:
-        raise ApiError(
-            429, "too_many_sessions", f"this caller holds {settings.max_sessions_per_key} sessions; delete one first"
-        ) from err
+        raise too_many_sessions(settings) from err
     except NoPlace as err:
         raise ApiError(503, "no_capacity", _no_place(err.short, model, room, no_room), retry) from err
     metrics.sessions_created.inc()
     return CreatedSession(id=record.id, token=token, session=record)
+
+
+def too_many_sessions(settings: GatewaySettings) -> ApiError:
+    """The 429 of a caller at MAX_SESSIONS_PER_KEY, saying how it ends one of its sessions."""
+    owner = "with the same X-API-Key" if settings.api_key_list else "from the same address"
+    return ApiError(
+        429, "too_many_sessions",
+        f"this caller holds {settings.max_sessions_per_key} sessions (MAX_SESSIONS_PER_KEY), failed ones left out; "
+        f"end one first: GET /sessions lists them and DELETE /sessions/{{id}} ends one, {owner} or with its token",
+    )
 
 
 def _no_place(short: str, model: str, room: Room, no_room: str) -> str:
@@ -148,10 +159,13 @@ async def list_models(store: Store, settings: Settings) -> ModelList:
 
 
 @router.get("/sessions")
-async def list_sessions(store: Store, caller: Caller) -> SessionList:
-    """The caller's live sessions: those created with the same API key (without API keys, from
-    the same client address). Tokens are not included."""
-    return SessionList(sessions=await store.owned(caller))
+async def list_sessions(store: Store, settings: Settings, caller: Caller) -> SessionList:
+    """The caller's sessions: those created with the same API key (without API keys, from the
+    same client address), failed ones among them. Tokens are not included; the caller ends any
+    of them with `DELETE /sessions/{id}` without one."""
+    sessions = await store.owned(caller)
+    counted = sum(session.state != SessionState.ERROR for session in sessions)
+    return SessionList(sessions=sessions, counted=counted, max_sessions=settings.max_sessions_per_key)
 
 
 @router.get("/sessions/{session_id}")
@@ -160,9 +174,11 @@ async def get_session(session: AuthorizedSession) -> SessionRecord:
 
 
 @router.delete("/sessions/{session_id}", status_code=status.HTTP_204_NO_CONTENT)
-async def delete_session(session: AuthorizedSession, store: Store) -> None:
-    """Forget the session and its answers; its worker stops what it does for it at its next step
-    and frees its memory."""
+async def delete_session(session: OwnedSession, store: Store) -> None:
+    """End the session: forget it and its answers; its worker stops what it does for it at its
+    next step and frees its memory. With the session's token, or as its owner: the API key that
+    created it (X-API-Key, or as the bearer token), or without API_KEYS the address it was
+    created from."""
     await store.delete(session)
 
 

@@ -35,7 +35,7 @@ class UploadRefused(Exception):
 
 
 class TooManySessions(Exception):
-    pass
+    """The owner holds as many sessions as it may (failed ones do not count)."""
 
 
 class NoPlace(Exception):
@@ -106,7 +106,8 @@ class SessionStore:
         self, options: SessionOptions, model: str, context_tokens: int, owner: str, max_per_owner: int, room: Room
     ) -> tuple[SessionRecord, str]:
         """Store a new session and queue it for a worker serving `model`; returns it and its token.
-        TooManySessions when `owner` already holds `max_per_owner` live sessions; NoPlace when
+        TooManySessions when `owner` already holds `max_per_owner` sessions that have not failed
+        (ended and expired ones are gone, and failed ones are left out, at once); NoPlace when
         the model's workers already hold or are about to take `room.places` sessions, or when
         those sessions' memory and this one's would pass what the workers offer (checked and
         taken in one script on the model's places, so that concurrent creates never admit more).
@@ -138,8 +139,8 @@ class SessionStore:
         )
         owned = self.keys.owner(owner)
         try:
-            await self._forget_gone_owned(owner)
-            if await self.redis.scard(owned) >= max_per_owner:  # the common refusal, before a place is taken
+            failed = await self._failed_owned(owner, max_per_owner)
+            if await self.redis.scard(owned) - len(failed) >= max_per_owner:  # the common refusal, before a place is taken
                 raise TooManySessions()
             await self._forget_unadmitted(model)
             taken = await self._take_place(keys=[self.keys.places(model)], args=[
@@ -148,7 +149,7 @@ class SessionStore:
             ])
             if taken != 1:
                 raise NoPlace(NO_PLACE[taken])
-            if not await self._take_owned(keys=[owned], args=[max_per_owner, record.id, self.session_ttl_s]):
+            if not await self._take_owned(keys=[owned], args=[max_per_owner, record.id, self.session_ttl_s, *failed]):
                 await leave(self.redis, self.keys, record.id, model)
                 raise TooManySessions()
         except BaseException:
@@ -161,19 +162,31 @@ class SessionStore:
             await pipe.execute()
         return record, token
 
-    async def _forget_gone_owned(self, owner: str) -> None:
-        """Drop from the owner's set the sessions that are gone (a session's hash is written
-        before its id joins the set, and an id is never reused: a missing hash is gone for good)."""
+    async def _failed_owned(self, owner: str, max_failed: int) -> list[bytes]:
+        """The owner's failed sessions, which do not count toward its limit (an error is final).
+        Drops from the owner's set the sessions that are gone, ended or expired (a session's hash
+        is written before its id joins the set, and an id is never reused: a missing hash is gone
+        for good), and the failed ones past the newest `max_failed`: those are no longer listed
+        (their token still reads them until they expire), so that the set holds at most
+        `max_failed` failed sessions beside the live ones."""
         ids = list(await self.redis.smembers(self.keys.owner(owner)))
         if not ids:
-            return
+            return []
         async with self.redis.pipeline(transaction=False) as pipe:
             for session_id in ids:
-                pipe.exists(self.keys.session(session_id.decode()))
+                pipe.hmget(self.keys.session(session_id.decode()), "state", "created_at")
             found = await pipe.execute()
-        gone = [session_id for session_id, exists in zip(ids, found, strict=True) if not exists]
+        gone, failed = [], []
+        for session_id, (state, created_at) in zip(ids, found, strict=True):
+            if state is None:
+                gone.append(session_id)
+            elif state == SessionState.ERROR.encode():
+                failed.append((float(created_at or 0), session_id))
+        failed = [session_id for _, session_id in sorted(failed, reverse=True)]  # newest first
+        gone += failed[max_failed:]
         if gone:
             await self.redis.srem(self.keys.owner(owner), *gone)
+        return failed[:max_failed]
 
     async def _forget_unadmitted(self, model: str) -> None:
         """Drop from the model's places those of sessions gone, failed, or parked (no worker, not
@@ -193,7 +206,7 @@ class SessionStore:
             await self._drop_unchanged(keys=[self.keys.places(model)], args=unadmitted)
 
     async def owned(self, owner: str) -> list[SessionRecord]:
-        """The owner's live sessions, newest first."""
+        """The owner's sessions, failed ones among them, newest first."""
         ids = [member.decode() for member in await self.redis.smembers(self.keys.owner(owner))]
         async with self.redis.pipeline(transaction=False) as pipe:
             for session_id in ids:
@@ -206,14 +219,18 @@ class SessionStore:
                 records.append(SessionRecord.from_hash(fields))
         return sorted(records, key=lambda r: r.created_at, reverse=True)
 
-    async def authenticate(self, session_id: str, token: str | None) -> tuple[SessionRecord | None, bool]:
-        """The session (None when unknown) and whether `token` is its token."""
+    async def authenticate(
+        self, session_id: str, token: str | None, owner: str | None = None
+    ) -> tuple[SessionRecord | None, bool]:
+        """The session (None when unknown) and whether `token` is its token or, when `owner` is
+        given, `owner` is who created it."""
         fields = await self.redis.hgetall(self.keys.session(session_id))
         if not fields:
             return None, False
         expected = fields.pop(b"token_sha256", b"").decode()
         valid = token is not None and hmac.compare_digest(_digest(token), expected)
-        return SessionRecord.from_hash(fields), valid
+        owned = owner is not None and fields.get(b"owner", b"").decode() == owner
+        return SessionRecord.from_hash(fields), valid or owned
 
     async def touch(self, session_id: str) -> None:
         """Restart the session's idle clock."""

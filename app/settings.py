@@ -61,6 +61,23 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = Field(
         64 * 1024, ge=1024, description="Largest request body, uploads excepted (those have MAX_UPLOAD_BYTES)."
     )
+    max_chat_media_bytes: int = Field(
+        64 * 1024**2, ge=1024, description="Largest video in a `/v1/chat/completions` request's messages (decoded; "
+        "MAX_UPLOAD_BYTES if that is less); its body may be 4/3 of it (base64) plus MAX_BODY_BYTES. An image there has "
+        "the stream socket's message limit, WS_MAX_MESSAGE_BYTES.",
+    )
+    media_fetch_timeout_s: float = Field(
+        30.0, gt=0, description="How long fetching an http(s) `video_url` or `image_url` of a chat completion may take.",
+    )
+    media_fetch_urls: bool = Field(
+        True, description="Fetch http(s) URLs of media in `/v1/chat/completions` messages; false accepts data URLs "
+        "only.",
+    )
+    media_fetch_private: bool = Field(
+        False, description="Also fetch media URLs whose host resolves to a loopback, private, link-local, multicast, "
+        "reserved or unspecified address (refused by default: callers must not reach the gateway's own network "
+        "through it).",
+    )
     cors_origins: str = Field(
         "", description="Comma-separated origins allowed to call the API from a browser (`*` for any); none by default. "
         "A browser's socket is refused (close 4403) unless its Origin is the gateway's own or one of these.",
@@ -73,6 +90,16 @@ class GatewaySettings(CommonSettings):
     @property
     def api_key_list(self) -> tuple[str, ...]:
         return _items(self.api_keys)
+
+    @property
+    def chat_media_bytes(self) -> int:
+        """The largest video a chat completion's messages may carry."""
+        return min(self.max_chat_media_bytes, self.max_upload_bytes)
+
+    @property
+    def chat_body_bytes(self) -> int:
+        """The largest body of a chat completion: its media in base64, and the rest of the JSON."""
+        return -(-self.chat_media_bytes * 4 // 3) + self.max_body_bytes
 
     @property
     def cors_origin_list(self) -> tuple[str, ...]:

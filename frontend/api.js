@@ -66,6 +66,17 @@ export async function createSession(options) {
   return { session: new Session(created.id, created.token), record: created.session };
 }
 
+/** `GET /sessions`: the sessions this caller created (from this address, or with an API key),
+ *  newest first, failed ones among them: {sessions, counted, max_sessions}. */
+export async function ownSessions() {
+  return (await call("/sessions")).json();
+}
+
+/** `DELETE /sessions/{id}` as the session's owner, without its token: ends it. */
+export async function endOwnSession(id) {
+  await call(`/sessions/${encodeURIComponent(id)}`, { method: "DELETE" });
+}
+
 /** One session's calls, with its token. */
 export class Session {
   constructor(id, token) {

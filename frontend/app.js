@@ -8,6 +8,7 @@ import { bytes, count, frameRate, percent, videoTime } from "./format.js";
 import { MemoryView } from "./memory.js";
 import { CachePlot } from "./plot.js";
 import { Stage } from "./preview.js";
+import { SessionList } from "./sessions.js";
 import { FrameStreamer, openCapture } from "./source.js";
 
 const $ = (selector) => document.querySelector(selector);
@@ -116,6 +117,17 @@ const conversation = new Conversation({
   },
 });
 stage.onTime = (time_s) => memory.setPlayhead(time_s);
+const owned = new SessionList({
+  list: $("#session-list"),
+  empty: $("#sessions-empty"),
+  note: $("#sessions-note"),
+  onEnding: (id) => {
+    if (state.session?.id !== id) return;
+    stopCapture(false);
+    detach();
+  },
+  onError: showError,
+});
 
 // -- messages and the connection ----------------------------------------------------------------
 
@@ -165,6 +177,14 @@ function showConnection(status, text) {
 }
 
 // -- creating a session -------------------------------------------------------------------------
+
+/** Why a session could not be created, for `what` ("create a session", "start the demo"); at the
+ *  caller's limit, where to end one. */
+function refusal(what, err) {
+  if (err.code !== "too_many_sessions") return `Could not ${what}: ${err.message}`;
+  owned.refresh();
+  return `Could not ${what}: you hold as many sessions as the server allows. End one under “Your sessions”, then try again.`;
+}
 
 function describePolicy() {
   const full = ui.policy.value === "full";
@@ -245,7 +265,7 @@ ui.createForm.addEventListener("submit", async (event) => {
     const { session, record } = await createSession(sessionOptions());
     attach(session, record);
   } catch (err) {
-    showError(`Could not create a session: ${err.message}`);
+    showError(refusal("create a session", err));
   } finally {
     button.disabled = false;
     button.textContent = "Create session";
@@ -264,7 +284,7 @@ ui.demo.addEventListener("click", async () => {
     attach(session, record);
     startDemo(videos);
   } catch (err) {
-    showError(`Could not start the demo: ${err.message}`);
+    showError(refusal("start the demo", err));
   } finally {
     ui.demo.disabled = false;
     ui.demo.textContent = "Try the demo";
@@ -289,7 +309,7 @@ $("#end-session").addEventListener("click", () => {
   detach();
   session.remove().catch((err) => {
     if (err.status !== 404) showError(`The server could not end the session (${err.message}); it expires once idle.`);
-  });
+  }).finally(() => owned.refresh());
 });
 
 // -- the session's life on this page ------------------------------------------------------------
@@ -298,6 +318,8 @@ function attach(session, record, restored = false) {
   state.session = session;
   state.links = { events: "connecting", poll: "ok" };
   sessionStorage.setItem(STORAGE_KEY, JSON.stringify({ id: session.id, token: session.token }));
+  owned.setCurrent(session.id);
+  if (!restored) owned.refresh();
   ui.createForm.hidden = true;
   ui.summary.hidden = false;
   ui.sessionLine.textContent = `Session ${session.id.slice(0, 8)}`;
@@ -335,6 +357,7 @@ function detach(message) {
   state.session = null;
   state.record = null;
   sessionStorage.removeItem(STORAGE_KEY);
+  owned.setCurrent(null);
   conversation.use(null);
   memory.clear();
   plot.clear();
@@ -707,4 +730,4 @@ renderRecord(null);
 selectTab(ui.tabs[0]);
 loadModels();
 offerDemo();
-restore();
+restore().finally(() => owned.refresh());

@@ -36,6 +36,11 @@ export function clock(seconds) {
   return hours ? `${hours}:${mmss}` : mmss;
 }
 
+/** A moment (seconds since the epoch) as the local time of day: "14:03:09". */
+export function timeOfDay(epoch_s) {
+  return new Date(epoch_s * 1000).toLocaleTimeString("en-GB");
+}
+
 export function bytes(n) {
   if (n < 1024) return `${n} B`;
   if (n < 1024 * 1024) return `${(n / 1024).toFixed(0)} KB`;

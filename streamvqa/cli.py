@@ -109,7 +109,10 @@ def memory(client: Client, args: argparse.Namespace) -> int:
 
 
 def delete(client: Client, args: argparse.Namespace) -> int:
-    client.session(args.id, args.token).delete()
+    if args.token is None:
+        client.end_session(args.id)  # as its owner
+    else:
+        client.session(args.id, args.token).delete()
     return 0
 
 
@@ -235,15 +238,18 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--every", type=_duration_s, metavar="DURATION", help="e.g. 10s (without it: only at the end)")
     command.add_argument("--speed", type=float, default=1.0, help="times faster than real time (default %(default)s)")
 
-    _command(commands, "sessions", sessions, "list the live sessions")
+    _command(commands, "sessions", sessions, "list your sessions (of your API key, or of your address without keys)")
     for name, run, summary in (
         ("info", info, "show a session"),
         ("memory", memory, "show a session's cache: policy, tokens held, evictions, spans of video"),
-        ("delete", delete, "delete a session"),
+        ("delete", delete, "delete a session: with its token, or one of yours without it"),
     ):
         command = _command(commands, name, run, summary)
         command.add_argument("id", metavar="ID")
-        command.add_argument("--token", required=True, help="the session's token")
+        if run is delete:
+            command.add_argument("--token", help="the session's token (not needed for one of your sessions)")
+        else:
+            command.add_argument("--token", required=True, help="the session's token")
     return parser
 
 

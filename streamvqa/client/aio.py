@@ -48,6 +48,13 @@ class AsyncClient:
     async def sessions(self) -> list[dict]:
         return (await self.request("GET", "/sessions")).json()["sessions"]
 
+    async def end_session(self, session_id: str) -> None:
+        try:
+            await self.request("DELETE", f"/sessions/{session_id}", 204)
+        except StreamvqaError as err:
+            if err.status != 404:
+                raise
+
     async def request(self, method: str, path: str, *expected: int, **kwargs: Any) -> httpx.Response:
         with wire.transport_errors(self.base_url):
             response = await self.http.request(method, path, **kwargs)

@@ -49,8 +49,17 @@ class Client:
         return Session(self, session_id, token)
 
     def sessions(self) -> list[dict]:
-        """Every live session's record (`GET /sessions`)."""
+        """Your sessions' records, failed ones among them, newest first (`GET /sessions`)."""
         return self.request("GET", "/sessions").json()["sessions"]
+
+    def end_session(self, session_id: str) -> None:
+        """End one of your sessions without its token (`DELETE /sessions/{id}` as its owner: your
+        API key, or your address without keys); ending a gone session is no error."""
+        try:
+            self.request("DELETE", f"/sessions/{session_id}", 204)
+        except StreamvqaError as err:
+            if err.status != 404:
+                raise
 
     def request(self, method: str, path: str, *expected: int, **kwargs: Any) -> httpx.Response:
         with wire.transport_errors(self.base_url):

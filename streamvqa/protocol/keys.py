@@ -135,6 +135,15 @@ class Keys:
         """The sessions created with one API key (or from one address, without keys)."""
         return f"{self.prefix}owner:{owner}"
 
+    def chat_media(self, owner: str, content_sha256: str) -> str:
+        """The id of the session `/v1/chat/completions` made for `owner` and this content (the
+        SHA-256 of model, system message and media)."""
+        return f"{self.prefix}chat-media:{owner}:{content_sha256}"
+
+    def chat_media_making(self, owner: str, content_sha256: str) -> str:
+        """Held (SET NX, a short TTL) by the one request that makes that session."""
+        return f"{self.prefix}chat-media:{owner}:{content_sha256}:making"
+
     def rate(self, caller: str) -> str:
         return f"{self.prefix}rate:{caller}"
 

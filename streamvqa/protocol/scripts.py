@@ -45,9 +45,12 @@ for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 return 1
 """
 # Adds ARGV[2] to its owner's set (KEYS[1]) unless it holds ARGV[1] sessions already, and gives
-# the set a TTL of ARGV[3] s. Returns 1, or 0 when it is full.
+# the set a TTL of ARGV[3] s. ARGV[4...] (optional): members that do not count (failed sessions;
+# a failed session stays failed). Returns 1, or 0 when it is full.
 TAKE_OWNED_LUA = """
-if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+local held = redis.call('SCARD', KEYS[1])
+for i = 4, #ARGV do held = held - redis.call('SISMEMBER', KEYS[1], ARGV[i]) end
+if held >= tonumber(ARGV[1]) then return 0 end
 redis.call('SADD', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
@@ -280,6 +283,14 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 # Deletes a key (a worker's lease, a socket's claim) only while it holds ARGV[1], its holder.
+# Sets field ARGV[1] of hash KEYS[1] to ARGV[2] unless it is set, and only while the hash exists
+# (a field alone must not recreate a gone session's hash without its TTL). Returns 1 when set
+# here; else the field's value (another's claim); nil when the hash is gone.
+CLAIM_FIELD_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then return 1 end
+return redis.call('HGET', KEYS[1], ARGV[1])
+"""
 RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0

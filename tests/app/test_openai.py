@@ -11,7 +11,7 @@ from tests.support import Client, running_stack, sample_video
 QUESTION = "What is in the video?"
 PROMPT_TOKENS = len(QUESTION) + 13  # the tiny model reads a character a token; "<|im_end|>\n<|im_start|>assistant\n"
 MODEL = "tiny-random-llava"
-SYSTEM = "Not sent again: the session's own system prompt, set when it was created, is already in its cache."
+SYSTEM = "Not the session's own opening: it cannot change after the session was made."
 
 
 def watching(url: str, **headers: str) -> Client:
@@ -58,7 +58,7 @@ def test_a_completion_answers_about_the_sessions_video(stack, session):
 def test_a_streamed_completion_is_chunks_with_a_finish_reason_usage_and_done(stack, session):
     client = openai_client(stack.url, session)
     chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}],
         max_tokens=5, stream=True, stream_options={"include_usage": True}, extra_body={"session_id": session.id},
     ))
     assert {chunk.object for chunk in chunks} == {"chat.completion.chunk"}
@@ -123,10 +123,24 @@ def test_a_bad_request_is_400_in_openais_shape(stack, session):
             model=MODEL, extra_body={"session_id": session.id},
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
         )
-    assert parts.value.body["param"].startswith("messages.0.content")
+    assert (parts.value.body["param"], parts.value.body["code"]) == ("messages.0.content.0.image_url.url", "invalid_media")
+    with pytest.raises(openai.BadRequestError) as audio:
+        client.chat.completions.create(
+            model=MODEL, extra_body={"session_id": session.id},
+            messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
+        )
+    assert audio.value.body["param"].startswith("messages.0.content")
     with pytest.raises(openai.BadRequestError) as missing:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}])
-    assert (missing.value.body["param"], missing.value.body["message"]) == ("session_id", "body.session_id: Field required")
+    assert missing.value.body["param"] == "session_id"
+    assert missing.value.body["message"].startswith("no session to ask: send the video or image in the messages")
+    with pytest.raises(openai.BadRequestError) as system:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+            extra_body={"session_id": session.id},
+        )
+    assert (system.value.body["code"], system.value.body["param"]) == ("system_prompt_mismatch", "messages")
+    assert "the session's opening, set when it was made, is the model's default" in system.value.body["message"]
 
 
 def test_loose_options_are_400_and_max_completion_tokens_counts_over_max_tokens(stack, session):
@@ -175,8 +189,8 @@ def test_a_wrong_token_an_unknown_session_and_no_video_are_openai_errors(stack, 
         stranger.chat.completions.create(model=MODEL, messages=messages, extra_body={"session_id": session.id})
     assert wrong.value.status_code == 401
     assert wrong.value.body == {
-        "message": "the API key must be the session's token (OpenAI(api_key=token))", "type": "authentication_error",
-        "param": None, "code": "invalid_api_key",
+        "message": "the API key must be the session's token (OpenAI(api_key=token)), or with API_KEYS the key that "
+        "owns the session", "type": "authentication_error", "param": None, "code": "invalid_api_key",
     }
     client = openai_client(stack.url, session)
     with pytest.raises(openai.NotFoundError) as unknown:

@@ -207,3 +207,16 @@ def test_requests_over_the_rate_limit_are_429_with_retry_after(redis_url, tmp_pa
             with pytest.raises(ConnectionClosed):  # closed at once, before any message
                 socket.recv(timeout=10)
             assert socket.close_code == 4429
+
+
+def test_an_api_key_sent_as_the_bearer_counts_against_the_key_not_the_address(redis_url, tmp_path):
+    with running_stack(redis_url, tmp_path, API_KEYS=f"{KEY_A},{KEY_B}", RATE_LIMIT_PER_S="0.1", RATE_LIMIT_BURST="2") as stack:
+        def models(**headers: str) -> int:
+            return httpx.get(f"{stack.url}/v1/models", headers=headers).status_code
+
+        assert [models(authorization=f"Bearer {KEY_A}") for _ in range(3)] == [200, 200, 429]  # as OpenAI's clients send it
+        assert models(**{"X-API-Key": KEY_A}) == 429  # the same key's bucket, however it is sent
+        assert [models(authorization=f"Bearer {KEY_B}") for _ in range(2)] == [200, 200]  # another key's own
+        assert models() == 200  # the address, without a key, has its own too
+        assert models(authorization="Bearer not-a-key") == 200  # not a key: the address's
+        assert models() == 429

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.media import cut_before_frame, faststart_mp4
-from tests.support import sample_video
+from tests.support import Client, running_stack, sample_video
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 CHROMIUM_ARGS = [
@@ -43,20 +43,20 @@ def playwright():
 
 @pytest.fixture
 def launch(playwright, stack):
-    """launch(extra_args, viewport, permissions) -> a page on the dashboard; fails the test on a
-    JavaScript error in the page."""
+    """launch(extra_args, viewport, permissions, url) -> a page on the dashboard (of `stack`, or of
+    the gateway at `url`); fails the test on a JavaScript error in the page."""
     browsers, errors = [], []
 
-    def open_page(extra_args=(), viewport=(1280, 800), permissions=()):
+    def open_page(extra_args=(), viewport=(1280, 800), permissions=(), url=None):
         browser = playwright.chromium.launch(executable_path=_chromium(), args=[*CHROMIUM_ARGS, *extra_args])
         browsers.append(browser)
         context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
         if permissions:
-            context.grant_permissions(list(permissions), origin=stack.url)
+            context.grant_permissions(list(permissions), origin=url or stack.url)
         page = context.new_page()
         page.set_default_timeout(TIMEOUT_MS)
         page.on("pageerror", lambda error: errors.append(str(error)))
-        page.goto(stack.url)
+        page.goto(url or stack.url)
         return page
 
     yield open_page
@@ -380,7 +380,7 @@ def test_an_upload_that_is_not_a_video_shows_the_sessions_error(page, tmp_path):
     assert page.text_content("#stage-badge") == "The model could not read this video"  # not "Waiting for the model"
     assert page.is_disabled("#ask-form button[type=submit]")
     assert page.text_content("#ask-hint") == "The session failed: it takes no questions. Start a new session."
-    page.get_by_role("button", name="End session").click()  # and start again
+    page.get_by_role("button", name="End session", exact=True).click()  # and start again
     page.wait_for_selector("#connection:text-is('No session')")
     assert page.is_visible("#create-form") and page.is_hidden("#session-error")
 
@@ -472,6 +472,80 @@ def test_the_demo_streams_the_samples_into_a_256_token_cache_and_shows_it_evict(
     assert field(page, "state") == "ingested"
     assert page.text_content("#stage-empty") == "The demo is over. The session keeps what the model saw: ask away."
     assert page.is_hidden("#demo-controls") and page.is_hidden("#error")
+
+
+@pytest.fixture(scope="module")
+def two_each(redis_url, tmp_path_factory):
+    """A gateway that lets each caller (here: each address) hold two sessions."""
+    with running_stack(redis_url, tmp_path_factory.mktemp("two-each"), MAX_SESSIONS_PER_KEY="2", MAX_SESSIONS="64") as stack:
+        yield stack
+
+
+def owned_rows(page) -> list[tuple[str, str]]:
+    """The rows of "Your sessions": (the id's first 8 digits, the state)."""
+    rows = page.locator("#session-list li")
+    return [(row.locator(".owned-id").text_content(), row.locator(".owned-state").text_content()) for row in rows.all()]
+
+
+def test_your_sessions_lists_the_callers_sessions_and_ends_them_demo_and_failed_ones_too(launch, two_each):
+    # from the page's address, through the API: one session that failed and one that did not
+    failed, first = Client(two_each.url), Client(two_each.url)
+    assert failed.create().status_code == 201 and first.create().status_code == 201
+    failed.wait_for_state("ready")
+    assert failed.upload(b"not a video at all" * 100).status_code == 202
+    failed.wait_for_state("error")
+
+    page = launch(url=two_each.url)
+    page.wait_for_selector("#session-list li >> nth=1")
+    assert owned_rows(page) == [(first.id[:8], "ready"), (failed.id[:8], "error")]
+    assert page.text_content("#sessions-note") == "1 of 2 in use"  # a failed session does not count
+    assert page.get_attribute("#session-list li >> nth=1 >> .owned-state", "title")  # why it failed
+
+    page.get_by_role("button", name="Try the demo").click()  # the demo's session is one of them
+    page.wait_for_selector("#connection[data-state='live']")
+    demo_id = page.get_attribute("#session-line", "title")
+    page.wait_for_selector("#session-list li >> nth=2")
+    assert [short for short, _ in owned_rows(page)] == [demo_id[:8], first.id[:8], failed.id[:8]]
+    assert page.get_attribute("#session-list li >> nth=0", "data-current") == "true"
+    assert re.fullmatch(
+        r"tiny-random-llava · created \d\d:\d\d:\d\d · this page", page.text_content("#session-list li >> nth=0 >> .owned-meta")
+    )
+    assert page.text_content("#sessions-note") == "2 of 2 in use"
+
+    page.get_by_role("button", name=f"End session {demo_id[:8]}").click()  # its own: the page lets it go
+    page.wait_for_selector("#create-form:not([hidden])")
+    assert page.text_content("#connection") == "No session" and page.is_hidden("#demo-controls")
+    page.wait_for_function("document.querySelectorAll('#session-list li').length === 2")
+    assert page.text_content("#sessions-note") == "1 of 2 in use"
+
+    second = Client(two_each.url)
+    assert second.create().status_code == 201  # through the API again: two that count
+    page.get_by_role("button", name="Create session", exact=True).click()
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.text_content("#error-text") == (
+        "Could not create a session: you hold as many sessions as the server allows. "
+        "End one under “Your sessions”, then try again."
+    )
+    page.wait_for_function("document.querySelectorAll('#session-list li').length === 3")
+    assert [short for short, _ in owned_rows(page)] == [second.id[:8], first.id[:8], failed.id[:8]]
+    screenshot(page, "dashboard-sessions-full.png")
+
+    page.get_by_role("button", name=f"End session {first.id[:8]}").click()
+    page.wait_for_function("document.querySelectorAll('#session-list li').length === 2")
+    assert first.get().status_code == 404  # ended without its token
+    create_session(page)
+    page.wait_for_selector("#session-list li[data-current='true']")
+    mine = page.get_attribute("#session-line", "title")
+    assert [short for short, _ in owned_rows(page)] == [mine[:8], second.id[:8], failed.id[:8]]
+    assert page.text_content("#sessions-note") == "2 of 2 in use"
+
+    page.get_by_role("button", name=f"End session {failed.id[:8]}").click()
+    page.wait_for_function("document.querySelectorAll('#session-list li').length === 2")
+    assert failed.get().status_code == 404
+    assert page.is_visible("#session-summary")  # the page's own session goes on
+    screenshot(page, "dashboard-sessions.png")
+    second.delete()
+    httpx.delete(f"{two_each.url}/sessions/{mine}")
 
 
 def test_the_sample_videos_are_served_by_name_and_nothing_else(stack):
