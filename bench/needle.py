@@ -32,7 +32,8 @@ Prints JSON lines: one per run (`run`: the answers and their top-3 evidence time
 `--verbose`, a `warning` for a stream whose frames did not all reach the cache, then one per cell
 with `policy`, `budget`, `depth`, `accuracy`, `questions`, `minutes`, `distractors`, accuracy by
 question kind, and `cited_when_right`: the share of right answers whose top-3 evidence holds the
-needle's time (the scene's second).
+needle's time (the scene's second), and `opening_cited`: the share of all answers whose top-3
+evidence holds the stream's first second (no needle is there, so none should).
 `--svg` draws accuracy by needle depth, one panel per budget, one line per policy.
 """
 
@@ -153,6 +154,7 @@ def is_right(question: Question, answer: str) -> bool:
 class Result:
     right: bool
     cited: bool  # the needle's time is among the answer's evidence (its top 3)
+    opening: bool  # the stream's first second is among them (no question here is about it)
 
 
 def run_one(client: Client, stream: Stream, policy: str, budget: int | None, recall: bool, verbose: bool) -> list[Result]:
@@ -168,7 +170,7 @@ def run_one(client: Client, stream: Stream, policy: str, budget: int | None, rec
         for question in stream.questions:
             answer = session.ask(question.text, max_new_tokens=24)
             cited = [e.time_s for e in answer.evidence[:3]]
-            results.append(Result(is_right(question, answer.answer), stream.needle_s in cited))
+            results.append(Result(is_right(question, answer.answer), stream.needle_s in cited, any(t < 1.0 for t in cited)))
             if verbose:
                 emit(run=policy, budget=budget, recall=recall, needle_s=stream.needle_s, question=question.text,
                      expected=question.expected, answer=answer.answer, right=results[-1].right, evidence_s=cited)
@@ -267,7 +269,8 @@ def main() -> None:
             cell = dict(policy=policy, budget=budget, recall=recall, depth=depth,
                         accuracy=round(len(answered) / len(results), 3), questions=len(results), minutes=args.minutes,
                         distractors=args.distractors, by_kind=kinds,
-                        cited_when_right=round(sum(r.cited for r in answered) / len(answered), 3) if answered else None)
+                        cited_when_right=round(sum(r.cited for r in answered) / len(answered), 3) if answered else None,
+                        opening_cited=round(sum(r.opening for r in results) / len(results), 3))
             cells.append(cell)
             emit(**cell)
         emit(event="done", runs=len(runs) * len(depths) * args.trials, s=round(time.monotonic() - started, 1))
