@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from engine import attention
 from engine.host_tier import HostTier
-from engine.kv_cache import FRAME, TEXT, KVCache, outside_inference
+from engine.kv_buffers import outside_inference
+from engine.kv_cache import FRAME, TEXT, KVCache
 from engine.model import Model
 from engine.policies import Policy, make_policy
 from engine.policies.base import DEFAULT_BUDGET_TOKENS

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine import load_model
-from engine.kv_cache import GROWTH, MERGE_EVERY, KVCache, rotate
+from engine.kv_buffers import GROWTH, rotate
+from engine.kv_cache import MERGE_EVERY, KVCache
 from engine.policies import make_policy
 
 HEADS, GROUP, HEAD_DIM, SCALING = 2, 3, 16, 0.25  # the tiny models' KV heads and head size

@@ -7,7 +7,8 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engine import Session, SessionConfig, load_model
-from engine.kv_cache import KVCache, rotate
+from engine.kv_buffers import rotate
+from engine.kv_cache import KVCache
 from engine.policies import make_policy
 
 HEADS, HEAD_DIM = 2, 16  # the tiny models' KV heads

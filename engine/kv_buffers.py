@@ -1,0 +1,278 @@
+"""The buffers under a session's KV cache, and the rotary tables that place its keys.
+
+Per layer, keys as they were before the rotary embedding, values, and (while a prompt or an
+answer runs) a copy of the keys rotated at their indices, each in a buffer with room after its
+tokens (`Rows`), so that a forward writes only its new tokens, in place. `PreRopeLayer` is the
+transformers cache layer over them: the model hands it keys rotated at their positions (their
+indices) and it turns them back. What moves tokens (eviction, borrowing, give-back) and what
+they mean (kind, time, place) is `engine/kv_cache.py`'s.
+
+Every tensor here that lives from one step to the next is made `outside_inference`: a tensor
+made in inference mode cannot be changed in place outside it (docs/engine.md).
+"""
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+@contextmanager
+def outside_inference() -> Iterator[None]:
+    """Where the tensors a session keeps across steps are made: plain tensors, which a later step
+    may change in place whether or not it runs in inference mode; and no gradient."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def rotations(rotary: nn.Module, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (*positions.shape, head_dim) of the pure rotation by `positions`, with the
+    model's own frequencies, in float32 (without the rotary embedding's `attention_scaling`),
+    the first half of sin negated: what `rotate` takes."""
+    cos, sin = rotary(like.float(), positions.to(like.device).reshape(1, -1))
+    scale = getattr(rotary, "attention_scaling", 1.0)
+    shape = (*positions.shape, cos.shape[-1])
+    half = cos.shape[-1] // 2
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return (cos / scale).reshape(shape), (sin / scale).reshape(shape)
+
+
+def rotate(
+    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Keys (..., n, head_dim) rotated by angles whose cos and (half-negated) sin are (n, head_dim),
+    times `scale`, computed in float32: the model's `k * cos + rotate_half(k) * sin`, in the
+    fewest passes over the keys (rotate_half(k) * sin is the halves of k swapped, times the
+    half-negated sin; the same products, so the same bits). Written into `out` (of the keys'
+    shape and dtype, a place in a buffer) when given, and returned."""
+    k = keys.float()
+    half = k.shape[-1] // 2
+    swapped = k.roll(half, dims=-1).mul_(sin)
+    if out is not None and out.dtype == k.dtype and scale == 1.0:
+        return torch.mul(k, cos, out=out).add_(swapped)
+    rotated = (k * cos).add_(swapped)
+    if scale != 1.0:
+        rotated.mul_(scale)
+    return rotated.to(keys.dtype) if out is None else out.copy_(rotated)
+
+
+class PositionTable:
+    """cos and (half-negated) sin of positions 0, 1, 2, ... of one model, grown as needed (a few
+    MB), and the sin of minus those positions."""
+
+    def __init__(self, rotary: nn.Module) -> None:
+        self.rotary = rotary
+        self.scale = float(getattr(rotary, "attention_scaling", 1.0))  # the model rotates keys, then scales
+        self.cos = self.sin = self.minus_sin = torch.empty(0, 0)
+        self._last: tuple = ()  # the last `between`: every layer of a forward asks for the same positions
+
+    def up_to(self, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(count, head_dim) cos and sin of positions 0..count-1, on `like`'s device."""
+        if self.cos.shape[0] < count or self.cos.device != like.device:
+            size = max(count, 2 * self.cos.shape[0])
+            with outside_inference():
+                self.cos, self.sin = rotations(self.rotary, torch.arange(size), like)
+                self.minus_sin = -self.sin
+        return self.cos[:count], self.sin[:count]
+
+    def between(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(end - start, head_dim) cos, sin and minus sin of positions start..end-1."""
+        key = (start, end, like.device)
+        if self._last[:3] != key:
+            self.up_to(end, like)
+            self._last = (*key, self.cos[start:end], self.sin[start:end], self.minus_sin[start:end])
+        return self._last[3:]
+
+
+GROWTH = 1.5  # a full buffer is copied into one this many times the tokens it must hold
+
+
+class Rows:
+    """(1, kv_heads, n, head_dim) tokens in a buffer with room after them: appending writes in
+    place, and only a full buffer is copied, into one GROWTH times what it must hold but no
+    larger than `most` (unless it must hold more), so its storage never exceeds GROWTH times
+    the most tokens it held, nor `most` when it held no more. `tokens` is a view of the n
+    tokens: an append leaves earlier views as they were, an assignment writes over them."""
+
+    def __init__(self, most: int | None = None) -> None:
+        self.buffer: torch.Tensor | None = None  # (1, kv_heads, capacity, head_dim)
+        self.length = 0
+        self.most = most
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        return None if self.buffer is None else self.buffer.narrow(2, 0, self.length)
+
+    def append(self, new: torch.Tensor) -> None:
+        """`new` (1, kv_heads, c, head_dim) after the n tokens."""
+        self.extend(new.shape[2], new).copy_(new)
+
+    def extend(self, count: int, like: torch.Tensor) -> torch.Tensor:
+        """`count` more tokens of `like`'s kind after the n: their places (1, kv_heads, count,
+        head_dim), for the caller to write."""
+        end = self.length + count
+        if self.buffer is None or end > self.buffer.shape[2]:
+            self._grow(end, like, keep=True)
+        places = self.buffer.narrow(2, self.length, count)
+        self.length = end
+        return places
+
+    def assign(self, tokens: torch.Tensor | None) -> bool:
+        """Hold `tokens` (1, kv_heads, n, head_dim) instead (None: nothing, and no buffer).
+        Returns True when they are the first of the tokens held (a cut, as a rollback makes):
+        then nothing moves."""
+        buffer = self.buffer
+        if tokens is None:
+            self.buffer, self.length = None, 0
+            return False
+        count = tokens.shape[2]
+        if buffer is not None and tokens.data_ptr() == buffer.data_ptr() and tokens.stride() == buffer.stride():
+            if count <= self.length and tokens.dtype == buffer.dtype:
+                self.length = count
+                return True
+        if buffer is not None and tokens.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+            tokens = tokens.clone()  # other tokens of this buffer: they would be written over
+        kind = (tokens.shape[1], tokens.shape[3], tokens.dtype, tokens.device)
+        if buffer is None or count > buffer.shape[2] or (buffer.shape[1], buffer.shape[3], buffer.dtype, buffer.device) != kind:
+            self._grow(count, tokens, keep=False)
+        self.buffer.narrow(2, 0, count).copy_(tokens)
+        self.length = count
+        return False
+
+    def _grow(self, count: int, like: torch.Tensor, keep: bool) -> None:
+        """A new buffer with room for GROWTH times `count` tokens of `like`'s kind; `keep`: with
+        the n tokens held copied in."""
+        _, heads, _, dim = like.shape
+        size = math.ceil(GROWTH * count)
+        if self.most is not None:
+            size = max(count, min(size, self.most))
+        with outside_inference():
+            buffer = torch.empty(1, heads, size, dim, dtype=like.dtype, device=like.device)
+        if keep and self.length:
+            buffer.narrow(2, 0, self.length).copy_(self.buffer.narrow(2, 0, self.length))
+        self.buffer = buffer
+
+
+class PreRopeLayer(DynamicLayer):
+    """A transformers cache layer that stores keys as they were before the rotary embedding: the
+    model hands it keys rotated at their positions (their indices), and it turns them back.
+
+    Beside them it keeps `rotated()`, the same keys rotated at their indices: appending rotates
+    the new keys into it, and assigning `keys` (which is how an eviction, a borrowing, a
+    give-back or a rollback moves tokens) or `release()` drops it (a cut keeps what it holds of
+    the tokens left), to be made again from the stored keys when next read. Each key is rotated
+    the same way whenever it is, so the copy is bit for bit what rotating every stored key from
+    scratch gives. Keys, values and the copy are each in a buffer with room for more tokens
+    (`Rows`, no larger than `most_tokens` while they hold no more), so that a forward writes
+    only its new tokens; what `keys`, `values`, `update` and `rotated` return are views, valid
+    until the next assignment."""
+
+    def __init__(self, table: PositionTable, most_tokens: int | None = None) -> None:
+        self.most_tokens = most_tokens
+        self._keys, self._values = Rows(most_tokens), Rows(most_tokens)
+        self._rotated: Rows | None = None  # its first `length` tokens: the first keys, rotated
+        super().__init__()
+        self.table = table
+        self.pending = 0  # places reserved for borrowed tokens that this layer has yet to bring in
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._keys.tokens
+
+    @keys.setter
+    def keys(self, keys: torch.Tensor | None) -> None:
+        cut = self._keys.assign(keys)
+        if self._rotated is not None:  # tokens may sit at other indices now, unless cut
+            self._rotated.length = min(self._rotated.length, self._keys.length) if cut else 0
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._values.tokens
+
+    @values.setter
+    def values(self, values: torch.Tensor | None) -> None:
+        self._values.assign(values)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self._keys.length + self.pending
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self._keys.length
+        start = held + self.pending
+        count = key_states.shape[-2]
+        cos, sin, minus_sin = self.table.between(start, start + count, key_states)
+        unrotated = rotate(key_states, cos, minus_sin, 1 / self.table.scale, out=self._keys.extend(count, key_states))
+        self._values.append(value_states)
+        copy = self._rotated
+        if copy is not None and copy.length == held and not self.pending:  # the new keys' positions are their indices
+            rotate(unrotated, cos, sin, self.table.scale, out=copy.extend(count, unrotated))
+        return self.keys, self.values
+
+    def release(self) -> None:
+        """Let the rotated copy go (it is made again when next read)."""
+        self._rotated = None
+
+    def rotated(self) -> torch.Tensor:
+        """(1, kv_heads, N, head_dim) the stored keys rotated at their indices."""
+        if self._rotated is None:
+            self._rotated = Rows(self.most_tokens)
+        done, total = self._rotated.length, self._keys.length
+        if done < total:
+            stored = self._keys.buffer.narrow(2, done, total - done)
+            cos, sin, _ = self.table.between(done, total, stored)
+            rotate(stored, cos, sin, self.table.scale, out=self._rotated.extend(total - done, stored))
+        return self._rotated.tokens
+
+
+def take(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(1, kv_heads, k, head_dim) each KV head's tokens of (1, kv_heads, N, head_dim) at its own
+    indices (kv_heads, k): whole rows copied (index_select), many times faster than a gather
+    with an index expanded over head_dim, and the same values."""
+    _, heads, total, dim = tokens.shape
+    rows = (index + torch.arange(heads, device=index.device)[:, None] * total).reshape(-1)
+    return tokens.reshape(heads * total, dim).index_select(0, rows).view(1, heads, -1, dim)
+
+
+class QueryWindow:
+    """A layer's last queries, at most `size` (q_heads, w, head_dim): a forward adds its own
+    without a copy, and they are joined when read, or when `size` additions wait (so it holds
+    the queries of at most `size` + 1 forwards)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.parts: list[torch.Tensor] = []  # (q_heads, c, head_dim) each, oldest first
+
+    def add(self, queries: torch.Tensor) -> None:
+        """Keeps a copy of what it needs: the forward's queries are inference tensors, and
+        `KVCache.attend` calls this `outside_inference`."""
+        if queries.shape[1] >= self.size:
+            self.parts = [queries[:, -self.size :].clone()]
+            return
+        self.parts.append(queries.clone())
+        if len(self.parts) > self.size:
+            self.read()
+
+    def read(self) -> torch.Tensor | None:
+        if len(self.parts) > 1:
+            self.parts = [torch.cat(self.parts, dim=1)[:, -self.size :]]
+        return self.parts[0] if self.parts else None
+
+    def set(self, queries: torch.Tensor | None) -> None:
+        self.parts = [] if queries is None else [queries[:, -self.size :]]
+
+
+class LayerStore(DynamicCache):
+    """The transformers cache a forward takes: one `PreRopeLayer` per layer."""
+
+    def __init__(self, layers: list[PreRopeLayer]) -> None:
+        Cache.__init__(self, layers=layers)
