@@ -4,7 +4,8 @@ from engine.model import Model, UnknownModelError
 from engine.registry import BUILTIN_MODELS, load_model
 from engine.policies import POLICIES
 from engine.sampling import Sampling
-from engine.session import Answer, ContextFull, Evidence, Memory, Session, SessionConfig, SessionStats, Span
+from engine.memory_map import Memory, SessionStats, Span
+from engine.session import Answer, ContextFull, Evidence, Session, SessionConfig
 
 __all__ = [
     "BUILTIN_MODELS",

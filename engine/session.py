@@ -34,6 +34,7 @@ from engine import attention
 from engine.host_tier import HostTier
 from engine.kv_buffers import outside_inference
 from engine.kv_cache import FRAME, TEXT, KVCache
+from engine.memory_map import Memory, Seen, SessionStats, cache_stats, memory_map
 from engine.model import Model
 from engine.policies import Policy, make_policy
 from engine.policies.base import DEFAULT_BUDGET_TOKENS
@@ -47,7 +48,6 @@ EVIDENCE_WINDOW = 32  # the last queries of an answer whose attention picks its 
 SNAPSHOT_FORMAT = 3  # 3: host pages by stream place; 2: with stream order and the host tier; 1 and 2 are still read
 HOST_BUDGET_MULTIPLE = 16  # host_budget_tokens when not given: this many times the budget
 MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the host tier
-MAX_SECONDS = 7 * 24 * 3600  # memory() tracks this much video; later seconds count as the last one
 
 
 class ContextFull(ValueError):
@@ -150,53 +150,9 @@ class SessionConfig:
 
 
 @dataclass(frozen=True)
-class SessionStats:
-    frames: int  # frames appended so far
-    video_time_s: float  # video time of the last frame appended
-    tokens_seen: int  # every token ever run through the model
-    cache_tokens: int  # tokens each layer of the cache holds now
-    cache_bytes: int  # bytes of keys and values held now
-    evictions: int  # evictions so far
-    evicted_tokens: int  # tokens evicted so far, per layer
-    evict_ms: float  # time spent scoring, selecting and gathering
-    max_position: int  # the highest position any token has had
-    host_tokens: int = 0  # tokens each layer of the host tier holds now
-    host_bytes: int = 0  # host memory of the host tier
-    host_index_bytes: int = 0  # device memory of its representative keys and which places it holds
-    retrievals: int = 0  # questions that borrowed from the host tier
-    retrieved_tokens: int = 0  # tokens borrowed so far, per layer
-    retrieved_pages: int = 0  # host pages borrowed from so far, in the first layer (by any of its KV heads)
-    retrieval_ms: float = 0.0  # time spent scoring pages and bringing them in
-
-
-@dataclass(frozen=True)
 class Evidence:
     time_s: float  # video time of a frame
     weight: float  # its share of the attention the answer paid to frames (0..1)
-
-
-@dataclass(frozen=True)
-class Span:
-    start_s: int  # [start_s, end_s) of video
-    end_s: int
-    frame_seen: int  # frame tokens appended from it
-    frame_held: float  # of those, held now (mean over layers and KV heads)
-    text_seen: int  # text tokens appended while it was the latest video time
-    text_held: float
-    frame_host: float = 0.0  # of the frame tokens, in the host tier now (mean over layers and KV heads)
-    text_host: float = 0.0
-
-
-@dataclass(frozen=True)
-class Memory:
-    policy: str
-    budget_tokens: int | None  # None: the cache never evicts
-    cache_tokens: int
-    frame_tokens: float  # held, mean over layers and KV heads
-    text_tokens: float
-    spans: list[Span]  # the stream so far, in equal spans of whole seconds
-    host_budget_tokens: int = 0  # 0: no host tier
-    host_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -313,10 +269,7 @@ class Session:
         self._video_time_s = 0.0
         self._tokens_seen = 0
         self._logits: torch.Tensor | None = None  # (vocab,) after the last token run
-        # Tokens appended per second of video, per kind (rows FRAME and TEXT): 16 bytes a
-        # second, grown as the video goes on, at most MAX_SECONDS.
-        self._seen = torch.zeros(2, 64, dtype=torch.int64)
-        self._seconds = 0  # seconds of video seen so far
+        self._seen = Seen()  # tokens appended per second of video
         self._open_answer: Iterator[str] | None = None
         self._fed: torch.Tensor | None = None  # (vocab,) logits of an answer's last token, run by a batched step
 
@@ -562,7 +515,7 @@ class Session:
         kinds = torch.cat([torch.full((part.tokens,), part.kind, dtype=torch.int8) for part in parts])
         times = torch.cat([torch.full((part.tokens,), part.time_s) for part in parts])
         for part in parts:
-            self._count_seen(part)
+            self._seen.add(part.kind, part.time_s, part.tokens)
         return embeds, kinds, times
 
     def _ran(self, kinds: torch.Tensor, times: torch.Tensor, logits: torch.Tensor) -> None:
@@ -577,16 +530,6 @@ class Session:
         with outside_inference():
             self._logits = logits.clone()
 
-    def _count_seen(self, part: Part) -> None:
-        second = min(int(part.time_s), MAX_SECONDS - 1)
-        if second >= self._seen.shape[1]:
-            with outside_inference():  # whichever step crosses the size, a lone or a batched one
-                grown = torch.zeros(2, min(max(2 * self._seen.shape[1], second + 1), MAX_SECONDS), dtype=torch.int64)
-                grown[:, : self._seen.shape[1]] = self._seen
-            self._seen = grown
-        self._seen[part.kind, second] += part.tokens
-        self._seconds = max(self._seconds, second + 1)
-
     # -- reading -------------------------------------------------------------------------------
 
     @property
@@ -595,70 +538,14 @@ class Session:
         return self._logits
 
     def stats(self) -> SessionStats:
-        cache = self.cache
-        return SessionStats(
-            frames=self._frames,
-            video_time_s=self._video_time_s,
-            tokens_seen=self._tokens_seen,
-            cache_tokens=cache.tokens,
-            cache_bytes=cache.nbytes,
-            evictions=cache.evictions,
-            evicted_tokens=cache.evicted_tokens,
-            evict_ms=round(cache.evict_s * 1000, 3),
-            max_position=cache.max_position,
-            host_tokens=cache.host.tokens if cache.host else 0,
-            host_bytes=cache.host.nbytes if cache.host else 0,
-            host_index_bytes=cache.host.device_bytes if cache.host else 0,
-            retrievals=cache.retrievals,
-            retrieved_tokens=cache.retrieved_tokens,
-            retrieved_pages=cache.retrieved_pages,
-            retrieval_ms=round(cache.retrieve_s * 1000, 3),
-        )
+        return cache_stats(self.cache, self._frames, self._video_time_s, self._tokens_seen)
 
     def memory(self, max_spans: int = 600) -> Memory:
         """What the cache still holds of the stream so far, in at most `max_spans` equal spans of
         whole seconds, and of each kind."""
-        seconds = self._seconds
-        width = max(1, math.ceil(seconds / max_spans))
-        count = math.ceil(seconds / width)
-
-        def per_span(values: torch.Tensor) -> list[float]:
-            padded = torch.zeros(count * width, dtype=values.dtype)
-            padded[:seconds] = values[:seconds]
-            return padded.view(count, width).sum(dim=1).tolist()
-
-        frame_seen, text_seen = per_span(self._seen[FRAME]), per_span(self._seen[TEXT])
-        frame_held = per_span(self.cache.held_per_second(FRAME, seconds))
-        text_held = per_span(self.cache.held_per_second(TEXT, seconds))
-        host = self.cache.host
-        if host is not None:
-            layers, heads = self.model.num_layers, self.model.kv_heads
-            frame_host = per_span(host.per_second(FRAME, seconds, layers, heads))
-            text_host = per_span(host.per_second(TEXT, seconds, layers, heads))
-        else:
-            frame_host = text_host = [0.0] * count
-        return Memory(
-            policy=self.policy.name,
-            budget_tokens=self.policy.budget_tokens if self.policy.evicts else None,
-            cache_tokens=self.cache.tokens,
-            frame_tokens=self.cache.held(FRAME),
-            text_tokens=self.cache.held(TEXT),
-            spans=[
-                Span(
-                    i * width,
-                    min((i + 1) * width, seconds),
-                    int(frame_seen[i]),
-                    round(frame_held[i], 2),
-                    int(text_seen[i]),
-                    round(text_held[i], 2),
-                    round(frame_host[i], 2),
-                    round(text_host[i], 2),
-                )
-                for i in range(count)
-            ],
-            host_budget_tokens=self.config.host_tokens,
-            host_tokens=host.tokens if host is not None else 0,
-        )
+        budget = self.policy.budget_tokens if self.policy.evicts else None
+        return memory_map(self._seen, self.cache, self.cache.host, budget, self.config.host_tokens,
+                          self.model.num_layers, self.model.kv_heads, max_spans)
 
     # -- snapshot ------------------------------------------------------------------------------
 
@@ -672,7 +559,7 @@ class Session:
             "cache": self.cache.state(),
             "counters": [self._frames, self._video_time_s, self._tokens_seen],
             "logits": self._logits,
-            "seen": self._seen[:, : self._seconds],
+            "seen": self._seen.counts(),
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -691,8 +578,5 @@ class Session:
         session.cache.load(state["cache"], model.device)
         session._frames, session._video_time_s, session._tokens_seen = state["counters"]
         session._logits = None if state["logits"] is None else state["logits"].to(model.device)
-        seen = state["seen"]
-        session._seconds = seen.shape[1]
-        session._seen = torch.zeros(2, max(64, seen.shape[1]), dtype=torch.int64)
-        session._seen[:, : seen.shape[1]] = seen
+        session._seen = Seen(state["seen"])
         return session

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from engine.session import Memory, SessionStats, Span
+from engine.memory_map import Memory, SessionStats, Span
 from streamvqa.protocol import MemoryReport, MemorySpan
 
 
