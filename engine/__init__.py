@@ -5,7 +5,8 @@ from engine.registry import BUILTIN_MODELS, load_model
 from engine.policies import POLICIES
 from engine.sampling import Sampling
 from engine.memory_map import Memory, SessionStats, Span
-from engine.session import Answer, ContextFull, Evidence, Session, SessionConfig
+from engine.answer import Answer, Evidence
+from engine.session import ContextFull, Session, SessionConfig
 
 __all__ = [
     "BUILTIN_MODELS",

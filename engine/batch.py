@@ -22,7 +22,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine import attention
 from engine.kv_cache import KVCache
-from engine.session import Answer, Part, Session
+from engine.answer import Answer
+from engine.session import Part, Session
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def first_pieces(answers: Sequence[Answer]) -> list[str | None | Exception]:
             answer.failed()
         return [failed] * len(answers)
     for answer, _ in prompts:
-        answer.session._question_ran()
+        answer.question_ran()
     return next_pieces(answers)
 
 
@@ -126,7 +127,7 @@ def next_pieces(answers: Sequence[Answer]) -> list[str | None | Exception]:
             log.exception("a batched step failed; its answers go on one at a time")
         else:
             for answer in ready:
-                answer.session._fed = answer.session.logits
+                answer.fed(answer.session.logits)
     pieces: list[str | None | Exception] = []
     for answer in answers:
         try:

@@ -15,15 +15,14 @@ each question borrows back up to `retrieval_tokens` of it for its answer: then t
 at most the budget, the retrieval, the question and the answer, and between prompts exactly
 what it would hold without recall.
 
-One module, over 400 lines, on purpose: frames, questions, answers, recall and snapshots are
-all moves of the same cache and its positions, and each reads the others' invariants (an answer
-under way blocks frames; a recall's borrowed tokens go back before the next prompt).
+An answer in progress is state of its own (`engine/answer.py`); a session has at most one open,
+and ends it before anything else enters the cache. Its counters and memory map are
+`engine/memory_map.py`'s.
 """
 
 import io
 import math
-import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import attention
+from engine.answer import Answer
 from engine.host_tier import HostTier
 from engine.kv_buffers import outside_inference
 from engine.kv_cache import FRAME, TEXT, KVCache
@@ -47,7 +47,6 @@ DEFAULT_SYSTEM_PROMPT = (
 EVIDENCE_WINDOW = 32  # the last queries of an answer whose attention picks its evidence
 SNAPSHOT_FORMAT = 3  # 3: host pages by stream place; 2: with stream order and the host tier; 1 and 2 are still read
 HOST_BUDGET_MULTIPLE = 16  # host_budget_tokens when not given: this many times the budget
-MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the host tier
 
 
 class ContextFull(ValueError):
@@ -150,88 +149,9 @@ class SessionConfig:
 
 
 @dataclass(frozen=True)
-class Evidence:
-    time_s: float  # video time of a frame
-    weight: float  # its share of the attention the answer paid to frames (0..1)
-
-
-@dataclass(frozen=True)
 class TextScore:
     tokens: int
     nll: float  # summed negative log-likelihood (nats) of the tokens given everything before
-
-
-class Answer(Iterator[str]):
-    """One piece of text per generated token; after the last, `tokens` and `evidence` are final.
-
-    A piece is empty while a token leaves a character incomplete (or decodes to nothing). An
-    answer left unfinished is closed (its turn ended in the cache) by the session's next call.
-    """
-
-    def __init__(self, session: "Session", pieces: Iterator[str], result: dict, prompt: list[Part]) -> None:
-        self.session = session
-        self._pieces = pieces
-        self._result = result  # filled by the generator: it holds no reference to this object
-        self._prompt: list[Part] | None = prompt  # the question and the markers closing it, until run
-
-    def begin(self) -> list[Part] | None:
-        """The question's prompt, to be run next (by `next`, or by a batched step), with the
-        places of what it borrows reserved; None once begun."""
-        prompt, self._prompt = self._prompt, None
-        if prompt is not None:
-            self.session._begin_question(prompt, self._result)
-        return prompt
-
-    def failed(self) -> None:
-        """The question's prompt did not run: the answer is over, with no turn in the cache."""
-        self._pieces.close()
-        if self.session._open_answer is self._pieces:
-            self.session._open_answer = None
-
-    @property
-    def next_ids(self) -> list[int] | None:
-        """The token ids the next `next` runs through the model before it chooses a token
-        (the last one chosen), or None when it runs none, or more (the question, the close)."""
-        return self._result["next_ids"]
-
-    @property
-    def tokens(self) -> int:
-        return self._result["tokens"]
-
-    @property
-    def evidence(self) -> list[Evidence]:
-        return self._result["evidence"]
-
-    @property
-    def recalled_s(self) -> list[int]:
-        """Whole seconds of video whose tokens the answer borrowed from the host tier."""
-        return self._result["recalled_s"]
-
-    @property
-    def finish_reason(self) -> str:
-        """`stop`: the model ended its turn, or a stop string came; `length`: it reached its
-        `max_new_tokens`, or the model's context."""
-        return self._result["finish_reason"]
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Tokens the question added to the cache, with the markers of its turn."""
-        return self._result["prompt_tokens"]
-
-    def __next__(self) -> str:
-        prompt = self.begin()
-        if prompt is not None:
-            try:
-                self.session._run(prompt)
-            except BaseException:
-                self.failed()
-                raise
-            self.session._question_ran()
-        return next(self._pieces)
-
-    def close(self) -> None:
-        """Stop early; the turn still ends in the cache."""
-        self._pieces.close()
 
 
 def turn_marker_tokens(model: Model) -> int:
@@ -270,8 +190,7 @@ class Session:
         self._tokens_seen = 0
         self._logits: torch.Tensor | None = None  # (vocab,) after the last token run
         self._seen = Seen()  # tokens appended per second of video
-        self._open_answer: Iterator[str] | None = None
-        self._fed: torch.Tensor | None = None  # (vocab,) logits of an answer's last token, run by a batched step
+        self._open_answer: Answer | None = None  # the answer under way, until it ends
 
     # -- the stream ----------------------------------------------------------------------------
 
@@ -348,10 +267,8 @@ class Session:
         self._make_room("the question", prompt + 1 + turn[1].tokens)  # with room for a one-token answer
         answer_room = self._room() - prompt - turn[1].tokens
         max_new_tokens = min(max_new_tokens, answer_room - self._kept_for_questions(answer_room))
-        result = {"tokens": 0, "evidence": [], "recalled_s": [], "finish_reason": "stop", "prompt_tokens": 0, "next_ids": None}
-        result["borrowed"] = 0
-        self._open_answer = self._generate(turn, max_new_tokens, sampling, result)
-        return Answer(self, self._open_answer, result, [self._part(question_ids), turn[0]])
+        self._open_answer = Answer(self, [self._part(question_ids), turn[0]], turn[1], max_new_tokens, sampling)
+        return self._open_answer
 
     def _room(self) -> int:
         """Tokens the cache may still take before it reaches the context."""
@@ -382,96 +299,15 @@ class Session:
         if self._open_answer is not None:
             self._open_answer.close()
             self._open_answer = None
-        self._fed = None  # logits of a question whose answer never began
 
-    def _begin_question(self, prompt: list[Part], result: dict) -> None:
-        """Before a question's prompt (the question, the markers closing it) runs: the places of
-        what it borrows reserved, its markers pinned."""
-        question, closing = prompt
-        result["borrowed"] = self.cache.begin_retrieval(self.config.borrowed_tokens, question.tokens)
-        result["prompt_tokens"] = question.tokens + closing.tokens
-        self._pin(self.cache.appended + question.tokens, closing.tokens, new_turn=True)
-
-    def _question_ran(self) -> None:
-        """After a question's prompt ran: the answer begins from its logits."""
-        if self.policy.evict_on_question:
-            self.cache.evict()
-        self._fed = self._logits
-
-    def _generate(self, turn: tuple[Part, Part], max_new_tokens: int, sampling: Sampling, result: dict) -> Iterator[str]:
-        """The answer after its question ran (`Answer` runs it first)."""
-        model, policy = self.model, self.policy
-        generator = sampling.generator()
-        logits = self._take_fed()
-        answer_ids: list[int] = []
-        unfed: list[int] = []  # the sampled id not yet run through the model
-        emitted, text, stopped = "", "", False
-        evidence: dict[float, float] = {}  # attention to frames, by video time
-        try:
-            while len(answer_ids) < max_new_tokens:
-                token = sampling.choose(logits, generator)
-                if token in model.stop_ids:
-                    stopped = True
-                    break
-                answer_ids.append(token)
-                result["tokens"] = len(answer_ids)
-                text = model.detokenize(answer_ids)
-                shown, stopped = sampling.cut(text)  # held back: what may begin a stop string
-                complete = not shown.endswith("\ufffd")  # else a UTF-8 character is still partial
-                piece = shown[len(emitted) :] if complete else ""
-                emitted += piece
-                unfed = [token]
-                result["next_ids"] = unfed if not stopped and len(answer_ids) < max_new_tokens else None
-                yield piece
-                result["next_ids"] = None
-                if stopped:
-                    break
-                if len(answer_ids) < max_new_tokens:
-                    logits = self._take_fed() if self._fed is not None else self._run([self._part(unfed)])
-                    unfed = []
-                    if policy.evicts_every_decode_step:
-                        self._add_evidence(evidence)
-                        self.cache.evict()
-            result["finish_reason"] = "stop" if stopped else "length"
-            rest = text[len(emitted) :].rstrip("\ufffd")  # held back for a stop string that never came
-            if not stopped and rest:
-                yield rest
-        finally:
-            result["next_ids"] = None
-            if sys.is_finalizing():  # an answer left open at interpreter exit: no cache to keep, and torch is half gone
-                return
-            if self._fed is not None:  # a batched step ran the last token, and the answer was closed
-                self._take_fed()
-                unfed = []
-            closing = turn[1]
-            self._pin(self.cache.appended + len(unfed), closing.tokens, new_turn=False)
-            self._run([self._part(unfed), closing])
-            self._add_evidence(evidence)
-            self.cache.give_back()
-            self.cache.evict()
+    def _answer_over(self, answer: Answer) -> None:
+        if self._open_answer is answer:
             self._open_answer = None
-            result["evidence"] = self._top_evidence(evidence)
-            if result["borrowed"]:
-                result["recalled_s"] = sorted(self.cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
-
-    def _take_fed(self) -> torch.Tensor:
-        """The logits a batched step (`engine/batch.py`) left for the answer's last token."""
-        logits, self._fed = self._fed, None
-        return logits
 
     def _pin(self, start: int, count: int, new_turn: bool) -> None:
         """With `pin_turns`: never evict the `count` tokens from stream place `start` on."""
         if self.config.pin_turns and self.policy.evicts:
             self.cache.pin(torch.arange(start, start + count), self.config.pin_turns, new_turn)
-
-    def _add_evidence(self, evidence: dict[float, float]) -> None:
-        for time_s, mass in self.cache.frame_attention().items():
-            evidence[time_s] = evidence.get(time_s, 0.0) + mass
-
-    def _top_evidence(self, evidence: dict[float, float]) -> list[Evidence]:
-        total = sum(evidence.values())
-        best = sorted(evidence.items(), key=lambda item: -item[1])[: self.config.evidence_top_k]
-        return [Evidence(round(t, 3), round(mass / total, 4)) for t, mass in best] if total > 0 else []
 
     def _part(self, ids: Sequence[int], time_s: float | None = None) -> Part:
         """Text tokens, taken at `time_s` (the current video time when None)."""

@@ -1,0 +1,194 @@
+"""An answer in progress, as state: what it has said, the token it runs next, why it stopped.
+
+An answer goes through four steps, each an explicit call: `begin` (its question's prompt, to
+run next: the places of what it borrows reserved, its markers pinned), `question_ran` (the
+prompt ran; the logits after it wait for the first token), `accept(logits)` (one token chosen
+from the logits after the last one run: its piece of text; `next_ids` is then that token, to
+be run next), and `end` (its turn closed in the cache: the last token chosen and the markers
+closing the answer run, its evidence read, what it borrowed given back). Iterating an answer
+runs these steps for it alone, one forward per token; a batched step (`engine/batch.py`) runs
+several answers' questions or tokens in one forward and hands each its logits (`fed`). Nothing
+changes the cache but these calls: an answer left open is ended by its session's next call.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.sampling import Sampling
+
+if TYPE_CHECKING:
+    from engine.session import Part, Session
+
+MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the host tier
+
+
+@dataclass(frozen=True)
+class Evidence:
+    time_s: float  # video time of a frame
+    weight: float  # its share of the attention the answer paid to frames (0..1)
+
+
+class Answer(Iterator[str]):
+    """One piece of text per generated token; after the last, `tokens` and `evidence` are final.
+
+    A piece is empty while a token leaves a character incomplete (or decodes to nothing). The
+    text held back for a stop string that never came is one more piece, after the last token's.
+    """
+
+    def __init__(self, session: "Session", prompt: list["Part"], closing: "Part", max_new_tokens: int,
+                 sampling: Sampling) -> None:
+        self.session = session
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self._random = sampling.generator()
+        self._prompt: list[Part] | None = prompt  # the question and the markers closing it, until begun
+        self._closing = closing  # the markers closing the answer's turn
+        self._ran = False  # the question's prompt ran
+        self._fed: torch.Tensor | None = None  # (vocab,) logits after the last token run, not yet accepted
+        self._ids: list[int] = []
+        self._emitted = ""  # the text given out so far
+        self._rest = ""  # text held back for a stop string that never came, given out last
+        self._unfed: list[int] = []  # the token chosen last, not yet run through the model
+        self._stopping = False  # the last token is chosen: only the rest and the end remain
+        self._over = False
+        self._attention: dict[float, float] = {}  # paid to frames, by video time
+        self.next_ids: list[int] | None = None  # the token the next step runs before it chooses
+        self.finish_reason = "stop"  # `stop`: the model ended its turn, or a stop string came;
+        # `length`: it reached `max_new_tokens`, or the model's context
+        self.prompt_tokens = 0  # tokens the question added to the cache, with the markers of its turn
+        self.borrowed = 0  # places reserved for what the question borrows from the host tier
+        self.evidence: list[Evidence] = []  # once over
+        self.recalled_s: list[int] = []  # whole seconds of video the answer borrowed, once over
+
+    @property
+    def tokens(self) -> int:
+        return len(self._ids)
+
+    # -- the steps -----------------------------------------------------------------------------
+
+    def begin(self) -> list["Part"] | None:
+        """The question's prompt, to be run next (by `next`, or by a batched step), with the
+        places of what it borrows reserved; None once begun."""
+        prompt, self._prompt = self._prompt, None
+        if prompt is not None:
+            question, closing = prompt
+            self.borrowed = self.session.cache.begin_retrieval(self.session.config.borrowed_tokens, question.tokens)
+            self.prompt_tokens = question.tokens + closing.tokens
+            self.session._pin(self.session.cache.appended + question.tokens, closing.tokens, new_turn=True)
+        return prompt
+
+    def question_ran(self) -> None:
+        """The question's prompt ran: the answer begins from the logits after it."""
+        self._ran = True
+        if self.session.policy.evict_on_question:
+            self.session.cache.evict()
+        self.fed(self.session.logits)
+
+    def failed(self) -> None:
+        """The question's prompt did not run: the answer is over, with no turn in the cache."""
+        self._over, self.next_ids = True, None
+        self.session._answer_over(self)
+
+    def fed(self, logits: torch.Tensor) -> None:
+        """The logits (vocab,) after the last token run (the question's last, or `next_ids`),
+        which a batched step ran."""
+        self._fed = logits
+        self._unfed = []
+
+    def accept(self, logits: torch.Tensor) -> str | None:
+        """The next token, chosen from `logits` (vocab,): its piece of text; None when the model
+        ended its turn (no piece). After the last token, `next_ids` is None."""
+        self._fed, self.next_ids = None, None
+        session = self.session
+        if len(self._ids) >= self.max_new_tokens:
+            self._stopping, self.finish_reason = True, "length"
+            return None
+        token = self.sampling.choose(logits, self._random)
+        if token in session.model.stop_ids:
+            self._stopping, self.finish_reason = True, "stop"
+            return None
+        self._ids.append(token)
+        self._unfed = [token]
+        text = session.model.detokenize(self._ids)
+        shown, stopped = self.sampling.cut(text)  # held back: what may begin a stop string
+        complete = not shown.endswith("\ufffd")  # else a UTF-8 character is still partial
+        piece = shown[len(self._emitted) :] if complete else ""
+        self._emitted += piece
+        if stopped or len(self._ids) >= self.max_new_tokens:
+            self._stopping, self.finish_reason = True, "stop" if stopped else "length"
+            if not stopped:
+                self._rest = text[len(self._emitted) :].rstrip("\ufffd")  # held back for a stop string that never came
+        else:
+            self.next_ids = self._unfed
+        return piece
+
+    def end(self) -> None:
+        """Close the answer's turn in the cache: the token chosen last (unless run) and the
+        markers closing the answer run; its evidence read; what it borrowed given back. An
+        answer whose question never ran ends with no change."""
+        if self._over:
+            return
+        self._over, self.next_ids = True, None
+        session, cache = self.session, self.session.cache
+        if self._ran:
+            unfed = self._unfed if self._fed is None else []  # else a batched step ran it
+            session._pin(cache.appended + len(unfed), self._closing.tokens, new_turn=False)
+            session._run([session._part(unfed), self._closing])
+            self._weigh_frames()
+            cache.give_back()
+            cache.evict()
+            self.evidence = self._top_evidence(session.config.evidence_top_k)
+            if self.borrowed:
+                self.recalled_s = sorted(cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
+        self._fed, self._unfed = None, []
+        session._answer_over(self)
+
+    def close(self) -> None:
+        """Stop early; the turn still ends in the cache."""
+        self.end()
+
+    # -- alone: one forward per step -----------------------------------------------------------
+
+    def __next__(self) -> str:
+        if self._over:
+            raise StopIteration
+        session = self.session
+        prompt = self.begin()
+        if prompt is not None:
+            try:
+                session._run(prompt)
+            except BaseException:
+                self.failed()
+                raise
+            self.question_ran()
+        if not self._stopping:
+            if self._fed is None:  # the token chosen last, run alone
+                self.fed(session._run([session._part(self._unfed)]))
+                if session.policy.evicts_every_decode_step:
+                    self._weigh_frames()
+                    session.cache.evict()
+            elif self._ids and session.policy.evicts_every_decode_step:  # a batched step ran it
+                self._weigh_frames()
+                session.cache.evict()
+            piece = self.accept(self._fed)
+            if piece is not None:
+                return piece
+        if self._rest:
+            rest, self._rest = self._rest, ""
+            return rest
+        self.end()
+        raise StopIteration
+
+    # -- evidence ------------------------------------------------------------------------------
+
+    def _weigh_frames(self) -> None:
+        for time_s, mass in self.session.cache.frame_attention().items():
+            self._attention[time_s] = self._attention.get(time_s, 0.0) + mass
+
+    def _top_evidence(self, k: int) -> list[Evidence]:
+        total = sum(self._attention.values())
+        best = sorted(self._attention.items(), key=lambda item: -item[1])[:k]
+        return [Evidence(round(t, 3), round(mass / total, 4)) for t, mass in best] if total > 0 else []
