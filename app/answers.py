@@ -1,4 +1,5 @@
-"""Questions onto a session's stream; answer events back from the answer's own stream.
+"""Questions onto a session's stream; answers looked up in their own streams (app/answer_stream.py
+follows one as it grows).
 
 Each answer is a bounded Redis stream of token events ending with one `done` or `error` event
 (written by the worker). A session keeps the ids of its latest ASKED_MAXLEN questions with the
@@ -11,19 +12,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Literal
 
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
-from app import sse
-from app.tail import TailTimeout, tail
 from streamvqa import protocol
 from streamvqa.pending import enqueue
-from streamvqa.protocol import (
-    Answer, AnswerEnvelope, DoneEvent, ErrorEvent, Keys, Question, Sampling, SessionRecord, TokenEvent, scripts,
-)
+from streamvqa.protocol import Answer, AnswerEnvelope, Keys, Question, Sampling, SessionRecord, scripts
 from streamvqa.redis_client import FAILURES
 
 log = logging.getLogger(__name__)
@@ -40,10 +36,6 @@ class QuestionRefused(Exception):
     def __init__(self, code: str) -> None:
         super().__init__(code)
         self.code = code
-
-
-class AnswerTimeout(Exception):
-    pass
 
 
 class AnswerStatus(BaseModel):
@@ -95,9 +87,6 @@ async def cancel(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> N
     )
 
 
-LEAVE_CHECK_S = 1.0  # how often a request that waits for its answer checks that its client is still there
-
-
 def cancel_soon(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> None:
     """Cancel an answer whose client left, from a task of its own: the request's own task is
     being cancelled, and could await nothing more."""
@@ -139,22 +128,6 @@ async def conversation(redis: Redis, keys: Keys, session_id: str, limit: int) ->
 async def asked_at(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> float | None:
     """When the question was asked, or None when the session never asked it (or has forgotten it)."""
     return await redis.zscore(keys.asked(session_id), answer_id)
-
-
-async def events(
-    redis: Redis, keys: Keys, session_id: str, answer_id: str, timeout_s: float, since: str = "0-0",
-    idle_s: float = sse.KEEPALIVE_S,
-) -> AsyncIterator[tuple[str, TokenEvent | DoneEvent | ErrorEvent] | None]:
-    """(entry id, event) in order after `since`, ending with the done or error event; None after
-    each `idle_s` without one; AnswerTimeout after `timeout_s`."""
-    stream = keys.answer(session_id, answer_id)
-    try:
-        async for item in tail(redis, stream, since, AnswerEnvelope, 256, idle_s, timeout_s):
-            yield item
-            if item is not None and item[1].type != "token":
-                return
-    except TailTimeout as err:
-        raise AnswerTimeout(answer_id) from err
 
 
 async def status(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> AnswerStatus:

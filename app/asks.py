@@ -4,18 +4,19 @@ and an answer id), `GET /sessions/{id}/answers` (the conversation) and
 
 import re
 import time
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from app import answers, sse
+from app import answer_stream, answers, sse
+from app.answer_stream import AnswerStream, Failed, Finished, TimedOut, Token
 from app.answers import AnswerStatus, AskedAnswer
 from app.deps import AuthorizedSession, KeysDep, Metrics, RedisDep, Settings
 from app.errors import ApiError, ErrorBody
-from app.metrics import GatewayMetrics
 from streamvqa import protocol
-from streamvqa.protocol import Answer, AskOptions, DoneEvent, ErrorEvent, QuestionText, SessionRecord, SessionState
+from streamvqa.protocol import Answer, AskOptions, QuestionText, SessionState
 
 router = APIRouter(tags=["questions"])
 ANSWER_ID = re.compile(r"[0-9a-f]{32}")
@@ -55,15 +56,13 @@ class AnswerPending(BaseModel):
 REFUSAL_STATUS = {"session_error": 409, "no_video": 409, "context_full": 409, "question_too_long": 422}  # a worker's error events, as HTTP statuses
 
 
-async def cancel_if_left(request: Request, redis: RedisDep, keys: KeysDep, session_id: str, answer_id: str) -> None:
-    """A blocking request whose client has left: its answer cancelled (the worker stops it, or
-    never begins it), and 499."""
+async def raise_if_left(request: Request) -> None:
+    """499 for a blocking request whose client has left (leaving its answer stream cancels the answer)."""
     if await request.is_disconnected():
-        answers.cancel_soon(redis, keys, session_id, answer_id)
         raise ApiError(499, "client_closed_request", "the client left; its answer was cancelled")
 
 
-def refusal(error: ErrorEvent) -> ApiError:
+def refusal(error: Failed) -> ApiError:
     """A worker's refusal of a question (or failure while answering) as an HTTP error."""
     if error.code == "session_reset":  # its worker died or stopped while answering: ask again
         return ApiError(503, error.code, error.message, {"Retry-After": "1"})
@@ -92,33 +91,31 @@ async def ask(
     if session.state == SessionState.ERROR:
         raise ApiError(409, "session_error", f"the session failed: {session.error}")
     streaming = body.stream or sse.wants_events(request)
-    answer_id = await submit(redis, keys, session, body.question, body, settings, metrics, "sse" if streaming else "rest")
     if streaming:
-        location = _answer_url(session.id, answer_id)
-        started = sse.frame("started", {"answer_id": answer_id, "location": location})  # no id: resuming starts after it
-        events = _answer_events(redis, keys, session.id, answer_id, "0-0", settings, metrics, first=started, leaving_cancels=True)
-        return sse.response(events, headers={"Location": location})
+        stream = await answer_stream.ask(
+            redis, keys, session, body.question, body, settings.session_ttl_s, metrics, "sse", settings.ask_timeout_s
+        )
+        location = _answer_url(session.id, stream.answer_id)
+        started = sse.frame("started", {"answer_id": stream.answer_id, "location": location})  # no id: resuming starts after it
+        return sse.response(_answer_frames(stream, first=started), headers={"Location": location})
     wait_s = settings.ask_timeout_s if body.wait_s is None else min(body.wait_s, settings.ask_timeout_s)
-    try:
-        async for item in answers.events(redis, keys, session.id, answer_id, wait_s, idle_s=answers.LEAVE_CHECK_S):
-            await cancel_if_left(request, redis, keys, session.id, answer_id)  # at each keepalive too
-            if item is None:  # a keepalive: a blocking reply has nothing to send meanwhile
-                continue
-            _, event = item
-            if event.type == "error":
-                metrics.answers.labels("error").inc()
-                raise refusal(event)
-            if event.type == "done":
-                metrics.answered(event)
-                return event.answered(answer_id)
-    except answers.AnswerTimeout as err:
-        if body.wait_s is None:
-            raise ApiError(504, "answer_timeout", f"no answer within {settings.ask_timeout_s} s (answer {answer_id})") from err
-        found = await answers.status(redis, keys, session.id, answer_id)
-        location = _answer_url(session.id, answer_id)
-        pending = AnswerPending(answer_id=answer_id, status=found.status, location=location)
-        return JSONResponse(pending.model_dump(), status_code=202, headers={"Location": location})
-    raise ApiError(500, "answer_incomplete", "the answer stream ended without a final record")
+    stream = await answer_stream.ask(
+        redis, keys, session, body.question, body, settings.session_ttl_s, metrics, "rest", wait_s, answer_stream.LEAVE_CHECK_S
+    )
+    async with stream:
+        async for item in stream:
+            await raise_if_left(request)  # at each keepalive too
+            if isinstance(item, Failed):
+                raise refusal(item)
+            if isinstance(item, Finished):
+                return item.answer
+    # timed out; the answer goes on
+    if body.wait_s is None:
+        raise ApiError(504, "answer_timeout", f"no answer within {settings.ask_timeout_s} s (answer {stream.answer_id})")
+    found = await answers.status(redis, keys, session.id, stream.answer_id)
+    location = _answer_url(session.id, stream.answer_id)
+    pending = AnswerPending(answer_id=stream.answer_id, status=found.status, location=location)
+    return JSONResponse(pending.model_dump(), status_code=202, headers={"Location": location})
 
 
 CONVERSATION_LIMIT = 100  # answers one GET /sessions/{id}/answers returns, at most
@@ -143,8 +140,7 @@ async def list_answers(
     responses={200: SSE_RESPONSE, 410: {"model": ErrorBody, "description": "`answer_expired`: older than an hour."}},
 )
 async def get_answer(
-    session: AuthorizedSession, answer_id: str, request: Request, redis: RedisDep, keys: KeysDep,
-    settings: Settings, metrics: Metrics,
+    session: AuthorizedSession, answer_id: str, request: Request, redis: RedisDep, keys: KeysDep, settings: Settings,
 ) -> AnswerStatus:
     """An answer as far as it has come. With `Accept: text/event-stream`, its events as
     Server-Sent Events from the start, or after the `Last-Event-ID` a client last saw."""
@@ -155,7 +151,7 @@ async def get_answer(
         since = sse.last_event_id(request, "0-0")
         if found.status in ("done", "error") and _entry(since) >= _entry(found.last_event_id):
             return sse.response(_nothing())  # the client has seen the whole answer
-        return sse.response(_answer_events(redis, keys, session.id, answer_id, since, settings, metrics))
+        return sse.response(_answer_frames(AnswerStream.follow(redis, keys, session.id, answer_id, settings.ask_timeout_s, since)))
     if found.status == "pending" and time.time() - asked > protocol.ANSWER_TTL_S:
         raise ApiError(410, "answer_expired", f"answers are kept {protocol.ANSWER_TTL_S} s")
     return found
@@ -171,56 +167,22 @@ async def _nothing():
     yield
 
 
-async def submit(
-    redis, keys, session: SessionRecord, question: str, options: AskOptions, settings, metrics: GatewayMetrics, via: str,
-    after_media: str | None = None,
-) -> str:
-    """Queue a question (asked via `rest`, `sse`, `socket` or `openai`) with its length and
-    sampling, and on a socket the media entry it follows; its answer id. 429 when the session's
-    question backlog is full; 404 when it is gone, 409 when it failed."""
-    try:
-        answer_id = await answers.submit(
-            redis, keys, session, question, options.answer_tokens, options.sampling(), settings.session_ttl_s, after_media
-        )
-    except answers.QuestionsBacklogFull as err:
-        raise ApiError(429, "too_many_questions", "too many unanswered questions on this session") from err
-    except answers.QuestionRefused as err:
-        if err.code == "session_not_found":
-            raise ApiError(404, err.code, f"no session {session.id}") from err
-        raise ApiError(409, err.code, "the session failed; see its error") from err
-    metrics.questions.labels(via).inc()
-    return answer_id
-
-
-async def _answer_events(
-    redis, keys, session_id: str, answer_id: str, since: str, settings, metrics: GatewayMetrics, first: str | None = None,
-    leaving_cancels: bool = False,
-):
-    """The answer's events as Server-Sent Events; with `leaving_cancels` (the asking request), a
-    client that leaves before the final event cancels the answer."""
-    over = False  # the final event came, or the gateway stopped waiting for it
-    try:
+async def _answer_frames(stream: AnswerStream, first: str | None = None) -> AsyncIterator:
+    """The answer's items as Server-Sent Events (`first` before them); a client that leaves
+    before the final one cancels an answer it asked."""
+    async with stream:
         if first:
             yield first
-        async for item in answers.events(redis, keys, session_id, answer_id, settings.ask_timeout_s, since):
-            if item is None:
-                yield sse.KEEPALIVE
-                continue
-            event_id, event = item
-            if isinstance(event, DoneEvent):
-                over = True
-                metrics.answered(event)
-                yield sse.frame("done", event.answered(answer_id).model_dump(mode="json"), event_id)
-            elif isinstance(event, ErrorEvent):
-                over = True
-                metrics.answers.labels("error").inc()
-                yield sse.frame("error", {"code": event.code, "message": event.message}, event_id)
-            else:
-                yield sse.frame("token", {"text": event.text}, event_id)
-    except answers.AnswerTimeout:
-        over = True
-        message = f"no answer within {settings.ask_timeout_s} s; resume at {_answer_url(session_id, answer_id)}"
-        yield sse.frame("error", {"code": "answer_timeout", "message": message})
-    finally:
-        if leaving_cancels and not over:  # the client left (the response was cancelled, or closed)
-            answers.cancel_soon(redis, keys, session_id, answer_id)
+        async for item in stream:
+            match item:
+                case Token(text, event_id):
+                    yield sse.frame("token", {"text": text}, event_id)
+                case Finished(answer, _, event_id):
+                    yield sse.frame("done", answer.model_dump(mode="json"), event_id)
+                case Failed(code, message, event_id):
+                    yield sse.frame("error", {"code": code, "message": message}, event_id)
+                case TimedOut(timeout_s):
+                    message = f"no answer within {timeout_s} s; resume at {_answer_url(stream.session_id, stream.answer_id)}"
+                    yield sse.frame("error", {"code": "answer_timeout", "message": message})
+                case _:
+                    yield sse.KEEPALIVE

@@ -10,17 +10,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from redis.asyncio import Redis
 
+from app import media_stream
 from app.chat_media import Media, limit_bytes
 from app.errors import ApiError
 from app.sessions import SessionStore, UploadRefused
 from app.settings import GatewaySettings
 from streamvqa import protocol
-from streamvqa.pending import enqueue
 from streamvqa.protocol import Keys, MediaEntry, MediaKind, SessionRecord, SessionState, frame_message, scripts
 
 INGEST_POLL_S = 0.2
-ADDED = {-1: (404, "session_not_found", "the session was deleted"), -2: (409, "session_error", "the session failed"),
-         -3: (409, "media_exists", "another client is streaming into this session")}  # ADD_STREAM_ENTRY_LUA's refusals
+ADDED = {
+    media_stream.GONE: (404, "session_not_found", "the session was deleted"),
+    media_stream.FAILED: (409, "session_error", "the session failed"),
+    media_stream.NOT_CLAIMED: (409, "media_exists", "another client is streaming into this session"),
+}  # media_stream.add's refusals
 
 
 async def ingest(store: SessionStore, session: SessionRecord, media: Media, settings: GatewaySettings) -> int:
@@ -68,15 +71,8 @@ async def _add(
     redis: Redis, keys: Keys, session: SessionRecord, connection: str, entry: MediaEntry, frame_s: float | None,
     closing: bool = False,
 ) -> None:
-    pairs = [item for pair in entry.fields().items() for item in pair]
-    now = time.time()
     stream_bytes = len(entry.data) if entry.kind == MediaKind.FRAME else 0
-    added, woke = await redis.eval(
-        scripts.ADD_STREAM_ENTRY_LUA, 3, keys.session(session.id), keys.media(session.id), keys.streamer(session.id),
-        protocol.MEDIA_MAXLEN, stream_bytes, connection, "" if frame_s is None else repr(frame_s), now, "", *pairs,
-    )
-    if woke:
-        await enqueue(redis, keys, session.id, session.model, now)
+    added = await media_stream.add(redis, keys, session, connection, entry, stream_bytes, frame_s)
     if not closing and isinstance(added, int) and added in ADDED:
         raise UploadRefused(*ADDED[added])
 

@@ -9,8 +9,7 @@ next turn asks the same cache. Errors on these routes take OpenAI's shape (app/e
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import partial
+from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Request, Response
@@ -18,9 +17,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.asyncio import Redis
 
-from app import answers, chat_messages
-from app.answers import AnswerTimeout
-from app.asks import cancel_if_left, refusal, submit
+from app import answer_stream, chat_messages
+from app.answer_stream import AnswerItem, AnswerStream, Failed, Finished, Idle, TimedOut, Token
+from app.asks import raise_if_left, refusal
 from app.chat_messages import MAX_MESSAGES, Message
 from app.chat_sessions import ChatSessions
 from app.deps import KeysDep, Metrics, RedisDep, Settings, Store
@@ -28,13 +27,12 @@ from app.errors import ApiError, openai_responses
 from app.metrics import GatewayMetrics
 from app.settings import GatewaySettings
 from app.sessions import SessionStore
-from streamvqa.protocol import AskOptions, DoneEvent, ErrorEvent, Evidence, Keys, SessionRecord, SessionState, TokenEvent
+from streamvqa.protocol import AskOptions, Evidence, Keys, SessionRecord, SessionState
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 CHAT_PATH = "/v1/chat/completions"
 SESSION_HEADER = "X-Session-Id"
 KEEPALIVE_EVENT = ": keepalive\n\n"
-_END = object()
 
 
 class StreamOptions(BaseModel):
@@ -246,59 +244,54 @@ async def _answer(
 ) -> ChatCompletion | StreamingResponse:
     if session.state == SessionState.ERROR:
         raise ApiError(409, "session_error", f"the session failed: {session.error}")
-    answer_id = await submit(redis, keys, session, question, options, settings, metrics, "openai")
-    events = answers.events(redis, keys, session.id, answer_id, settings.ask_timeout_s, idle_s=answers.LEAVE_CHECK_S)
-    created, name = int(time.time()), session.model
-    left = partial(cancel_if_left, request, redis, keys, session.id, answer_id)
-    first = await _next_event(events, settings.ask_timeout_s, answer_id, left)  # a refusal is an error reply, not a failed stream
-    if isinstance(first, ErrorEvent):
-        metrics.answers.labels("error").inc()
-        raise refusal(first)
-    if body.stream:
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        leave = partial(answers.cancel_soon, redis, keys, session.id, answer_id)
-        chunks = _chunks(first, events, f"chatcmpl-{answer_id}", created, name, session.id, usage, metrics, leave)
-        headers = {"Cache-Control": "no-cache", SESSION_HEADER: session.id}
-        return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-    text, done = [], first
-    while not isinstance(done, DoneEvent):
-        text.append(done.text)
-        done = await _next_event(events, settings.ask_timeout_s, answer_id, left)
-        if isinstance(done, ErrorEvent):
-            metrics.answers.labels("error").inc()
-            raise refusal(done)
-    metrics.answered(done)
-    details = done.answered(answer_id).model_dump(include=set(AnswerDetails.model_fields))
+    stream = await answer_stream.ask(
+        redis, keys, session, question, options, settings.session_ttl_s, metrics, "openai", settings.ask_timeout_s,
+        answer_stream.LEAVE_CHECK_S,
+    )
+    created, name, completion_id = int(time.time()), session.model, f"chatcmpl-{stream.answer_id}"
+    try:
+        first = await _next_item(stream, request)  # a refusal is an error reply, not a failed stream
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            chunks = _chunks(first, stream, completion_id, created, name, session.id, usage)
+            headers = {"Cache-Control": "no-cache", SESSION_HEADER: session.id}
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+        done = first
+        while not isinstance(done, Finished):
+            done = await _next_item(stream, request)
+    except BaseException:
+        stream.close()
+        raise
+    details = done.answer.model_dump(include=set(AnswerDetails.model_fields))
     response.headers[SESSION_HEADER] = session.id
     return ChatCompletion(
-        id=f"chatcmpl-{answer_id}", created=created, model=name, session_id=session.id,
-        choices=[Choice(message=ChatMessage(content=done.answer), finish_reason=done.finish_reason)],
+        id=completion_id, created=created, model=name, session_id=session.id,
+        choices=[Choice(message=ChatMessage(content=done.answer.answer), finish_reason=done.answer.finish_reason)],
         usage=_usage(done), streamvqa=AnswerDetails(**details, session_id=session.id),
     )
 
 
-async def _next_event(
-    events: AsyncIterator, timeout_s: float, answer_id: str, left: Callable[[], Awaitable[None]]
-) -> TokenEvent | DoneEvent | ErrorEvent:
-    """The answer's next event; 504 when none comes in time; `left` (which raises 499 once the
-    client has left, its answer cancelled) awaited at every event and keepalive."""
-    try:
-        async for item in events:
-            await left()
-            if item is not None:
-                return item[1]
-    except AnswerTimeout as err:
-        raise ApiError(504, "answer_timeout", f"no answer within {timeout_s} s (answer {answer_id})") from err
+async def _next_item(stream: AnswerStream, request: Request) -> Token | Finished:
+    """The answer's next token or its end; a refusal, a timeout (504) or a client that left (499,
+    checked at every item and keepalive) as an error reply."""
+    async for item in stream:
+        await raise_if_left(request)
+        if isinstance(item, Failed):
+            raise refusal(item)
+        if isinstance(item, TimedOut):
+            raise ApiError(504, "answer_timeout", f"no answer within {item.timeout_s} s (answer {stream.answer_id})")
+        if not isinstance(item, Idle):
+            return item
     raise ApiError(500, "answer_incomplete", "the answer stream ended without a final record")
 
 
 async def _chunks(
-    first: TokenEvent | DoneEvent, events: AsyncIterator, completion_id: str, created: int, model: str, session_id: str,
-    include_usage: bool, metrics: GatewayMetrics, leave: Callable[[], None],
+    first: Token | Finished, stream: AnswerStream, completion_id: str, created: int, model: str, session_id: str,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk` events: the role, a delta per piece of text, the finish reason
     (with `usage`), with `include_usage` a usage-only chunk, then `[DONE]`. A client that leaves
-    before the final event calls `leave` (which cancels the answer)."""
+    before the final event cancels the answer."""
 
     def chunk(choices: list[dict], **extra) -> str:
         body = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -308,39 +301,28 @@ async def _chunks(
     def delta(content: dict, finish_reason: str | None = None) -> list[dict]:
         return [{"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}]
 
-    event, over = first, False  # over: the final event came, or the gateway stopped waiting for it
-    try:
+    async def items() -> AsyncIterator[AnswerItem]:
+        yield first
+        async for item in stream:
+            yield item
+
+    async with stream:
         yield chunk(delta({"role": "assistant", "content": ""}))
-        while True:
-            if isinstance(event, (DoneEvent, ErrorEvent)):
-                over = True
-            if isinstance(event, DoneEvent):
-                metrics.answered(event)
-                usage = _usage(event).model_dump()
-                yield chunk(delta({}, event.finish_reason), usage=usage)
-                if include_usage:
-                    yield chunk([], usage=usage)
-                break
-            if isinstance(event, ErrorEvent):
-                metrics.answers.labels("error").inc()
-                yield _error_data(event.code, event.message)
-                break
-            if event is None:
-                yield KEEPALIVE_EVENT
-            elif event.text:
-                yield chunk(delta({"content": event.text}))
-            item = await anext(events, _END)
-            if item is _END:
-                over = True
-                yield _error_data("answer_incomplete", "the answer stream ended without a final record")
-                break
-            event = None if item is None else item[1]
-    except AnswerTimeout:
-        over = True
-        yield _error_data("answer_timeout", "no answer in time")
-    finally:
-        if not over:  # the client left (the response was cancelled, or closed)
-            leave()
+        async for item in items():
+            match item:
+                case Token(text, _) if text:
+                    yield chunk(delta({"content": text}))
+                case Finished(answer, _, _):
+                    usage = _usage(item).model_dump()
+                    yield chunk(delta({}, answer.finish_reason), usage=usage)
+                    if include_usage:
+                        yield chunk([], usage=usage)
+                case Failed(code, message, _):
+                    yield _error_data(code, message)
+                case TimedOut():
+                    yield _error_data("answer_timeout", "no answer in time")
+                case Idle():
+                    yield KEEPALIVE_EVENT
     yield "data: [DONE]\n\n"
 
 
@@ -349,5 +331,6 @@ def _error_data(code: str, message: str) -> str:
     return f"data: {json.dumps({'error': error})}\n\n"
 
 
-def _usage(done: DoneEvent) -> Usage:
-    return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.tokens, total_tokens=done.prompt_tokens + done.tokens)
+def _usage(finished: Finished) -> Usage:
+    prompt, completion = finished.done.prompt_tokens, finished.done.tokens
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

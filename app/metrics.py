@@ -5,10 +5,14 @@ scrape of any gateway sees the whole deployment; the `streamvqa_gateway_*` serie
 gateway process.
 """
 
+import itertools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from streamvqa import protocol
 from streamvqa.protocol import Answer, WorkerInfo
 
 LATENCY_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -83,12 +87,31 @@ class _WorkersCollector:
             (CounterMetricFamily, "streamvqa_worker_retrieval_seconds", "Time spent choosing host pages and bringing them back.", lambda w: w.retrieval_ms / 1000),
             (CounterMetricFamily, "streamvqa_worker_steps", "Engine steps: of questions starting, of answer tokens, of frames.", lambda w: w.steps),
             (CounterMetricFamily, "streamvqa_worker_step_sessions", "Sessions those steps ran in one forward, summed: over steps, the mean batch.", lambda w: w.step_sessions),
+            (CounterMetricFamily, "streamvqa_worker_prompt_tokens", "Question tokens prefilled, with their turns' markers (an answer's usage.prompt_tokens).", lambda w: w.prompt_tokens),
+            (CounterMetricFamily, "streamvqa_worker_generation_tokens", "Answer tokens generated (an answer's tokens, usage.completion_tokens).", lambda w: w.generation_tokens),
         )
         for kind, name, help_text, value in families:
             family = kind(name, help_text, labels=["worker", "model"])
             for w in alive:
                 family.add_metric([w.id, w.model], value(w))
             yield family
+        histograms = (
+            ("streamvqa_worker_queue_time_seconds", "From a question reaching the gateway to its worker starting it.", lambda w: w.queue_time_s),
+            ("streamvqa_worker_time_per_output_token_seconds", "Per answer of two tokens or more, the mean time between its tokens after the first.", lambda w: w.time_per_output_token_s),
+            ("streamvqa_worker_step_batch_sessions", "Sessions each engine step ran in one forward (questions starting, answer tokens, frames).", lambda w: w.step_batch_sessions),
+        )
+        for name, help_text, value in histograms:
+            family = HistogramMetricFamily(name, help_text, labels=["worker", "model"])
+            for w in alive:
+                if (histogram := value(w)) is not None:
+                    family.add_metric([w.id, w.model], _buckets(histogram), histogram.sum)
+            yield family
+
+
+def _buckets(histogram: protocol.Histogram) -> list[tuple[str, float]]:
+    """Prometheus's cumulative buckets, by upper bound, the last one +Inf."""
+    bounds = [floatToGoString(bound) for bound in histogram.bounds] + ["+Inf"]
+    return list(zip(bounds, itertools.accumulate(histogram.counts), strict=True))
 
 
 class RequestCounter:

@@ -11,22 +11,21 @@ a socket that only watches and asks. docs/streaming.md is the protocol, with an 
 
 One module, over 400 lines, on purpose: a socket's reading, forwarding, relaying and asking run
 as tasks of one connection and share its state (its claim, its inbox, its close); the Redis
-work they need is in app/backlog.py, app/tail.py and protocol/scripts.py.
+work they need is in app/backlog.py, app/media_stream.py, app/tail.py and protocol/scripts.py.
 """
 
 import asyncio
 import contextlib
 import json
 import logging
-import time
 import uuid
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
 
-from app import answers, backlog
-from app.asks import submit
+from app import answer_stream, backlog, media_stream
+from app.answer_stream import Failed, Finished, TimedOut, Token
 from app.deps import SESSION_ID, KeysDep, Limiter, LimitedCaller, Metrics, RedisDep, Settings, Store, origin_allowed
 from app.errors import ApiError
 from app.limits import MessageRate
@@ -35,7 +34,6 @@ from app.sessions import SessionStore
 from app.settings import GatewaySettings
 from app.tail import tail
 from streamvqa import protocol
-from streamvqa.pending import enqueue
 from streamvqa.redis_client import FAILURES
 from streamvqa.protocol import (
     AnswerDoneEvent,
@@ -159,7 +157,6 @@ class StreamConnection:
         self._ended = False
         self._send_lock = asyncio.Lock()
         self._claim = redis.register_script(scripts.CLAIM_MEDIA_LUA)
-        self._add_entry = redis.register_script(scripts.ADD_STREAM_ENTRY_LUA)
         self._renew = redis.register_script(scripts.RENEW_MEDIA_CLAIM_LUA)
         self._release = redis.register_script(scripts.RELEASE_LUA)
         self._open_socket = redis.register_script(scripts.OPEN_SOCKET_LUA)
@@ -360,34 +357,29 @@ class StreamConnection:
         """Ask, once the `media_before` media messages the client sent before the question are in
         the media stream (the worker starts it once they are in the cache), then send the answer's
         events as they come. A socket that closes before the final event cancels the answer."""
-        ref, answer_id, over = question.ref, None, False  # over: the final event came, or the gateway stopped waiting
+        ref, answer_id = question.ref, None
         try:
             after_media = await self._media_sent(media_before)
-            answer_id = await submit(
-                self.redis, self.keys, self.record, question.question, question, self.settings, self.metrics, "socket",
-                after_media,
+            stream = await answer_stream.ask(
+                self.redis, self.keys, self.record, question.question, question, self.settings.session_ttl_s, self.metrics,
+                "socket", self.settings.ask_timeout_s, after_media=after_media,
             )
-            await self.send(AnswerStartedEvent(answer_id=answer_id, ref=ref))
-            async for item in answers.events(self.redis, self.keys, self.session_id, answer_id, self.settings.ask_timeout_s):
-                if item is None:
-                    continue
-                event = item[1]
-                if event.type == "token":
-                    await self.send(AnswerTokenEvent(answer_id=answer_id, ref=ref, text=event.text))
-                elif event.type == "done":
-                    over = True
-                    self.metrics.answered(event)
-                    await self.send(AnswerDoneEvent.of(event.answered(answer_id), ref))
-                else:
-                    over = True
-                    self.metrics.answers.labels("error").inc()
-                    await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code=event.code, message=event.message))
+            answer_id = stream.answer_id
+            async with stream:  # a socket that closes (or fails) before the final event cancels the answer
+                await self.send(AnswerStartedEvent(answer_id=answer_id, ref=ref))
+                async for item in stream:
+                    match item:
+                        case Token(text, _):
+                            await self.send(AnswerTokenEvent(answer_id=answer_id, ref=ref, text=text))
+                        case Finished(answer, _, _):
+                            await self.send(AnswerDoneEvent.of(answer, ref))
+                        case Failed(code, message, _):
+                            await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code=code, message=message))
+                        case TimedOut(timeout_s):
+                            message = f"no answer within {timeout_s} s"
+                            await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code="answer_timeout", message=message))
         except ApiError as err:
             await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code=err.code, message=err.message))
-        except answers.AnswerTimeout:
-            over = True
-            message = f"no answer within {self.settings.ask_timeout_s} s"
-            await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code="answer_timeout", message=message))
         except (WebSocketDisconnect, RuntimeError) as err:
             log.info("socket %s: answer %s not delivered (%s)", self.id, answer_id, err)
         except Exception as err:
@@ -399,9 +391,6 @@ class StreamConnection:
                 code, message = "internal_error", "the gateway failed; the error is in its log"
             with contextlib.suppress(Exception):  # the socket may be gone too
                 await self.send(AnswerErrorEvent(answer_id=answer_id, ref=ref, code=code, message=message))
-        finally:
-            if answer_id is not None and not over:  # the socket closed (or failed) before the answer was done
-                answers.cancel_soon(self.redis, self.keys, self.session_id, answer_id)
 
     async def _media_sent(self, count: int) -> str | None:
         """Wait until the first `count` media messages taken from the client are in the session's
@@ -471,28 +460,19 @@ class StreamConnection:
     ) -> bool:
         """Add a media entry, unless the session is gone or failed or another socket took the
         stream over (then close, unless `closing`); False for a frame not after the last one."""
-        pairs = [item for pair in entry.fields().items() for item in pair]
-        keys = [self.keys.session(self.session_id), self.keys.media(self.session_id), self.keys.streamer(self.session_id)]
         offset = self._stream_bytes if entry.kind == MediaKind.DATA else None
-        now = time.time()
-        args = [
-            protocol.MEDIA_MAXLEN, stream_bytes, self.id, "" if frame_s is None else repr(frame_s), now,
-            "" if offset is None else offset, *pairs,
-        ]
-        added, woke = await self._add_entry(keys=keys, args=args)
-        if isinstance(added, bytes):  # added: its entry's id
-            self._last_media, added = added.decode(), 1
-        if woke:
-            await enqueue(self.redis, self.keys, self.session_id, self.record.model, now)
+        added = await media_stream.add(self.redis, self.keys, self.record, self.id, entry, stream_bytes, frame_s, offset)
+        if isinstance(added, str):  # added: its entry's id
+            self._last_media, added = added, 1
         if added == 1:
             self._stream_bytes += stream_bytes
         if added >= 0 or closing:
             return added == 1
-        if added == -1:
+        if added == media_stream.GONE:
             raise StreamClosed(CloseCode.NOT_FOUND, "the session is gone")
-        if added == -3:
+        if added == media_stream.NOT_CLAIMED:
             raise StreamClosed(CloseCode.CONFLICT, "another socket took this session's stream over")
-        if added == -4:
+        if added == media_stream.BYTES_LOST:
             raise StreamClosed(CloseCode.TRY_AGAIN_LATER, "Redis lost bytes of the stream; connect again and send on from bytes_received")
         raise StreamClosed(CloseCode.UNDECODABLE, "the session failed")
 

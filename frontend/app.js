@@ -4,7 +4,7 @@
 import { createSession, listSamples, liveModels, Session } from "./api.js";
 import { Conversation } from "./ask.js";
 import { DEMO, demoVideos } from "./demo.js";
-import { bytes, count, frameRate, percent, videoTime } from "./format.js";
+import { bytes, clock, count, frameRate, percent, videoTime } from "./format.js";
 import { MemoryView } from "./memory.js";
 import { CachePlot } from "./plot.js";
 import { Stage } from "./preview.js";
@@ -71,6 +71,7 @@ const ui = {
   ingestLabel: $("#ingest-label"),
   ingestPercent: $("#ingest-percent"),
   ingestProgress: $("#ingest-progress"),
+  ingestEta: $("#ingest-eta"),
   sourceStatus: $("#source-status"),
   sessionError: $("#session-error"),
   sessionWarnings: $("#session-warnings"),
@@ -331,7 +332,7 @@ function attach(session, record, restored = false) {
     });
   }
   memory.clear();
-  plot.clear();
+  plot.use(session.id);
   resetMeters();
   ui.sourceStatus.textContent = "";
   if (restored && record.media) {
@@ -360,7 +361,7 @@ function detach(message) {
   owned.setCurrent(null);
   conversation.use(null);
   memory.clear();
-  plot.clear();
+  plot.forget();
   stage.clear();
   resetMeters();
   renderRecord(null);
@@ -400,8 +401,10 @@ async function poll(session) {
 /** A status fetched while an ingest event came in may be older than what the page shows. */
 function keepNewerIngest(record, shown) {
   if (!shown || record.frames_ingested >= shown.frames_ingested) return record;
-  const { state: current, frames_ingested, video_time_s, ingest_lag_s, frames_dropped, cache_tokens } = shown;
-  return { ...record, state: current, frames_ingested, video_time_s, ingest_lag_s, frames_dropped, cache_tokens };
+  const { state: current, frames_ingested, video_time_s, ingest_lag_s, frames_dropped, cache_tokens, ingest_progress, ingest_eta_s } = shown;
+  return {
+    ...record, state: current, frames_ingested, video_time_s, ingest_lag_s, frames_dropped, cache_tokens, ingest_progress, ingest_eta_s,
+  };
 }
 
 function onSessionEvent(name, data) {
@@ -411,6 +414,8 @@ function onSessionEvent(name, data) {
       frames_ingested: data.frames, video_time_s: data.video_time_s, ingest_lag_s: data.lag_s,
       frames_dropped: data.dropped, cache_tokens: data.cache_tokens,
     });
+    if (data.progress !== null && data.progress !== undefined) state.record.ingest_progress = data.progress;
+    if (data.eta_s !== null && data.eta_s !== undefined) state.record.ingest_eta_s = data.eta_s;
     if (state.record.state !== "ingested") state.record.state = "ingesting";
     renderRecord(state.record);
   } else if (name === "state") {
@@ -502,15 +507,25 @@ function renderCache(r) {
   ui.cacheMeter.title = bounded ? `${percent(tokens / r.budget_tokens)} of the budget` : "";
 }
 
+/** An upload's ingest: the share of its video in the cache, and the time left at the rate the
+ *  worker measured (the record's `ingest_progress` and `ingest_eta_s`). */
 function renderIngestProgress(r) {
   if (r.media !== "upload") return;
   const done = r.state === "ingested";
-  const fraction = done ? 1 : r.media_duration_s ? Math.min(1, r.video_time_s / r.media_duration_s) : 0;
+  const fraction = done ? 1 : r.ingest_progress ?? 0;
   ui.ingestProgress.value = 100 * fraction;
   ui.ingestPercent.textContent = r.frames_ingested || done ? percent(fraction) : "–";
   ui.ingestLabel.textContent = done
     ? `Ingested · ${count(r.frames_ingested)} frames`
     : r.frames_ingested ? `Ingesting · ${videoTime(r.video_time_s)}` : "Ingest";
+  ui.ingestEta.textContent = ingestEta(r);
+}
+
+function ingestEta(r) {
+  if (r.state !== "ingesting" || !r.upload_ended) return "";
+  if (!r.frames_ingested) return "Starting…";
+  if (r.ingest_eta_s === null || r.ingest_eta_s === undefined) return "Estimating the time left…";
+  return `About ${clock(Math.max(1, r.ingest_eta_s))} left`;
 }
 
 function resetMeters() {
@@ -520,6 +535,7 @@ function resetMeters() {
   ui.ingestProgress.value = 0;
   ui.ingestPercent.textContent = "–";
   ui.ingestLabel.textContent = "Ingest";
+  ui.ingestEta.textContent = "";
 }
 
 // -- sources ------------------------------------------------------------------------------------

@@ -241,12 +241,12 @@ function share(part, whole) {
 }
 
 function describeHeld(seen, held) {
-  if (seen <= 0) return "none";
+  if (seen <= 0) return "none (a gap: nothing came into the cache)";
   return `${count(held)} of ${count(seen)} tokens held (${percent(held / seen)})`;
 }
 
 function describePlaces(seen, held, host) {
-  if (seen <= 0) return "none";
+  if (seen <= 0) return "none (a gap: nothing came into the cache)";
   const dropped = Math.max(0, seen - held - host);
   return `${count(seen)} tokens: ${count(held)} on the device, ${count(host)} in the host tier, ${count(dropped)} dropped`;
 }

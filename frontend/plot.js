@@ -3,20 +3,66 @@
 // it had seen in all (the memory report's spans, added up), with the budget as a dashed line.
 // A bounded cache fills up to its budget and then stays flat while the seen line goes on rising:
 // the gap between them is what was evicted. The held line starts when the page first saw the
-// session (a reload starts it again); the seen line always covers the whole stream.
+// session and is kept in the tab's sessionStorage, so that a reload draws the same plot (at most
+// MAX_POINTS points a session, for at most MAX_STORED sessions); the seen line always covers the
+// whole stream.
+//
+// The vertical axis is the cache's: it reaches just past what the cache held, and includes the
+// budget once the cache holds a quarter of it; a budget or a seen line above that is drawn off the
+// scale, said at the top edge, so that a small cache is never a flat line at the bottom.
 
 import { count, tick, tickStep, videoTime } from "./format.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 const MAX_POINTS = 1200; // held points kept; past it every other one is dropped
+const MAX_STORED = 4; // sessions whose held points the tab keeps (the least recently shown go first)
+const STORE_PREFIX = "streamvqa.plot.";
+const STORE_INDEX = "streamvqa.plots"; // ids of the sessions stored, most recent last
+const BUDGET_IN_VIEW = 4; // the budget is on the scale once the cache holds 1/4 of it
+const SEEN_IN_VIEW = 4; // the seen line is on the scale while it is under 4x the cache's scale
+const HEADROOM = 1.1;
 const HEIGHT_PX = 140;
 const PAD = { left: 48, right: 10, top: 10, bottom: 20 }; // px around the plotting area
 const MAX_X_TICKS = 6;
 
-/** The smallest of 1, 2, 2.5, 5 times a power of ten that is at least `value`. */
+/** The smallest of 1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8 times a power of ten that is at least `value`. */
 function niceCeil(value) {
   const power = 10 ** Math.floor(Math.log10(Math.max(value, 1)));
-  return [1, 2, 2.5, 5, 10].map((m) => m * power).find((v) => v >= value);
+  return [1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10].map((m) => Math.round(m * power)).find((v) => v >= value);
+}
+
+/** The top of the vertical axis: past the most the cache held, the budget once the cache holds
+ *  1/BUDGET_IN_VIEW of it (or where nothing is held yet), the seen line while it is near. */
+function axisTop(heldMax, budget, seen) {
+  let top = Math.max(heldMax, 1);
+  if (budget !== null && (heldMax === 0 || budget <= BUDGET_IN_VIEW * heldMax)) top = Math.max(top, budget);
+  if (seen <= SEEN_IN_VIEW * top) top = Math.max(top, seen);
+  return niceCeil(HEADROOM * top);
+}
+
+/** The held points a tab stored for `id` ([] if none): [[video_time_s, cache_tokens], ...]. */
+function loadHeld(id) {
+  try {
+    const points = JSON.parse(sessionStorage.getItem(STORE_PREFIX + id) || "[]");
+    return Array.isArray(points) ? points.slice(-MAX_POINTS) : [];
+  } catch {
+    return [];
+  }
+}
+
+/** Keep `points` for `id` (none: forget it), and only the MAX_STORED sessions stored last. */
+function storeHeld(id, points) {
+  try {
+    const stored = JSON.parse(sessionStorage.getItem(STORE_INDEX) || "[]");
+    const index = (Array.isArray(stored) ? stored : []).filter((other) => other !== id);
+    if (points) index.push(id);
+    for (const old of index.splice(0, Math.max(0, index.length - MAX_STORED))) sessionStorage.removeItem(STORE_PREFIX + old);
+    sessionStorage.setItem(STORE_INDEX, JSON.stringify(index));
+    if (points) sessionStorage.setItem(STORE_PREFIX + id, JSON.stringify(points));
+    else sessionStorage.removeItem(STORE_PREFIX + id);
+  } catch {
+    // storage full or off: the plot goes on, and a reload starts it again
+  }
 }
 
 function element(name, className) {
@@ -52,9 +98,32 @@ export class CachePlot {
     this.heldLine = element("polyline", "plot-held");
     this.budgetLine = element("line", "plot-budget");
     this.labels = element("g", "plot-labels");
-    svg.append(this.grid, this.area, this.seenLine, this.heldLine, this.budgetLine, this.labels);
+    // lines above the scale are cut at its top edge
+    const clip = element("clipPath");
+    clip.id = "plot-clip";
+    this.clipRect = element("rect");
+    clip.append(this.clipRect);
+    const lines = element("g");
+    lines.setAttribute("clip-path", "url(#plot-clip)");
+    lines.append(this.area, this.seenLine, this.heldLine, this.budgetLine);
+    svg.append(clip, this.grid, lines, this.labels);
     window.addEventListener("resize", () => this.draw());
+    this.sessionId = null;
     this.clear();
+  }
+
+  /** Show session `id` (null: none), with the held points this tab stored for it. */
+  use(id) {
+    this.sessionId = id;
+    this.clear();
+    if (id) this.held = loadHeld(id);
+    this.draw();
+  }
+
+  /** The session is over: its stored points go too. */
+  forget() {
+    if (this.sessionId) storeHeld(this.sessionId, null);
+    this.use(null);
   }
 
   clear() {
@@ -74,6 +143,7 @@ export class CachePlot {
     if (record.frames_ingested && fresh) {
       this.held.push(point);
       if (this.held.length > MAX_POINTS) this.held = this.held.filter((_, i) => i % 2 === 0 || i === this.held.length - 1);
+      if (this.sessionId) storeHeld(this.sessionId, this.held);
     }
     this.draw();
   }
@@ -100,7 +170,9 @@ export class CachePlot {
     const drawn = Boolean(last || seenLast);
     const bounded = drawn && this.budget !== null;
     const tMax = Math.max(last ? last[0] : 0, seenLast ? seenLast[0] : 0, 1);
-    const yMax = niceCeil(Math.max(seenTotal, ...this.held.map(([, tokens]) => tokens), this.budget ?? 0, 1));
+    const heldMax = Math.max(0, ...this.held.map(([, tokens]) => tokens));
+    const yMax = axisTop(heldMax, this.budget, seenTotal);
+    this.svg.dataset.yMax = String(yMax);
     const x = (t) => PAD.left + ((width - PAD.left - PAD.right) * t) / tMax;
     const y = (tokens) => PAD.top + (HEIGHT_PX - PAD.top - PAD.bottom) * (1 - tokens / yMax);
     const xy = ([t, tokens]) => `${x(t).toFixed(1)},${y(tokens).toFixed(1)}`;
@@ -112,6 +184,9 @@ export class CachePlot {
       : "");
     this.budgetLine.toggleAttribute("hidden", !bounded);
     if (bounded) across(this.budgetLine, y(this.budget), width);
+    for (const [name, value] of [["x", 0], ["y", PAD.top - 2], ["width", width], ["height", HEIGHT_PX - PAD.top + 2]]) {
+      this.clipRect.setAttribute(name, value);
+    }
 
     const grid = [];
     const labels = [];
@@ -121,6 +196,10 @@ export class CachePlot {
       if (bounded && this.budget > 0.1 * yMax && this.budget < 0.85 * yMax) { // clear of the other two
         labels.push(label(count(this.budget), PAD.left - 6, y(this.budget) + 4, "end", "plot-budget-label"));
       }
+      const above = [];
+      if (bounded && this.budget > yMax) above.push(`budget ${count(this.budget)}`);
+      if (seenTotal > yMax) above.push(`seen ${count(seenTotal)}`);
+      if (above.length) labels.push(label(`↑ ${above.join(" · ")} (above the scale)`, PAD.left + 6, PAD.top + 11, "start", "plot-above"));
       const step = tickStep(tMax, MAX_X_TICKS);
       for (let t = 0; t <= tMax + 1e-9; t += step) {
         const anchor = t === 0 ? "start" : x(t) > width - PAD.right - 16 ? "end" : "middle";

@@ -21,6 +21,9 @@ from streamvqa.client import Answer, Client, Session, StreamvqaError
 from streamvqa.client.wire import gateway_api_key, gateway_url
 
 DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)?")
+# The ingest bar: the share of the video in the cache, then where it is and the time left, as the
+# gateway reports them (`ingest_progress`, `ingest_eta_s`), redrawn at each look.
+INGEST_BAR = "ingest: {percentage:3.0f}%|{bar}| {desc}"
 DURATION_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -48,10 +51,8 @@ def ask(client: Client, args: argparse.Namespace) -> int:
     with _new_session(client, args) as session:
         with _bar(unit="B", unit_scale=True, unit_divisor=1024, desc="upload") as bar:
             session.upload(args.video, progress=lambda sent, total: _advance(bar, sent, total))
-        with _bar(unit="s", unit_scale=True, desc="ingest") as bar:
-            record = session.wait_until_ingested(
-                progress=lambda record: _advance(bar, record["video_time_s"], record["media_duration_s"])
-            )
+        with _bar(total=100, bar_format=INGEST_BAR) as bar:
+            record = session.wait_until_ingested(progress=lambda record: _show_ingest(bar, record))
         _print_warnings(record)
         for question in args.question:
             print(f"Q: {question}")
@@ -144,8 +145,36 @@ def _sampling(args: argparse.Namespace) -> dict:
     return {name: value for name, value in chosen.items() if value is not None}
 
 
-def _bar(**options: object) -> tqdm:
-    return tqdm(total=None, disable=None, leave=False, **options)  # disable=None: only on a terminal
+def _bar(total: float | None = None, **options: object) -> tqdm:
+    return tqdm(total=total, disable=None, leave=False, **options)  # disable=None: only on a terminal
+
+
+def _show_ingest(bar: tqdm, record: dict) -> None:
+    share = 1.0 if record["state"] == "ingested" else record.get("ingest_progress") or 0.0
+    bar.n = round(100 * share, 1)
+    bar.set_description_str(ingest_note(record), refresh=False)
+    bar.refresh()
+
+
+def ingest_note(record: dict) -> str:
+    """Where an upload's ingest stands, for people: "1:05 of 4:00 · about 2:31 left"."""
+    duration_s = record.get("media_duration_s")
+    if record["state"] == "ingested":
+        return f"{record['frames_ingested']} frames"
+    if not record.get("upload_ended"):
+        return "waiting for the upload"
+    if not record["frames_ingested"]:
+        return "starting"
+    where = f"{_clock(record['video_time_s'])} of {_clock(duration_s)}" if duration_s else _clock(record["video_time_s"])
+    eta_s = record.get("ingest_eta_s")
+    return f"{where} · " + ("estimating the time left" if eta_s is None else f"about {_clock(max(1.0, eta_s))} left")
+
+
+def _clock(seconds: float) -> str:
+    """Whole seconds as m:ss, or h:mm:ss."""
+    minutes, second = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{second:02d}" if hours else f"{minutes}:{second:02d}"
 
 
 def _advance(bar: tqdm, done: float, total: float | None) -> None:

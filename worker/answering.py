@@ -45,6 +45,7 @@ class AnswerRun:
     pieces: Answer  # the engine's answer: one piece of text per `next`, run on the engine's thread
     before: SessionStats  # the session's counters when the answer started
     started_at: float = field(default_factory=time.monotonic)  # when the worker started it
+    started_unix: float = field(default_factory=time.time)  # the same, as unix time
     text: list[str] = field(default_factory=list)
     outbox: list[TokenEvent] = field(default_factory=list)  # pieces not yet in the answer stream (Redis failed)
     published: int = 0  # events in the answer stream
@@ -139,6 +140,9 @@ class Answering:
                 await self._refuse(session_id, entry_id, stream, ErrorEvent(code="question_too_long", message=message))
             else:
                 hosted.answer = run
+                self.counters.prompt_tokens += run.pieces.prompt_tokens
+                if run.question.asked_at is not None:
+                    self.counters.queue_time_s.observe(max(0.0, run.started_unix - run.question.asked_at))
                 await self._send(session_id, hosted, piece)
 
     async def queue(self, session_id: str, hosted: Hosted, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
@@ -219,6 +223,7 @@ class Answering:
         run, hosted.answer = hosted.answer, None
         hosted.changed = True
         await self.threads.engine(run.pieces.close)
+        self.counters.generation_tokens += run.pieces.tokens
         if error is not None:
             await self._publish_event(session_id, run.stream, error, run.published)
         await self.records.consume(self.keys.questions(session_id), run.entry_id)
@@ -284,6 +289,9 @@ class Answering:
         hosted.changed = True
         stats, counters = hosted.engine.stats(), self.counters
         counters.answers += 1
+        counters.generation_tokens += run.pieces.tokens
+        if run.pieces.tokens > 1 and run.first_token_at is not None and not cancelled:
+            counters.time_per_output_token_s.observe(max(0.0, time.time() - run.first_token_at) / (run.pieces.tokens - 1))
         counters.evictions += stats.evictions - run.before.evictions
         counters.retrieved_tokens += stats.retrieved_tokens - run.before.retrieved_tokens
         counters.retrieved_pages += stats.retrieved_pages - run.before.retrieved_pages

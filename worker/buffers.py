@@ -99,6 +99,12 @@ class FrameQueue:
     its most recent moments instead of falling further behind. A client that sends faster than
     real time is never dropped: its frames are early, the queue fills and `put` waits, which
     stops the worker reading the stream (backpressure).
+
+    While its session answers a question, its frames cannot enter the cache (a session does one
+    thing at a time): `hold` stops the real-time rule meanwhile, and the time held is added to the
+    lag allowed afterwards (`grace_s`), shrinking to the lateness of the frames taken as the engine
+    catches up. An answer therefore leaves the frames sent meanwhile queued (up to `capacity`), not
+    a hole in the cache; only an engine slower than the stream still drops frames.
     """
 
     def __init__(self, capacity: int, max_lag_s: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -109,6 +115,8 @@ class FrameQueue:
         self._clock = clock
         self._frames: deque[tuple[Frame, float]] = deque()  # (frame, due wall time)
         self._start: tuple[float, float] | None = None  # (wall time, video time) of the clock's start
+        self._held_since: float | None = None  # wall time `hold` began; None: not held
+        self.grace_s = 0.0  # lag allowed past max_lag_s, for the time the queue was held
         self._closed = False
         self._changed = threading.Condition()
 
@@ -140,6 +148,17 @@ class FrameQueue:
             self.queued += 1
             return True
 
+    def hold(self, held: bool) -> None:
+        """Hold the real-time rule while the session answers (no frame is dropped as late), or
+        let it go again, allowing the time held as extra lag."""
+        with self._changed:
+            now = self._clock()
+            if held and self._held_since is None:
+                self._held_since = now
+            elif not held and self._held_since is not None:
+                self.grace_s += now - self._held_since
+                self._held_since = None
+
     def take(self, count: int) -> tuple[list[Frame], float]:
         """Up to `count` frames, oldest first, after dropping late ones; and the lateness (s, >= 0)
         of the last frame taken."""
@@ -147,15 +166,20 @@ class FrameQueue:
             now = self._clock()
             self._drop_late()
             taken = [self._frames.popleft() for _ in range(min(count, len(self._frames)))]
+            lag_s = max(0.0, now - taken[-1][1]) if taken else 0.0
+            if taken and self._held_since is None:
+                self.grace_s = min(self.grace_s, lag_s)  # caught up by as much as the lag fell
             self._changed.notify_all()
-        lag_s = max(0.0, now - taken[-1][1]) if taken else 0.0
         return [frame for frame, _ in taken], lag_s
 
     def _drop_late(self) -> bool:
-        """Drop the frames late by more than `max_lag_s`, except the newest; True when any was."""
+        """Drop the frames late by more than `max_lag_s` (and the grace of a hold), except the
+        newest; none while held. True when any was."""
+        if self._held_since is not None:
+            return False
         now = self._clock()
         before = len(self._frames)
-        while len(self._frames) > 1 and now - self._frames[0][1] > self.max_lag_s:
+        while len(self._frames) > 1 and now - self._frames[0][1] > self.max_lag_s + self.grace_s:
             self._frames.popleft()
         self.dropped += before - len(self._frames)
         return len(self._frames) < before

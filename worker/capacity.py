@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,7 +19,9 @@ import torch
 from engine import Model, SessionConfig
 from engine.host_tier import index_bytes_per_token
 from streamvqa import protocol
-from streamvqa.protocol import SessionRecord
+from streamvqa.protocol import (
+    QUEUE_TIME_BUCKETS_S, STEP_SESSIONS_BUCKETS, TIME_PER_OUTPUT_TOKEN_BUCKETS_S, Histogram, SessionRecord,
+)
 from worker.settings import MemorySize, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -204,3 +206,8 @@ class Counters:
     retrieval_ms: float = 0.0
     steps: int = 0  # engine steps: of questions starting, of answers, of frames
     step_sessions: int = 0  # sessions those steps ran: step_sessions / steps is the mean batch
+    prompt_tokens: int = 0  # questions' tokens prefilled, with their turns' markers
+    generation_tokens: int = 0  # answer tokens generated
+    queue_time_s: Histogram = field(default_factory=lambda: Histogram.empty(QUEUE_TIME_BUCKETS_S))
+    time_per_output_token_s: Histogram = field(default_factory=lambda: Histogram.empty(TIME_PER_OUTPUT_TOKEN_BUCKETS_S))
+    step_batch_sessions: Histogram = field(default_factory=lambda: Histogram.empty(STEP_SESSIONS_BUCKETS))

@@ -93,8 +93,16 @@ class Ingest(Protocol):
     def next_frames(self, count: int) -> "Batch":
         """Up to `count` frames, with the warnings since the last call."""
 
+    def estimate(self, covered_s: float) -> tuple[float | None, float | None]:
+        """(share in the cache, 0 to 1; seconds left to ingest) once the cache's frames cover
+        `covered_s` of video: an upload's; (None, None) for a live stream, which has no end."""
+
     def take_errors(self) -> list[tuple[str, str, str]]:
         """(code, connection, message) of the errors since the last call."""
+
+    def hold(self, answering: bool) -> None:
+        """Its session answers (`answering`), or no longer does: a live stream's frames wait
+        meanwhile instead of being dropped as late (`worker.buffers.FrameQueue.hold`)."""
 
     def state(self) -> dict | None:
         """What a snapshot keeps to go on elsewhere; None when the record has it all."""
@@ -150,6 +158,12 @@ class _LiveIngest:
 
     def receipt(self, kind: str) -> None:
         return None  # its frames are in no file: a snapshot must cover them first
+
+    def estimate(self, covered_s: float) -> tuple[None, None]:
+        return None, None  # a live stream has no end to estimate
+
+    def hold(self, answering: bool) -> None:
+        self.queue.hold(answering)
 
     def connect(self, connection: str) -> None:
         self.connection = connection

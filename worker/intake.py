@@ -148,6 +148,13 @@ class MediaIntake:
 
     # -- frames --------------------------------------------------------------------------------
 
+    def hold_while_answering(self, sessions: Mapping[str, Hosted]) -> None:
+        """A session answering (or about to start a question) takes no frames meanwhile: its live
+        frames wait for the answer's end instead of being dropped as late (`Ingest.hold`)."""
+        for hosted in sessions.values():
+            if hosted.ingest is not None:
+                hosted.ingest.hold(hosted.answering or hosted.next_question_at is not None)
+
     def decode_ahead(self, sessions: Mapping[str, Hosted]) -> None:
         """Start decoding the next frames of each ingest that decodes slowly (an upload), on the
         decode thread, while the engine works."""
@@ -227,6 +234,7 @@ class MediaIntake:
             await self.records.event(session_id, MediaErrorEvent(code=code, message=message, connection=connection))
         if appended:
             stats = hosted.engine.stats()
+            share, eta_s = ingest.estimate(stats.video_time_s + 1 / hosted.record.fps)  # a frame covers 1 / fps
             await self.records.event(
                 session_id,
                 IngestEvent(
@@ -236,9 +244,14 @@ class MediaIntake:
                     lag_s=round(batch.lag_s, 3),
                     dropped=ingest.dropped,
                     cache_tokens=stats.cache_tokens,
+                    progress=share,
+                    eta_s=eta_s,
                 ),
             )
-            fields = {"frames_dropped": ingest.dropped, "ingest_lag_s": round(batch.lag_s, 3), **progress(hosted.engine)}
+            fields = {
+                "frames_dropped": ingest.dropped, "ingest_lag_s": round(batch.lag_s, 3), "ingest_progress": share,
+                "ingest_eta_s": eta_s, **progress(hosted.engine),
+            }
             await self.records.set(session_id, **fields)
             await self.records.report_memory(session_id, hosted)
         if hosted.phase is Phase.SAMPLING and ingest.finished:
@@ -267,7 +280,9 @@ class MediaIntake:
         """All media so far is in the cache: an upload is done (its spool goes once a snapshot
         covers it), a live stream's client ended or left (its ingest stays, for a client that
         connects again)."""
+        done = {}  # an upload's progress at its end
         if hosted.phase is Phase.SAMPLING:
+            done = {"ingest_progress": 1.0, "ingest_eta_s": 0.0}
             if not await self.snapshots.maybe_take(session_id, hosted, force=True):
                 return  # the spool stays until a snapshot covers the whole upload; tried again next turn
             cut = hosted.ingest.cut_short()
@@ -294,7 +309,7 @@ class MediaIntake:
             await self.records.event(session_id, MediaErrorEvent(code="empty_stream", message=message, connection=hosted.ingest.connection))
             return
         await self.records.report_memory(session_id, hosted, force=True)
-        await self.records.set(session_id, SessionState.INGESTED, SessionState.INGESTING, **progress(hosted.engine))
+        await self.records.set(session_id, SessionState.INGESTED, SessionState.INGESTING, **done, **progress(hosted.engine))
         await self.records.event(session_id, StateEvent(state=SessionState.INGESTED, connection=hosted.connection))
 
     async def find_orphaned(self, sessions: Mapping[str, Hosted]) -> None:

@@ -174,6 +174,7 @@ class Worker:
             await self._take_entries(await self._read({stream: "0" for stream in streams}, RECOVER_COUNT, None), seen=True)
             self._reread = False
         await self._take_entries(await self._read(streams, READ_COUNT, self._block_ms()))
+        self.intake.hold_while_answering(self.sessions)
         step = self.scheduler.next_step(self.sessions)
         if step is not None:
             await self._run_step(step)
@@ -218,6 +219,7 @@ class Worker:
             hosted.active_at = now
         self.counters.steps += 1
         self.counters.step_sessions += len(work)
+        self.counters.step_batch_sessions.observe(len(work))
         if step.kind == "start":
             await self.answering.start(work)
         elif step.kind == "answer":

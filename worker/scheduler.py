@@ -22,6 +22,12 @@ session's `ingest` steps go on meanwhile. So a question read by the worker waits
 running when it came and for the starts of questions read before it, never for another
 session's whole answer or whole video; and an answer's next token waits for at most one
 `ingest` step and the starts of new questions.
+
+A session's own frames wait for its answer. For a live stream that wait must not turn into a
+hole in the cache: while a session answers or has a question ready to start, its ingest holds the
+real-time rule (`Ingest.hold`, set by the loop each turn from the same `answering` and
+`next_question_at` this scheduler reads), so the frames sent meanwhile queue up and enter the
+cache in the `ingest` steps after the answer, instead of being dropped as late.
 """
 
 from collections.abc import Mapping

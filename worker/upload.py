@@ -1,13 +1,22 @@
 """An uploaded file on its way to frames: its bytes spooled to disk as they arrive, then sampled
-(decord, PyAV). Nothing is dropped; the worker goes as fast as it can. One `worker.ingest.Ingest`."""
+(decord, PyAV). Nothing is dropped; the worker goes as fast as it can. One `worker.ingest.Ingest`.
+
+Its progress is the video time its frames in the cache cover over the file's duration, and the
+time left is what remains at the rate (video seconds a second) of its last RATE_WINDOW_STEPS steps,
+from the moment its last byte arrived: so an estimate follows a worker that other sessions slow down.
+"""
 
 import itertools
+import time
+from collections import deque
 from pathlib import Path
 from typing import BinaryIO
 
 from streamvqa.protocol import MediaEntry, MediaKind
 from worker.decode import DecodeError, FileFrames, VideoInfo, probe, sample_file
 from worker.ingest import Batch
+
+RATE_WINDOW_STEPS = 8  # steps over which the ingest rate is measured for the time left
 
 
 class UploadIngest:
@@ -32,6 +41,7 @@ class UploadIngest:
         self._file: BinaryIO | None = spool_path.open("wb")
         self._sampled: FileFrames | None = None  # the file's frames, once it has ended
         self._frames = None  # those not yet taken (after a takeover, past the cache's last frame)
+        self._marks: deque[tuple[float, float]] = deque(maxlen=RATE_WINDOW_STEPS + 1)  # (monotonic s, video s covered)
 
     @property
     def accepts_media(self) -> bool:
@@ -63,6 +73,7 @@ class UploadIngest:
                 raise DecodeError("the upload is empty")
             self.info = probe(self.spool_path)
             self._frames = self._sampled = sample_file(self.spool_path, self.fps, self.max_side, self.info)
+            self._marks.append((time.monotonic(), 0.0))
         else:
             raise DecodeError(f"unexpected media entry {entry.kind!r} in an upload")
 
@@ -85,6 +96,7 @@ class UploadIngest:
         ingest.spool_path, ingest.fps, ingest.max_side, ingest.max_bytes = spool, fps, max_side, max_bytes
         ingest.bytes_received, ingest.info, ingest.finished = state["bytes"], None, False
         ingest._sampled = ingest._frames = None
+        ingest._marks = deque(maxlen=RATE_WINDOW_STEPS + 1)
         with spool.open("r+b") as file:
             file.truncate(state["bytes"])  # bytes written after the snapshot come again from the media stream
         ingest._file = None if state["ended"] else spool.open("ab")
@@ -92,6 +104,7 @@ class UploadIngest:
             ingest.info = probe(spool)
             ingest._sampled = sample_file(spool, fps, max_side, ingest.info)
             ingest._frames = (f for f in ingest._sampled if after_s is None or f.time_s > after_s)
+            ingest._marks.append((time.monotonic(), after_s or 0.0))
         return ingest
 
     def next_frames(self, count: int) -> Batch:
@@ -103,6 +116,22 @@ class UploadIngest:
             self.finished = True
         return Batch(frames)
 
+    def estimate(self, covered_s: float) -> tuple[float | None, float | None]:
+        """(share of the video in the cache, 0 to 1; seconds left) once the cache's frames cover
+        `covered_s` of video; None for what is not known yet (a file that states no duration, no
+        step measured)."""
+        duration_s = self.info.duration_s if self.info else None
+        if not duration_s:
+            return None, None
+        covered_s = min(covered_s, duration_s)
+        self._marks.append((time.monotonic(), covered_s))
+        share = round(covered_s / duration_s, 4)
+        (first_s, first_covered_s), (last_s, last_covered_s) = self._marks[0], self._marks[-1]
+        if last_s <= first_s or last_covered_s <= first_covered_s:
+            return share, None
+        rate = (last_covered_s - first_covered_s) / (last_s - first_s)  # video s per s
+        return share, round((duration_s - covered_s) / rate, 1)
+
     def cut_short(self) -> tuple[float, float] | None:
         """Once every frame is taken, for a file cut part-way (its frames end well before the
         duration its container states): (where its frames end, that duration), in s; else None."""
@@ -113,6 +142,9 @@ class UploadIngest:
 
     def take_errors(self) -> list[tuple[str, str, str]]:
         return []  # an upload's errors end it: raised as DecodeError
+
+    def hold(self, answering: bool) -> None:
+        pass  # nothing of a file is late
 
     def state(self) -> None:
         return None  # its progress is in the session's record (`upload_bytes`, `upload_ended`)

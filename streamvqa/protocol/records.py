@@ -3,6 +3,7 @@ memory report a worker writes for each session, and each worker's entry in the r
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from dataclasses import asdict
@@ -88,6 +89,12 @@ class SessionRecord(BaseModel):
     frames_ingested: int = 0
     video_time_s: float = 0.0
     cache_tokens: int = 0
+    ingest_progress: float | None = Field(
+        None, description="An upload's share in the cache, 0 to 1: the video time its frames cover over its duration."
+    )
+    ingest_eta_s: float | None = Field(
+        None, description="An upload's seconds left to ingest, at the rate observed over its last steps (None: not known yet)."
+    )
     context_tokens: int = Field(0, description="The most tokens the cache may hold: the model's context (0: not known).")
     context_full: bool = Field(
         False, description="The cache reached the context: later frames are not taken, and only questions that fit are."
@@ -173,6 +180,29 @@ class MemoryReport(BaseModel):
         })
 
 
+QUEUE_TIME_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TIME_PER_OUTPUT_TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+STEP_SESSIONS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Histogram(BaseModel):
+    """Observations counted by bucket, as a worker advertises them for GET /metrics: `counts[i]`
+    are those at most `bounds[i]` and over the bound before (not cumulative); the last count is
+    those over every bound. Its size is fixed by its bounds."""
+
+    bounds: tuple[float, ...]
+    counts: list[int]  # len(bounds) + 1
+    sum: float = 0.0
+
+    @classmethod
+    def empty(cls, bounds: tuple[float, ...]) -> Histogram:
+        return cls(bounds=bounds, counts=[0] * (len(bounds) + 1))
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
 class WorkerInfo(BaseModel):
     id: str
     model: str
@@ -210,6 +240,11 @@ class WorkerInfo(BaseModel):
     retrieval_ms: float = 0.0  # time spent choosing and bringing them back
     steps: int = 0  # engine steps since it started (of questions starting, of answers, of frames)
     step_sessions: int = 0  # sessions those steps ran together: over `steps`, the mean batch
+    prompt_tokens: int = 0  # questions' tokens (with their turns' markers) prefilled since it started
+    generation_tokens: int = 0  # answer tokens generated since it started
+    queue_time_s: Histogram | None = None  # from a question reaching the gateway to the worker starting it
+    time_per_output_token_s: Histogram | None = None  # per answer of 2 tokens or more: after its first, the mean gap
+    step_batch_sessions: Histogram | None = None  # sessions each engine step ran in one forward
 
     def fits(self, peak_tokens: int, host_tokens: int = 0) -> bool:
         """Whether a session whose cache peaks at `peak_tokens` (and its host tier) fits now: by

@@ -1,11 +1,15 @@
 """The `streamvqa` command as a user runs it: a real process against a real gateway and worker."""
 
 import asyncio
+import fcntl
 import json
 import os
+import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +38,28 @@ def streamvqa(*args: str, url: str | None = None, api_key: str | None = None) ->
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
 
 
+def streamvqa_in_a_terminal(*args: str, url: str) -> str:
+    """What the command writes to a 120-column terminal (a pseudo-terminal: its bars are drawn)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("STREAMVQA_")}
+    master, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    command = [sys.executable, "-m", "streamvqa.cli", "--url", url, *args]
+    process = subprocess.Popen(command, stdin=terminal, stdout=terminal, stderr=terminal, env=env)
+    os.close(terminal)
+    output = bytearray()
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the command ended and closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(master)
+    assert process.wait(timeout=180) == 0, output.decode(errors="replace")
+    return output.decode(errors="replace")
+
+
 def session_is_gone(url: str, session_id: str) -> bool:
     with Client(url) as client:
         try:
@@ -56,6 +82,19 @@ def test_ask_uploads_waits_and_answers_each_question_then_deletes_the_session(st
     assert times and times <= {float(t) for t in range(10)}
     session_id = re.search(r"^session ([0-9a-f]{32})$", run.stderr, re.M)[1]
     assert session_is_gone(stack.url, session_id)
+
+
+def test_ask_shows_a_long_videos_ingest_step_by_step_with_the_time_left(stack, tmp_path):
+    video = tmp_path / "minute.mp4"
+    faststart_mp4(60, video)  # at 4 frames/s: 240 frames, 30 steps of 8
+    output = streamvqa_in_a_terminal("ask", str(video), "-q", "What?", "--fps", "4", "--max-new-tokens", "4", url=stack.url)
+    drawn = [line.strip() for line in re.split(r"[\r\n]", output) if line.startswith("ingest:")]
+    shares = [int(re.match(r"ingest:\s*(\d+)%", line)[1]) for line in drawn]
+    assert shares == sorted(shares) and shares[-1] == 100, shares  # it never goes back
+    assert len({share for share in shares if 0 < share < 100}) >= 3, shares  # and moves in steps, not in one jump
+    assert any(re.search(r"\| 0:\d\d of 1:00 · about 0:\d\d left$", line) for line in drawn), drawn
+    assert re.search(r"ingest: 100%\|█+\| 240 frames$", drawn[-1]), drawn[-1]
+    assert "Q: What?" in output
 
 
 def test_with_recall_an_answer_says_which_seconds_it_brought_back(stack):

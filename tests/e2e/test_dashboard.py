@@ -418,6 +418,72 @@ def test_an_api_error_is_shown_to_the_user(page, tmp_path):
     assert page.is_hidden("#error")
 
 
+def test_the_cache_plot_is_drawn_to_the_caches_scale_and_the_same_after_a_reload(page):
+    create_session(page)  # the default budget, 8,192 tokens
+    upload(page, sample_video("bikes.mp4"))
+    page.wait_for_selector("#status [data-field='state']:has-text('ingested')")
+    assert field(page, "cache_tokens") == "379 / 8,192"  # 10 frames and the text around them
+    page.wait_for_function("document.querySelector('[data-plot=seen]').textContent === '379'")
+    page.wait_for_function("Number(document.querySelector('#cache-plot').dataset.points) >= 2")
+
+    # the scale is the cache's, not the budget's: 379 tokens on an axis to 500, the budget said above it
+    assert page.get_attribute("#cache-plot", "data-y-max") == "500"
+    assert page.locator("#cache-plot .plot-labels text").first.text_content() == "500"
+    assert page.text_content("#cache-plot .plot-above") == "↑ budget 8,192 (above the scale)"
+    held = [tuple(map(float, xy.split(","))) for xy in page.get_attribute("#cache-plot .plot-held", "points").split()]
+    assert held[-1][1] < 10 + 110 * 0.25  # the last point in the top quarter of the plot (10 px pad, 110 px tall)
+    points = page.get_attribute("#cache-plot .plot-held", "points")
+    drawn = page.get_attribute("#cache-plot", "data-points")
+
+    page.reload()
+    page.wait_for_selector("#connection[data-state='live']")
+    page.wait_for_function("document.querySelector('[data-plot=seen]').textContent === '379'")
+    assert page.get_attribute("#cache-plot", "data-points") == drawn
+    assert page.get_attribute("#cache-plot .plot-held", "points") == points  # the same line, point for point
+    assert page.text_content("[data-plot='held']") == "379"
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.locator("#memory").screenshot(path=str(ARTIFACTS / "dashboard-plot-reloaded.png"))
+
+    page.get_by_role("button", name="End session", exact=True).click()  # an ended session's points go from the tab
+    page.wait_for_selector("#create-form:not([hidden])")
+    assert page.evaluate("Object.keys(sessionStorage).filter((key) => key.startsWith('streamvqa.plot.'))") == []
+
+
+# Elements that cut what they hold: clipped (overflow other than visible) and wider inside than
+# out, with text of their own; the visually hidden labels are meant to be clipped.
+CUT_LABELS = """() => [...document.querySelectorAll('body *')].filter((e) => {
+  if (!e.getClientRects().length || e.closest('.visually-hidden')) return false;
+  const style = getComputedStyle(e);
+  if (style.overflowX === 'visible' && style.textOverflow !== 'ellipsis') return false;
+  if (!e.textContent.trim() || ['TEXTAREA', 'SELECT', 'INPUT'].includes(e.tagName)) return false;
+  return e.scrollWidth > e.clientWidth + 1;
+}).map((e) => `${e.tagName}#${e.id}.${e.className}: ${e.textContent.trim().slice(0, 40)}`)"""
+
+
+def test_no_label_is_cut_at_1280_or_1400_px_and_a_long_upload_says_its_time_left(launch, tmp_path):
+    video = tmp_path / "long.mp4"
+    faststart_mp4(90, video)  # at 4 frames/s: 360 frames, thousands of tokens, seconds of ingest
+    page = launch(viewport=(1400, 900))
+    create_session(page, fps=4)
+    upload(page, video)
+    page.wait_for_selector("#status [data-field='state']:has-text('ingesting')")
+    page.wait_for_function("/^About \\d+:\\d\\d left$/.test(document.querySelector('#ingest-eta').textContent)")
+    assert re.fullmatch(r"Ingesting · \d+\.\d s", page.text_content("#ingest-label"))
+    for width in (1400, 1280):
+        page.set_viewport_size({"width": width, "height": 900})
+        assert page.evaluate(CUT_LABELS) == [], width
+        assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+        screenshot(page, f"dashboard-ingesting-{width}.png")
+    page.wait_for_selector("#status [data-field='state']:has-text('ingested')", timeout=120_000)
+    assert (page.text_content("#ingest-percent"), page.text_content("#ingest-eta")) == ("100%", "")
+    assert page.text_content("#ingest-label") == "Ingested · 360 frames"
+    assert re.fullmatch(r"[\d,]+ / 8,192", field(page, "cache_tokens")) and "," in field(page, "cache_tokens")
+    for width in (1280, 1400):
+        page.set_viewport_size({"width": width, "height": 900})
+        assert page.evaluate(CUT_LABELS) == [], width
+        screenshot(page, f"dashboard-ingested-{width}.png")
+
+
 def test_the_page_fits_a_phone_and_a_laptop(launch):
     phone = launch(viewport=(390, 844))
     create_session(phone)

@@ -2,10 +2,12 @@
 
 import json
 import threading
+import time
 
 import httpx
 
-from tests.support import Client, StreamSocket, sample_video
+from tests.media import faststart_mp4
+from tests.support import Client, StreamSocket, sample_video, sse_events
 
 
 def test_bikes_at_one_fps_gives_ten_frames_then_an_answer(client):
@@ -101,3 +103,35 @@ def test_unknown_routes_are_json_404(stack):
     reply = httpx.get(f"{stack.url}/sessions/abc/nothing")
     assert reply.status_code == 404
     assert reply.json()["code"] == "not_found"
+
+
+def test_a_long_upload_reports_its_share_in_the_cache_and_an_honest_time_left_at_every_step(client, tmp_path):
+    # 60 s at 2 frames/s: 120 frames, 8 a step (FRAMES_PER_STEP), so 15 steps of 4 s of video each
+    assert client.create(fps=2).status_code == 201
+    video = tmp_path / "minute.mp4"
+    faststart_mp4(60, video)
+    assert client.upload(video.read_bytes()).status_code == 202
+    looks = []  # the record while it ingests, as a client polling it sees it
+    while (record := client.get().json())["state"] not in ("ingested", "error"):
+        looks.append(record)
+        time.sleep(0.1)
+    assert record["state"] == "ingested", record["error"]
+    assert (record["frames_ingested"], record["ingest_progress"], record["ingest_eta_s"]) == (120, 1.0, 0.0)
+    shares = [look["ingest_progress"] for look in looks if look["frames_ingested"]]
+    assert shares == sorted(shares) and len(set(shares)) >= 5, shares  # it moves, never back
+    assert all(look["ingest_eta_s"] is None for look in looks if not look["frames_ingested"])
+
+    with client.http.stream("GET", f"/sessions/{client.id}/events?since=0", headers=client.auth, timeout=10) as reply:
+        steps = []
+        for event in sse_events(reply):
+            if event["event"] == "ingest":
+                steps.append((int(event["id"].split("-")[0]) / 1000, event["data"]))
+            if event["event"] == "state" and event["data"]["state"] == "ingested":
+                break
+    assert [data["progress"] for _, data in steps] == [round(4 * k / 60, 4) for k in range(1, 16)]
+    assert all(data["eta_s"] > 0 for _, data in steps[:8]) and steps[-1][1]["eta_s"] == 0.0
+    # the time left it said against the time it took (the events' ids are their times, in ms):
+    # within a factor of 3, or 0.3 s, from a quarter of the way on
+    end_s = steps[-1][0]
+    for at_s, data in steps[3:-1]:
+        assert data["eta_s"] / 3 - 0.3 <= end_s - at_s <= 3 * data["eta_s"] + 0.3, (end_s - at_s, data)

@@ -51,6 +51,34 @@ def test_a_client_faster_than_real_time_is_never_dropped_but_fills_the_queue():
     assert (lag_s, queue.dropped) == (0.0, 0)
 
 
+def test_frames_sent_while_the_session_answers_wait_for_the_answer_instead_of_being_dropped():
+    clock = Clock()
+    queue = FrameQueue(capacity=16, max_lag_s=2.0, clock=clock)
+    for second in range(3):  # real time, taken as they come
+        clock.now = 1000.0 + second
+        queue.put(_frame(float(second)))
+        assert [f.time_s for f in queue.take(8)[0]] == [float(second)]
+    queue.hold(True)  # a 5-s answer: frames 3 to 7 come meanwhile and wait
+    for second in range(3, 8):
+        clock.now = 1000.0 + second
+        assert queue.put(_frame(float(second)), block=False)
+    clock.now = 1008.0
+    queue.hold(False)
+    queue.put(_frame(8.0))
+    frames, lag_s = queue.take(4)  # the engine catches up, 4 frames a step
+    assert ([f.time_s for f in frames], lag_s) == ([3.0, 4.0, 5.0, 6.0], 2.0)
+    clock.now = 1009.0
+    queue.put(_frame(9.0))
+    frames, lag_s = queue.take(4)
+    assert ([f.time_s for f in frames], lag_s) == ([7.0, 8.0, 9.0], 0.0)
+    assert queue.dropped == 0 and queue.grace_s == 0.0  # nothing lost; caught up, the real-time rule is whole again
+    for second in range(10, 14):  # an engine slower than the stream still loses its oldest frames
+        clock.now = 1000.0 + second
+        queue.put(_frame(float(second)))
+    frames, _ = queue.take(1)
+    assert frames[0].time_s == 11.0 and queue.dropped == 1
+
+
 def test_the_byte_feed_blocks_its_reader_until_bytes_come():
     feed = ByteFeed(max_bytes=10)
     got: list[bytes] = []
