@@ -134,7 +134,7 @@ class Answer(Iterator[str]):
         self._over, self.next_ids = True, None
         session, cache = self.session, self.session.cache
         if self._ran:
-            unfed = self._unfed if self._fed is None else []  # else a batched step ran it
+            unfed = self._unfed  # empty when a step ran it (`fed`)
             session._pin(cache.appended + len(unfed), self._closing.tokens, new_turn=False)
             session._run([session._part(unfed), self._closing])
             self._weigh_frames()
@@ -165,14 +165,12 @@ class Answer(Iterator[str]):
                 raise
             self.question_ran()
         if not self._stopping:
-            if self._fed is None:  # the token chosen last, run alone
-                self.fed(session._run([session._part(self._unfed)]))
+            if self._ids:  # the token chosen last: run alone, unless a batched step fed its logits
+                if self._fed is None:
+                    self.fed(session._run([session._part(self._unfed)]))
                 if session.policy.evicts_every_decode_step:
                     self._weigh_frames()
                     session.cache.evict()
-            elif self._ids and session.policy.evicts_every_decode_step:  # a batched step ran it
-                self._weigh_frames()
-                session.cache.evict()
             piece = self.accept(self._fed)
             if piece is not None:
                 return piece
