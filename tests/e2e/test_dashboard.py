@@ -500,6 +500,19 @@ def test_the_page_fits_a_phone_and_a_laptop(launch):
     assert questions["x"] + questions["width"] <= 1280
 
 
+def demo_state(page) -> dict:
+    """What a stalled demo was doing: the session's fields, the source's status, the stage's video."""
+    fields = ("state", "frames_ingested", "frames_dropped", "video_time_s", "ingest_lag_s", "cache_tokens")
+    return {
+        **{name: field(page, name) for name in fields},
+        "source": page.text_content("#source-status"),
+        "connection": page.get_attribute("#connection", "data-state"),
+        "video": page.evaluate(
+            "[...document.querySelectorAll('video')].map((v) => [v.readyState, v.paused, v.currentTime, v.videoWidth])"
+        ),
+    }
+
+
 def test_the_demo_streams_the_samples_into_a_256_token_cache_and_shows_it_evict(page):
     page.wait_for_selector("#model option[value='tiny-random-llava']", state="attached")
     page.get_by_role("button", name="Try the demo").click()
@@ -512,7 +525,10 @@ def test_the_demo_streams_the_samples_into_a_256_token_cache_and_shows_it_evict(
 
     # 23 tokens a frame (16 of frame, 7 of text), 2 frames a second: the cache is full within 6 s
     # of video, and from then on what it no longer holds shows as partly or wholly evicted seconds
-    page.wait_for_selector("#timeline .span:is([data-held='part'], [data-held='none'])", state="attached", timeout=60_000)
+    try:
+        page.wait_for_selector("#timeline .span:is([data-held='part'], [data-held='none'])", state="attached", timeout=60_000)
+    except Exception as err:  # say what the session and the page were doing
+        raise AssertionError(f"no eviction shown within 60 s: {demo_state(page)}") from err
     page.wait_for_function("Number(document.querySelector('[data-plot=seen]').textContent.replace(',', '')) >= 512")
     assert field(page, "cache_tokens") == "256 / 256"
     assert int(page.text_content("[data-memory='evictions']")) > 0
