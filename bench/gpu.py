@@ -34,10 +34,10 @@ parameters), and a `summary` line last:
   CPU, the process's RSS) and the cache's tokens at 1, 5, 15, 30 and 60 minutes, scaled to
   `--minutes`: flat once the cache is at its budget.
 - `ingest`: frames/s of `Session.append_frames` in calls of 8 frames (384x384 random RGB, encoded
-  by the vision tower), and of `engine.batch.append_frames_together` over N sessions, a frame
-  each a call; every session's cache at its budget, after a warm-up.
+  by the vision tower), and of one engine step (`engine.step.step`) over N sessions, a frame
+  each a step; every session's cache at its budget, after a warm-up.
 - `decode`: N sessions with full caches ask at once; answer tokens/s with one batched forward a
-  step (`engine.batch.next_pieces`) against one session at a time (`next` on each answer in
+  step (`engine.step.step`) against one session at a time (`next` on each answer in
   turn), timed from each answer's first token (the questions' prefill is not), and the ratio.
 - `serving`: the worker's loop in process, on this engine, in real time, for `--serve-seconds`:
   each of N sessions gets a frame every second and a question every `--ask-every` seconds
@@ -71,7 +71,8 @@ from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGener
 
 from bench.common import emit, rss_bytes
 from engine import POLICIES, Answer, Session, SessionConfig
-from engine.batch import append_frames_together, next_pieces
+from engine.step import Frames
+from engine.step import step as engine_step
 from engine.model import FAMILIES, Model, Vision, chat_format
 from engine.tiny import ascii_tokenizer
 from streamvqa.protocol import peak_cache_tokens
@@ -232,7 +233,7 @@ def measure_memory(model: Model, config: SessionConfig, visual: torch.Tensor, mi
 
 
 def measure_ingest(sessions: list[Session], counts: list[int], frames: list[np.ndarray], clock: Clock) -> dict:
-    """Frames/s of append_frames (8 a call) on one session, and of append_frames_together over N."""
+    """Frames/s of append_frames (8 a call) on one session, and of one engine step over N."""
     one = sessions[0]
     batch = frames[:8]
     for _ in range(2):  # warm-up
@@ -250,7 +251,7 @@ def measure_ingest(sessions: list[Session], counts: list[int], frames: list[np.n
 
         def together() -> None:
             work = [(s, [frames[i % len(frames)]], next_times(s, 1)) for i, s in enumerate(group)]
-            errors = [e for e in append_frames_together(work) if e is not None]
+            errors = [e for e in engine_step([Frames(*w) for w in work]) if e is not None]
             if errors:
                 raise errors[0]
 
@@ -259,7 +260,7 @@ def measure_ingest(sessions: list[Session], counts: list[int], frames: list[np.n
         for _ in range(calls):
             together()
         rate = calls * count / (clock() - started)
-        emit(measure="ingest", mode="append_frames_together", sessions=count, frames_per_call=count,
+        emit(measure="ingest", mode="step", sessions=count, frames_per_call=count,
              frames=calls * count, frames_per_s=round(rate, 2))
         rates[f"together_{count}"] = round(rate, 2)
     return rates
@@ -278,7 +279,7 @@ def decode_rates(sessions: list[Session], answer_tokens: int, clock: Clock) -> t
     answers = _begun(sessions, answer_tokens)
     started = clock()
     while True:
-        pieces = next_pieces(answers)
+        pieces = engine_step(answers)
         failed = [p for p in pieces if isinstance(p, Exception)]
         if failed:
             raise failed[0]
@@ -390,7 +391,7 @@ def measure_serving(sessions: list[Session], frames: list[np.ndarray], seconds: 
             next(stream.answer)
             ttft_s.append(clock() - origin - arrival)
         elif step.kind == "answer":
-            for stream, piece in zip(chosen, next_pieces([s.answer for s in chosen]), strict=True):
+            for stream, piece in zip(chosen, engine_step([s.answer for s in chosen]), strict=True):
                 if isinstance(piece, Exception):
                     raise piece
                 if piece is None:
@@ -400,7 +401,7 @@ def measure_serving(sessions: list[Session], frames: list[np.ndarray], seconds: 
             for stream in chosen:
                 times = stream.take_frames(now)
                 work.append((stream.session, [frames[int(t) % len(frames)] for t in times], times))
-            errors = [e for e in append_frames_together(work) if e is not None]
+            errors = [e for e in engine_step([Frames(*w) for w in work]) if e is not None]
             if errors:
                 raise errors[0]
     end = clock() - origin

@@ -1,15 +1,15 @@
 """An answer in progress, as state: what it has said, the token it runs next, why it stopped.
 
-An answer goes through four steps, each an explicit call: `begin` (its question's prompt, to
+An answer goes through these steps, each an explicit call: `begin` (its question's prompt, to
 run next: the places of what it borrows reserved, its markers pinned), `question_ran` (the
 prompt ran; the logits after it wait for the first token), `accept(logits)` (one token chosen
-from the logits after the last one run: its piece of text; `next_ids` is then that token, to
-be run next), and `end` (its turn closed in the cache: the last token chosen and the markers
-closing the answer run, its evidence read, what it borrowed given back). Iterating an answer
-runs these steps for it alone, one forward per token; a batched step (`engine/batch.py`) runs
-several answers' questions or tokens in one forward and hands each its logits (`fed`). Nothing
-changes the cache but these calls: an answer left open is ended by its session's next call.
-"""
+from the logits after the last one run: its piece of text; `unfed()` is then that token, to be
+run next, and `fed(logits)` says it ran), `advance` (after a step: the next piece, or the end),
+and `end` (its turn closed in the cache: the last token chosen and the markers closing the
+answer run, its evidence read, what it borrowed given back). An engine step (`engine/step.py`)
+runs the prompts of many answers, and frames, in one forward and calls these; iterating an
+answer is a step of one per piece. Nothing changes the cache but these calls: an answer left
+open is ended by its session's next call."""
 
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.sampling import Sampling
+from engine.step import step
 
 if TYPE_CHECKING:
     from engine.session import Part, Session
@@ -55,7 +56,6 @@ class Answer(Iterator[str]):
         self._stopping = False  # the last token is chosen: only the rest and the end remain
         self._over = False
         self._attention: dict[float, float] = {}  # paid to frames, by video time
-        self.next_ids: list[int] | None = None  # the token the next step runs before it chooses
         self.finish_reason = "stop"  # `stop`: the model ended its turn, or a stop string came;
         # `length`: it reached `max_new_tokens`, or the model's context
         self.prompt_tokens = 0  # tokens the question added to the cache, with the markers of its turn
@@ -85,23 +85,45 @@ class Answer(Iterator[str]):
         self._ran = True
         if self.session.policy.evict_on_question:
             self.session.cache.evict()
-        self.fed(self.session.logits)
+        self._fed = self.session.logits
 
     def failed(self) -> None:
         """The question's prompt did not run: the answer is over, with no turn in the cache."""
-        self._over, self.next_ids = True, None
+        self._over = True
         self.session._answer_over(self)
 
+    def unfed(self) -> list["Part"] | None:
+        """The token chosen last, to be run next; None when there is none to run."""
+        if self._over or self._stopping or not self._unfed or self._fed is not None:
+            return None
+        return [self.session._part(self._unfed)]
+
     def fed(self, logits: torch.Tensor) -> None:
-        """The logits (vocab,) after the last token run (the question's last, or `next_ids`),
-        which a batched step ran."""
-        self._fed = logits
-        self._unfed = []
+        """The token chosen last ran: the logits (vocab,) after it (h2o evicts after every one)."""
+        self._fed, self._unfed = logits, []
+        if self.session.policy.evicts_every_decode_step:
+            self._weigh_frames()
+            self.session.cache.evict()
+
+    def advance(self) -> str | None:
+        """After the step that ran its prompt (or with nothing to run): the next piece, or None
+        once the answer is over (then its turn is closed)."""
+        if self._over:
+            return None
+        if not self._stopping:
+            piece = self.accept(self._fed)
+            if piece is not None:
+                return piece
+        if self._rest:
+            rest, self._rest = self._rest, ""
+            return rest
+        self.end()
+        return None
 
     def accept(self, logits: torch.Tensor) -> str | None:
         """The next token, chosen from `logits` (vocab,): its piece of text; None when the model
-        ended its turn (no piece). After the last token, `next_ids` is None."""
-        self._fed, self.next_ids = None, None
+        ended its turn (no piece)."""
+        self._fed = None
         session = self.session
         if len(self._ids) >= self.max_new_tokens:
             self._stopping, self.finish_reason = True, "length"
@@ -121,8 +143,6 @@ class Answer(Iterator[str]):
             self._stopping, self.finish_reason = True, "stop" if stopped else "length"
             if not stopped:
                 self._rest = text[len(self._emitted) :].rstrip("\ufffd")  # held back for a stop string that never came
-        else:
-            self.next_ids = self._unfed
         return piece
 
     def end(self) -> None:
@@ -131,7 +151,7 @@ class Answer(Iterator[str]):
         answer whose question never ran ends with no change."""
         if self._over:
             return
-        self._over, self.next_ids = True, None
+        self._over = True
         session, cache = self.session, self.session.cache
         if self._ran:
             unfed = self._unfed  # empty when a step ran it (`fed`)
@@ -150,35 +170,15 @@ class Answer(Iterator[str]):
         """Stop early; the turn still ends in the cache."""
         self.end()
 
-    # -- alone: one forward per step -----------------------------------------------------------
+    # -- alone: a step of one ------------------------------------------------------------------
 
     def __next__(self) -> str:
-        if self._over:
+        piece = step([self])[0]
+        if isinstance(piece, Exception):
+            raise piece
+        if piece is None:
             raise StopIteration
-        session = self.session
-        prompt = self.begin()
-        if prompt is not None:
-            try:
-                session._run(prompt)
-            except BaseException:
-                self.failed()
-                raise
-            self.question_ran()
-        if not self._stopping:
-            if self._ids:  # the token chosen last: run alone, unless a batched step fed its logits
-                if self._fed is None:
-                    self.fed(session._run([session._part(self._unfed)]))
-                if session.policy.evicts_every_decode_step:
-                    self._weigh_frames()
-                    session.cache.evict()
-            piece = self.accept(self._fed)
-            if piece is not None:
-                return piece
-        if self._rest:
-            rest, self._rest = self._rest, ""
-            return rest
-        self.end()
-        raise StopIteration
+        return piece
 
     # -- evidence ------------------------------------------------------------------------------
 

@@ -1,13 +1,9 @@
-"""The attention function of every model the engine runs: PyTorch's SDPA, with the cache in the loop.
+"""The attention function of every model the engine runs: the one seam between a forward and the caches.
 
-Registered with transformers as "streamvqa". While a forward runs inside `observing(cache)`,
-each attention layer hands its queries (after RoPE) and the cache's keys to the cache, which
-keeps the last queries to score its tokens at the next eviction and returns the keys rotated
-at their positions, and the values (with tokens borrowed from the host tier merged in, when
-a question asked for them). Inside `packing(packed)`, one forward runs the tokens of several
-sessions one after the other in one sequence (`engine/batch.py`): the model builds no mask,
-and each layer's attention is the packed object's, which attends each session's tokens to
-its own cache. Outside both, it is plain SDPA.
+Registered with transformers as "streamvqa". While a forward runs inside `running(batch)`
+(`engine/runner.py`, the only code that runs the model over a cache), the model builds no mask
+and each layer's attention is the batch's: it attends each session's new tokens to that
+session's cache. Outside it (a forward with no cache, as in tests), it is plain SDPA.
 """
 
 from collections.abc import Iterator
@@ -23,39 +19,26 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "streamvqa"
 
 
-class QueryObserver(Protocol):
-    def attend(
-        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Given the rotated queries (1, q_heads, c, head_dim) of the c tokens being run and the
-        cache's keys and values (1, kv_heads, N, head_dim), theirs included, returns the keys
-        and values to attend (N may grow by borrowed tokens, which the mask already counts)."""
-
-
-class Packed(Protocol):
+class Batch(Protocol):
     def attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
         """Given the queries, keys and values (1, heads, T, head_dim) of the T tokens of a packed
         forward (after RoPE, at each token's own position), returns the attention's output
         (1, T, q_heads, head_dim)."""
 
 
-_observer: ContextVar[QueryObserver | None] = ContextVar("streamvqa_observer", default=None)
-_packed: ContextVar[Packed | None] = ContextVar("streamvqa_packed", default=None)
+_batch: ContextVar[Batch | None] = ContextVar("streamvqa_batch", default=None)
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
-    packed = _packed.get()
-    if packed is not None:
-        return packed.attention(module, query, key, value, **kwargs), None
-    observer = _observer.get()
-    if observer is not None:
-        key, value = observer.attend(module.layer_idx, query, key, value, module.scaling)
+    batch = _batch.get()
+    if batch is not None:
+        return batch.attention(module, query, key, value, **kwargs), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def _mask(*args, **kwargs) -> torch.Tensor | None:
-    """SDPA's mask, but none for a packed forward (its attention masks each session itself)."""
-    return None if _packed.get() is not None else sdpa_mask(*args, **kwargs)
+    """SDPA's mask, but none for a batch's forward (its attention masks each session itself)."""
+    return None if _batch.get() is not None else sdpa_mask(*args, **kwargs)
 
 
 AttentionInterface.register(NAME, _attention)
@@ -63,18 +46,9 @@ AttentionMaskInterface.register(NAME, _mask)
 
 
 @contextmanager
-def observing(observer: QueryObserver) -> Iterator[None]:
-    token = _observer.set(observer)
+def running(batch: Batch) -> Iterator[None]:
+    token = _batch.set(batch)
     try:
         yield
     finally:
-        _observer.reset(token)
-
-
-@contextmanager
-def packing(packed: Packed) -> Iterator[None]:
-    token = _packed.set(packed)
-    try:
-        yield
-    finally:
-        _packed.reset(token)
+        _batch.reset(token)

@@ -38,7 +38,7 @@ received, the rotary tables, the host tier, the session's counters and last logi
 made outside inference mode (`outside_inference`), or cloned there. Only the model's own
 forward runs in inference mode, and the attention hands the cache its queries there; a tensor
 made in inference mode cannot be changed in place outside it, so without the rule a state made
-in a step of several sessions (`engine/batch.py`) would fail the session's next step alone.
+in a step of several sessions (`engine/step.py`) would fail the session's next step alone.
 
 The buffers of keys, values and the rotated copy, and the rotary tables, are
 `engine/kv_buffers.py`'s; here is what moves tokens among them (append, evict, borrow, give
@@ -221,8 +221,17 @@ class KVCache:
             self._times[layer] = torch.cat([self._times[layer], times], dim=1)
             self._order[layer] = torch.cat([self._order[layer], order], dim=1)
 
-    def rollback(self) -> None:
-        """After a failed forward: drop whatever it appended or borrowed, and what it observed."""
+    def rollback(self, appended: int | None = None) -> None:
+        """After a failed forward: drop whatever it appended or borrowed, and what it observed;
+        given `appended` (the stream place before a prompt of several forwards), the tokens of
+        the forwards before it too (nothing is evicted within a prompt, so they are the last)."""
+        if appended is not None and appended < self.appended:
+            self._merge()
+            drop = self.appended - appended
+            for rows in (self._kinds, self._times, self._order):
+                for layer, held in enumerate(rows):
+                    rows[layer] = held[:, : held.shape[1] - drop]
+            self.appended = appended
         for layer, cached in enumerate(self.hf.layers):
             cached.pending = 0
             held = self.kinds[layer].shape[1]

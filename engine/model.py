@@ -183,14 +183,6 @@ class Model:
             tokens = torch.cat([tokens, newline], dim=1)
         return tokens
 
-    @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, cache: DynamicCache, all_logits: bool = False) -> torch.Tensor:
-        """Run (1, c, hidden) embeddings after the cache's tokens, at the next positions.
-
-        Returns the logits of the last position (vocab,), or of every position (c, vocab)."""
-        out = self.hf(inputs_embeds=embeds, cache=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
-        return out.logits[0] if all_logits else out.logits[0, -1]
-
 
 def _pool(tokens: torch.Tensor, stride: int, mode: str) -> torch.Tensor:
     """(N, g*g, C) tokens of a square patch grid to (N, ceil(g/stride)^2, C)."""

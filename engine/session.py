@@ -27,9 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from engine import attention
+from engine import runner
 from engine.answer import Answer
 from engine.host_tier import HostTier
 from engine.kv_buffers import outside_inference
@@ -39,6 +38,7 @@ from engine.model import Model
 from engine.policies import Policy, make_policy
 from engine.policies.base import DEFAULT_BUDGET_TOKENS
 from engine.sampling import GREEDY, Sampling
+from engine.step import Frames, step
 
 DEFAULT_SYSTEM_PROMPT = (
     "You watch a video stream. Frames arrive in order, each after its time in seconds. "
@@ -195,16 +195,15 @@ class Session:
     # -- the stream ----------------------------------------------------------------------------
 
     def append_frames(self, frames: Sequence[np.ndarray], times_s: Sequence[float]) -> None:
-        """Append RGB uint8 frames (H, W, 3) taken at non-decreasing video times."""
-        if not self._check_frames(frames, times_s):
-            return
-        visual = self.model.encode_frames(frames, self.config.pool)  # (N, tokens_per_frame, hidden)
-        for parts, times in self._frame_prompts(visual, times_s):
-            self._make_frame_room(parts, times)
-            self._run(parts)
-            self._appended_frames(times)
+        """Append RGB uint8 frames (H, W, 3) taken at non-decreasing video times: a step of one."""
+        error = step([Frames(self, frames, times_s)])[0]
+        if error is not None:
+            raise error
 
-    def _check_frames(self, frames: Sequence[np.ndarray], times_s: Sequence[float]) -> bool:
+    # What an engine step (`engine/step.py`) asks of a session: check its frames, cut them into
+    # prompts, make room for each, build a prompt for the runner, and apply what ran.
+
+    def check_frames(self, frames: Sequence[np.ndarray], times_s: Sequence[float]) -> bool:
         """Raise on frames the session cannot take; False when there are none."""
         self._close_answer()
         if len(frames) != len(times_s):
@@ -220,22 +219,44 @@ class Session:
             previous = t
         return True
 
-    def _frame_prompts(self, visual: torch.Tensor, times_s: Sequence[float]) -> list[tuple[list[Part], list[float]]]:
+    def frame_prompts(self, visual: torch.Tensor, times_s: Sequence[float]) -> list[tuple[list[Part], list[float]]]:
         """Frames' visual tokens (N, tokens_per_frame, hidden) as prompts of `frames_per_prompt`
         frames, each frame after its time: (parts, the frames' times) per prompt."""
-        step, prompts = self.config.frames_per_prompt, []
-        for start in range(0, len(times_s), step):
-            times = [float(t) for t in times_s[start : start + step]]
+        each, prompts = self.config.frames_per_prompt, []
+        for start in range(0, len(times_s), each):
+            times = [float(t) for t in times_s[start : start + each]]
             parts = []
-            for tokens, t in zip(visual[start : start + step], times, strict=True):
+            for tokens, t in zip(visual[start : start + each], times, strict=True):
                 parts += [self._text(f"[{t:.1f}s]", t), Part(tokens[None], FRAME, t), self._text("\n", t)]
             prompts.append((parts, times))
         return prompts
 
-    def _make_frame_room(self, parts: list[Part], times: list[float]) -> None:
+    def make_frame_room(self, parts: list[Part], times: list[float]) -> None:
+        """Refuse a frame prompt that would take the cache into the room kept for questions."""
         self._make_room(f"the frame at {times[0]:.1f}s", sum(p.tokens for p in parts), self.config.question_room_tokens)
 
-    def _appended_frames(self, times: list[float]) -> None:
+    def prompt(self, parts: list[Part], targets: torch.Tensor | None = None) -> runner.Prompt:
+        """Parts as the runner's prompt after this session's cache (scored against `targets`)."""
+        return runner.Prompt(
+            self.cache,
+            torch.cat([part.embeds for part in parts], dim=1),
+            torch.cat([torch.full((part.tokens,), part.kind, dtype=torch.int8) for part in parts]),
+            torch.cat([torch.full((part.tokens,), part.time_s) for part in parts]),
+            self.config.prefill_chunk_tokens,
+            targets,
+            self._logits if targets is not None else None,
+        )
+
+    def ran(self, parts: list[Part], ran: runner.Ran) -> None:
+        """A prompt of these parts ran: its tokens are in the cache (not yet evicted), counted as seen."""
+        for part in parts:
+            self._seen.add(part.kind, part.time_s, part.tokens)
+            self._tokens_seen += part.tokens
+        if ran.logits is not None:
+            with outside_inference():  # kept across steps, like everything a session keeps (engine/kv_cache.py)
+                self._logits = ran.logits.clone()
+
+    def appended_frames(self, times: list[float]) -> None:
         """After a frame prompt ran: evict, and count its frames."""
         self.cache.evict()
         self._frames += len(times)
@@ -249,9 +270,9 @@ class Session:
         if not ids:
             return TextScore(0, 0.0)
         self._make_room("the text", len(ids), self.config.question_room_tokens)
-        nll = self._run([self._part(ids)], targets=torch.tensor(ids))
+        ran = self._run([self._part(ids)], targets=torch.tensor(ids))
         self.cache.evict()
-        return TextScore(len(ids), nll)
+        return TextScore(len(ids), ran.nll)
 
     def ask(self, question: str, max_new_tokens: int = 64, sampling: Sampling = GREEDY) -> Answer:
         """Answer against the cache, greedily unless `sampling` says otherwise; the question and
@@ -316,55 +337,11 @@ class Session:
     def _text(self, text: str, time_s: float | None = None) -> Part:
         return self._part(self.model.tokenize(text), time_s)
 
-    def _run(self, parts: list[Part], targets: torch.Tensor | None = None):
-        """Run a prompt through the model in chunks, at the positions after the cache's tokens.
-
-        Returns the last position's logits (vocab,), or, given `targets` (c,) (the prompt's own
-        token ids), the summed negative log-likelihood of the targets.
-        """
-        embeds, kinds, times = self._inputs(parts)
-        nll = 0.0
-        total, chunk = embeds.shape[1], self.config.prefill_chunk_tokens
-        with attention.observing(self.cache):
-            for start in range(0, total, chunk):
-                end = min(start + chunk, total)
-                try:
-                    logits = self.model.forward(embeds[:, start:end], self.cache.hf, all_logits=targets is not None)
-                except BaseException:
-                    self.cache.rollback()
-                    raise
-                self.cache.append(kinds[start:end], times[start:end])
-                if targets is not None:  # token i is predicted by the logits after token i - 1
-                    if self._logits is None:
-                        predicted, wanted = logits[:-1], targets[start + 1 : end]
-                    else:
-                        predicted, wanted = torch.cat([self._logits[None], logits[:-1]]), targets[start:end]
-                    nll += float(F.cross_entropy(predicted.float(), wanted.to(predicted.device), reduction="sum"))
-                    logits = logits[-1]
-                self._keep_logits(logits)
-        self._tokens_seen += total
-        return nll if targets is not None else self._logits
-
-    def _inputs(self, parts: list[Part]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A prompt's embeddings (1, c, hidden), kinds (c,) and times (c,), counted as seen."""
-        embeds = torch.cat([part.embeds for part in parts], dim=1)
-        kinds = torch.cat([torch.full((part.tokens,), part.kind, dtype=torch.int8) for part in parts])
-        times = torch.cat([torch.full((part.tokens,), part.time_s) for part in parts])
-        for part in parts:
-            self._seen.add(part.kind, part.time_s, part.tokens)
-        return embeds, kinds, times
-
-    def _ran(self, kinds: torch.Tensor, times: torch.Tensor, logits: torch.Tensor) -> None:
-        """After a batched step ran a prompt of this session: its tokens are in the cache."""
-        self.cache.append(kinds, times)
-        self._keep_logits(logits)
-        self._tokens_seen += kinds.shape[0]
-
-    def _keep_logits(self, logits: torch.Tensor) -> None:
-        """The forward's logits (vocab,), an inference tensor: kept as a copy made outside
-        inference mode, like everything a session keeps across steps (engine/kv_cache.py)."""
-        with outside_inference():
-            self._logits = logits.clone()
+    def _run(self, parts: list[Part], targets: torch.Tensor | None = None) -> runner.Ran:
+        """Run a prompt alone, at the positions after the cache's tokens (nothing evicted)."""
+        ran = runner.run(self.model, [self.prompt(parts, targets)])[0]
+        self.ran(parts, ran)
+        return ran
 
     # -- reading -------------------------------------------------------------------------------
 

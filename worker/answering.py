@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from engine import ContextFull, Model, Sampling, Session
-from engine.batch import first_pieces, next_pieces
+from engine.step import step
 from engine.session import Answer, SessionStats
 from streamvqa import protocol
 from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, TokenEvent, scripts
@@ -120,7 +120,7 @@ class Answering:
                     continue
                 begun.append((tokens, AnswerRun(entry_id, question, stream, pieces, before)))
             runs = [run for _, run in begun if isinstance(run, AnswerRun)]
-            firsts = iter(first_pieces([run.pieces for run in runs]) if runs else [])
+            firsts = iter(step([run.pieces for run in runs]) if runs else [])
             return [(tokens, run, next(firsts) if isinstance(run, AnswerRun) else None) for tokens, run in begun]
 
         try:
@@ -208,7 +208,7 @@ class Answering:
         if not stepping:
             return
         try:
-            pieces = await self.threads.engine(next_pieces, [hosted.answer.pieces for _, hosted in stepping])
+            pieces = await self.threads.engine(step, [hosted.answer.pieces for _, hosted in stepping])
         except Exception as err:  # each answer's own failure comes back as its piece
             pieces = [err] * len(stepping)
         for (session_id, hosted), piece in zip(stepping, pieces, strict=True):

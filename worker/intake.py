@@ -16,7 +16,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from engine import ContextFull
-from engine.batch import append_frames_together
+from engine.step import Frames, step
 from streamvqa import protocol
 from streamvqa.protocol import (
     IngestEvent,
@@ -165,7 +165,7 @@ class MediaIntake:
 
     async def step(self, work: list[tuple[str, Hosted]]) -> None:
         """A step of ingests: the frames ready for each session (decoded ahead, or taken from a
-        live queue), appended in one engine call (`engine/batch.py`), then reported; and an
+        live queue), appended in one engine step (`engine/step.py`), then reported; and an
         upload's end noticed."""
         taken: list[tuple[str, Hosted, Batch]] = []
         for session_id, hosted in work:
@@ -176,9 +176,9 @@ class MediaIntake:
         appended: dict[str, int] = {}
         if appending:  # past the context, frames are let go
             befores = [hosted.engine.stats() for _, hosted, _ in appending]
-            calls = [(hosted.engine, [f.image for f in batch.frames], [f.time_s for f in batch.frames]) for _, hosted, batch in appending]
+            calls = [Frames(hosted.engine, [f.image for f in batch.frames], [f.time_s for f in batch.frames]) for _, hosted, batch in appending]
             try:
-                errors = await self.threads.engine(append_frames_together, calls)
+                errors = await self.threads.engine(step, calls)
             except Exception as err:
                 errors = [err] * len(calls)
             for (session_id, hosted, batch), before, error in zip(appending, befores, errors, strict=True):

@@ -7,7 +7,7 @@ length, and the worker's loop runs one step, then reads Redis again, then asks `
   asked first: their prefills (at most MAX_QUESTION_TOKENS and the turn's markers each) run as
   one forward, and their first tokens;
 - `answer`: one more token of every answer under way (up to `batch_sessions` of them), their
-  forwards run as one (`engine/batch.py`);
+  forwards run as one (`engine/step.py`);
 - `ingest`: one group of at most `frames_per_step` frames of each of up to `batch_sessions`
   sessions with frames ready, encoded and prefilled together.
 

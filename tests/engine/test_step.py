@@ -1,12 +1,14 @@
-"""Several sessions in one forward (`engine/batch.py`): the same answers, the same caches, and
+"""Several sessions in one engine step (`engine/step.py`): the same answers, the same caches, and
 each session's failure its own."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from engine import ContextFull, Session, SessionConfig, load_model
-from engine.batch import append_frames_together, first_pieces, next_pieces
+from engine.step import Frames, step
 from demo_training import scenes
 from tests.support import needs_demo
 
@@ -34,9 +36,8 @@ def _answer_together(answers) -> list[str]:
     """Every answer to its end, their questions run as one forward, then each step's tokens."""
     texts: list[list[str]] = [[] for _ in answers]
     live = list(range(len(answers)))
-    step = first_pieces
     while live:
-        pieces, step = step([answers[i] for i in live]), next_pieces
+        pieces = step([answers[i] for i in live])
         assert not any(isinstance(piece, Exception) for piece in pieces), pieces
         for i, piece in zip(live, pieces):
             if piece is not None:
@@ -91,7 +92,7 @@ def test_an_answer_closed_after_a_batched_step_ends_its_turn_once(llava):
         next(answer), next(answer)  # the question, then one decode step
         answer.close()
     answers = [session.ask("Stop early", max_new_tokens=10) for session in together]
-    first_pieces(answers), next_pieces(answers)  # both questions in one forward, then both tokens
+    step(answers), step(answers)  # both questions in one forward, then both tokens
     for answer in answers:
         answer.close()
     for a, b in zip(alone, together):
@@ -105,7 +106,7 @@ def test_frames_appended_together_are_the_frames_appended_alone(llava):
     new = [(_frames(3, 10 + i), [5.0, 6.0, 7.0]) for i in range(len(configs))]
     for session, (frames, times) in zip(alone, new):
         session.append_frames(frames, times)
-    assert append_frames_together([(s, f, t) for s, (f, t) in zip(together, new)]) == [None, None]
+    assert step([Frames(s, f, t) for s, (f, t) in zip(together, new)]) == [None, None]
     for a, b in zip(alone, together):
         _same_cache(a, b)
         assert b.stats().frames == a.stats().frames and b.stats().video_time_s == 7.0
@@ -118,8 +119,8 @@ def test_a_session_that_cannot_take_its_frames_fails_alone(llava):
     fine, reference = (_streamed(llava, SessionConfig(policy="infmllm", budget_tokens=200), 2, 2) for _ in range(2))
     frames = _frames(4, 20)
     reference.append_frames(frames, [3.0, 4.0, 5.0, 6.0])
-    errors = append_frames_together(
-        [(small, frames, [3.0, 4.0, 5.0, 6.0]), (backwards, frames[:1], [1.0]), (fine, frames, [3.0, 4.0, 5.0, 6.0])]
+    errors = step(
+        [Frames(small, frames, [3.0, 4.0, 5.0, 6.0]), Frames(backwards, frames[:1], [1.0]), Frames(fine, frames, [3.0, 4.0, 5.0, 6.0])]
     )
     assert isinstance(errors[0], ContextFull) and "the frame at 5.0s" in str(errors[0])
     assert isinstance(errors[1], ValueError) and "must not decrease" in str(errors[1])
@@ -135,7 +136,7 @@ def test_a_failed_batched_forward_leaves_every_session_as_it_was(llava, monkeypa
     expected = ["".join(s.ask("Why?", max_new_tokens=6)) for s in alone]
     together = [_streamed(llava, config, 3 + i, i) for i in range(3)]
     answers = [s.ask("Why?", max_new_tokens=6) for s in together]
-    first = first_pieces(answers)
+    first = step(answers)
     layer = llava.hf.model.language_model.layers[1]
     original = layer.forward
 
@@ -145,11 +146,91 @@ def test_a_failed_batched_forward_leaves_every_session_as_it_was(llava, monkeypa
         return original(hidden, *args, **kwargs)
 
     monkeypatch.setattr(layer, "forward", broken)
-    second = next_pieces(answers)  # the batched forward fails: each token runs alone instead
+    second = step(answers)  # the batched forward fails: each token runs alone instead
     monkeypatch.undo()
     assert not any(isinstance(piece, Exception) for piece in first + second)
     rest = _answer_together(answers)
     assert [a + b + c for a, b, c in zip(first, second, rest)] == expected
+
+
+def test_prompts_longer_than_a_chunk_run_in_chunks_the_same_together_and_alone(llava, monkeypatch):
+    # 23 tokens a frame prompt, 7 a chunk: each prompt takes 4 forwards, alone or beside the others
+    chunked = {"policy": "infmllm", "budget_tokens": 200, "prefill_chunk_tokens": 7}
+    configs = [SessionConfig(**chunked), SessionConfig(**{**chunked, "policy": "full", "frames_per_prompt": 2})]
+    new = [(_frames(3, 10 + i), [5.0, 6.0, 7.0]) for i in range(len(configs))]
+    alone = [_streamed(llava, config, 2 + i, i) for i, config in enumerate(configs)]
+    for session, (frames, times) in zip(alone, new):
+        session.append_frames(frames, times)
+    together = [_streamed(llava, config, 2 + i, i) for i, config in enumerate(configs)]
+    widths = []  # tokens of each forward
+    layer = llava.hf.model.language_model.layers[0]
+    original = layer.forward
+
+    def counted(hidden, *args, **kwargs):
+        widths.append(hidden.shape[1])
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", counted)
+    assert step([Frames(s, f, t) for s, (f, t) in zip(together, new)]) == [None, None]
+    monkeypatch.undo()
+    # 23 tokens a frame. Round 1: the first's frame (23) beside the second's two (46), 7 of each a
+    # forward while both have tokens left; round 2: one frame of each; round 3: the first's last
+    assert widths == [14, 14, 14, 9, 7, 7, 4, 14, 14, 14, 4, 7, 7, 7, 2]
+    for a, b in zip(alone, together):
+        _same_cache(a, b)
+
+
+def test_question_starts_answer_tokens_and_frames_share_a_step(llava):
+    config = SessionConfig(policy="infmllm", budget_tokens=200)
+
+    def sessions() -> list[Session]:
+        return [_streamed(llava, config, 3 + i, i) for i in range(3)]
+
+    alone = sessions()
+    expected = ["".join(s.ask(q, max_new_tokens=5)) for s, q in zip(alone[:2], ("What is it?", "Where?"))]
+    alone[2].append_frames(_frames(2, 30), [9.0, 10.0])
+    together = sessions()
+    first = together[0].ask("What is it?", max_new_tokens=5)
+    head = step([first])  # its question alone; in the next step its token beside a question and frames
+    second = together[1].ask("Where?", max_new_tokens=5)
+    mixed = step([first, second, Frames(together[2], _frames(2, 30), [9.0, 10.0])])
+    assert mixed[2] is None and not any(isinstance(piece, Exception) for piece in head + mixed)
+    rest = _answer_together([first, second])
+    assert [head[0] + mixed[0] + rest[0], mixed[1] + rest[1]] == expected
+    for a, b in zip(alone, together):
+        _same_cache(a, b)
+        assert a.stats().tokens_seen == b.stats().tokens_seen
+
+
+def _counts(stats):
+    """A session's statistics but its timings and the highest position it reached."""
+    return replace(stats, max_position=0, evict_ms=0.0, retrieval_ms=0.0)
+
+
+def test_a_prompt_that_fails_midway_through_its_chunks_leaves_the_session_as_it_was(llava, monkeypatch):
+    config = SessionConfig(policy="infmllm", budget_tokens=200, prefill_chunk_tokens=7)
+    session, reference = _streamed(llava, config, 2, 0), _streamed(llava, config, 2, 0)
+    before = session.stats()
+    layer = llava.hf.model.language_model.layers[1]
+    original, calls = layer.forward, []
+
+    def broken(hidden, *args, **kwargs):  # a device fault in the third forward of the frame's prompt
+        calls.append(hidden.shape[1])
+        if len(calls) == 3:
+            raise RuntimeError("device fault")
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", broken)
+    with pytest.raises(RuntimeError, match="device fault"):
+        session.append_frames(_frames(1, 40), [3.0])
+    monkeypatch.undo()
+    # as it was (the highest position reached counts the forwards that ran before the fault)
+    assert _counts(session.stats()) == _counts(before)
+    assert session.cache.appended == reference.cache.appended
+    for new in (session, reference):
+        new.append_frames(_frames(1, 40), [3.0])
+    _same_cache(session, reference)
+    assert _counts(session.stats()) == _counts(reference.stats())
 
 
 @needs_demo
@@ -209,7 +290,7 @@ def _long_streams(llava, count: int, **options) -> list[Session]:
     for second in range(0, 72, 8):
         frames = [_frames(2, second + i) for i in range(count)]
         times = [float(second), second + 4.0]
-        assert append_frames_together([(s, f, times) for s, f in zip(sessions, frames)]) == [None] * count
+        assert step([Frames(s, f, times) for s, f in zip(sessions, frames)]) == [None] * count
     return sessions
 
 
@@ -242,7 +323,7 @@ def test_restored_then_together_then_alone(llava):
     saved = _long_streams(llava, 2, recall=True)
     restored = [Session.restore(llava, s.snapshot()) for s in saved]
     times = [140.0]  # past what the restored counters hold
-    assert append_frames_together([(s, _frames(1, i), times) for i, s in enumerate(restored)]) == [None, None]
+    assert step([Frames(s, _frames(1, i), times) for i, s in enumerate(restored)]) == [None, None]
     answers = [s.ask("What is it?", max_new_tokens=2) for s in restored]
     _answer_together(answers)
     assert all(_inference_tensors(s) == [] for s in restored)

@@ -1,0 +1,171 @@
+"""One engine step: the work of one session or many, run through the one runner.
+
+Work comes in two kinds, of distinct sessions of one model:
+- an `Answer` to advance by one piece: its question's prompt when it has not begun (then its
+  first token is chosen), else the token it chose last (then the next is chosen);
+- `Frames` to append: encoded together (one vision call per pooling), then cut into the
+  session's frame prompts (`frames_per_prompt` frames each).
+
+A step runs in rounds: each round is one run of the runner (`engine/runner.py`, one forward per
+chunk) over the next prompt of every item that has one left: the first round holds every
+answer's prompt and every session's first frame prompt, later rounds the frames' further
+prompts. After its prompt, each session applies what ran and evicts, exactly as alone. One
+session alone is a step of one: `Session.append_frames` and iterating an `Answer` call `step`.
+
+Results, one per item in order: an answer's piece (a str; None once it is over) or None for
+frames, or the exception where the item failed: frames a session cannot take (`ValueError`,
+`ContextFull`; the frames before them stay appended), or a failed forward. A failed forward
+leaves every session of it as it was; an answer's token in it then runs alone, so that a fault
+of one session does not end another's answer.
+"""
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engine import runner
+
+if TYPE_CHECKING:
+    from engine.answer import Answer
+    from engine.session import Part, Session
+
+log = logging.getLogger(__name__)
+
+Result = str | None | Exception
+
+
+@dataclass(frozen=True)
+class Frames:
+    """RGB uint8 frames (H, W, 3) for a session, taken at non-decreasing video times."""
+
+    session: "Session"
+    frames: Sequence[np.ndarray]
+    times_s: Sequence[float]
+
+
+@dataclass
+class _Job:
+    """One prompt of one item, and what its session does once it ran."""
+
+    item: int  # the item's index in the step's work
+    session: "Session"
+    parts: list["Part"]
+    after: Callable[[runner.Ran], None]
+    before: Callable[[], None] = lambda: None  # checks just before it runs (raises to fail the item)
+    retry_alone: bool = False  # after a failed forward of several: run alone (an answer's token)
+
+
+def step(work: Sequence["Answer | Frames"]) -> list[Result]:
+    """Run the work of one step; one result per item (see the module's docstring)."""
+    results: list[Result] = [None] * len(work)
+    plan: dict[int, list[_Job]] = {}  # per item, the prompts it still runs, in order
+    answers = [(i, item) for i, item in enumerate(work) if not isinstance(item, Frames)]
+    for i, answer in answers:
+        job = _answer_job(i, answer)
+        if job is not None:
+            plan[i] = [job]
+    _plan_frames([(i, item) for i, item in enumerate(work) if isinstance(item, Frames)], plan, results)
+    while plan:
+        round_ = []
+        for i in list(plan):
+            job = plan[i].pop(0)
+            if not plan[i]:
+                del plan[i]
+            try:
+                job.before()
+            except Exception as err:
+                results[i] = err
+                plan.pop(i, None)
+                continue
+            round_.append(job)
+        for job, ran in zip(round_, _run(round_), strict=True):
+            if isinstance(ran, Exception):
+                results[job.item] = ran
+                plan.pop(job.item, None)
+                if not job.retry_alone:
+                    _fail_answer(work[job.item])
+            else:
+                job.session.ran(job.parts, ran)
+                job.after(ran)
+    for i, answer in answers:
+        if results[i] is None:
+            try:
+                results[i] = answer.advance()
+            except Exception as err:
+                results[i] = err
+    return results
+
+
+def _answer_job(item: int, answer: "Answer") -> _Job | None:
+    """The prompt that advances an answer: its question's, or its last token; None if none."""
+    question = answer.begin()
+    if question is not None:
+        return _Job(item, answer.session, question, lambda ran: answer.question_ran())
+    token = answer.unfed()
+    if token is not None:
+        return _Job(item, answer.session, token, lambda ran: answer.fed(ran.logits), retry_alone=True)
+    return None
+
+
+def _fail_answer(item: "Answer | Frames") -> None:
+    if not isinstance(item, Frames):
+        item.failed()
+
+
+def _plan_frames(work: list[tuple[int, Frames]], plan: dict[int, list[_Job]], results: list[Result]) -> None:
+    """Check each session's frames, encode them (together, per pooling), and plan their prompts."""
+    by_pool: dict[int | None, list[tuple[int, Frames]]] = {}
+    for i, item in work:
+        try:
+            if item.session.check_frames(item.frames, item.times_s):
+                by_pool.setdefault(item.session.config.pool, []).append((i, item))
+        except Exception as err:
+            results[i] = err
+    for pool, items in by_pool.items():
+        model = items[0][1].session.model
+        visual = model.encode_frames([frame for _, item in items for frame in item.frames], pool)  # (N, tokens_per_frame, hidden)
+        offset = 0
+        for i, item in items:
+            session, count = item.session, len(item.frames)
+            plan[i] = [
+                _Job(i, session, parts, _appended(session, times), _room(session, parts, times))
+                for parts, times in session.frame_prompts(visual[offset : offset + count], item.times_s)
+            ]
+            offset += count
+
+
+def _room(session: "Session", parts: list["Part"], times: list[float]) -> Callable[[], None]:
+    return lambda: session.make_frame_room(parts, times)
+
+
+def _appended(session: "Session", times: list[float]) -> Callable[[runner.Ran], None]:
+    return lambda ran: session.appended_frames(times)
+
+
+def _run(jobs: list[_Job]) -> list[runner.Ran | Exception]:
+    """One run of the runner over the jobs' prompts; if it fails, each job's error, or (an
+    answer's token) what it gives run alone."""
+    if not jobs:
+        return []
+    prompts = [job.session.prompt(job.parts) for job in jobs]
+    model = jobs[0].session.model
+    try:
+        return runner.run(model, prompts)
+    except Exception as err:  # every session is as it was
+        if len(jobs) == 1:
+            return [err]
+        log.exception("a forward of %d sessions failed; their answers' tokens run alone", len(jobs))
+        failed = err
+    outcomes: list[runner.Ran | Exception] = []
+    for job, prompt in zip(jobs, prompts, strict=True):
+        if not job.retry_alone:
+            outcomes.append(failed)
+            continue
+        try:
+            outcomes.append(runner.run(model, [prompt])[0])
+        except Exception as err:
+            outcomes.append(err)
+    return outcomes
