@@ -187,10 +187,10 @@ def stream_visual(session: Session, visual: torch.Tensor, times_s: Sequence[floa
     """What `append_frames` does after encoding, for one frame's visual tokens (1, tokens, hidden)
     reused at every time: the stream's cost without the vision tower's."""
     for t in times_s:
-        for parts, times in session._frame_prompts(visual, [t]):
-            session._make_frame_room(parts, times)
-            session._run(parts)
-            session._appended_frames(times)
+        for parts, times in session.frame_prompts(visual, [t]):
+            session.make_frame_room(parts, times)
+            session.run_alone(parts)
+            session.appended_frames(times)
 
 
 def filled_session(model: Model, config: SessionConfig, visual: torch.Tensor) -> Session:

@@ -77,7 +77,7 @@ class Answer(Iterator[str]):
             question, closing = prompt
             self.borrowed = self.session.cache.begin_retrieval(self.session.config.borrowed_tokens, question.tokens)
             self.prompt_tokens = question.tokens + closing.tokens
-            self.session._pin(self.session.cache.appended + question.tokens, closing.tokens, new_turn=True)
+            self.session.pin_turn(self.session.cache.appended + question.tokens, closing.tokens, new_turn=True)
         return prompt
 
     def question_ran(self) -> None:
@@ -90,13 +90,13 @@ class Answer(Iterator[str]):
     def failed(self) -> None:
         """The question's prompt did not run: the answer is over, with no turn in the cache."""
         self._over = True
-        self.session._answer_over(self)
+        self.session.answer_over(self)
 
     def unfed(self) -> list["Part"] | None:
         """The token chosen last, to be run next; None when there is none to run."""
         if self._over or self._stopping or not self._unfed or self._fed is not None:
             return None
-        return [self.session._part(self._unfed)]
+        return [self.session.part(self._unfed)]
 
     def fed(self, logits: torch.Tensor) -> None:
         """The token chosen last ran: the logits (vocab,) after it (h2o evicts after every one)."""
@@ -155,8 +155,8 @@ class Answer(Iterator[str]):
         session, cache = self.session, self.session.cache
         if self._ran:
             unfed = self._unfed  # empty when a step ran it (`fed`)
-            session._pin(cache.appended + len(unfed), self._closing.tokens, new_turn=False)
-            session._run([session._part(unfed), self._closing])
+            session.pin_turn(cache.appended + len(unfed), self._closing.tokens, new_turn=False)
+            session.run_alone([session.part(unfed), self._closing])
             self._weigh_frames()
             cache.give_back()
             cache.evict()
@@ -164,7 +164,7 @@ class Answer(Iterator[str]):
             if self.borrowed:
                 self.recalled_s = sorted(cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
         self._fed, self._unfed = None, []
-        session._answer_over(self)
+        session.answer_over(self)
 
     def close(self) -> None:
         """Stop early; the turn still ends in the cache."""

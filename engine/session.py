@@ -173,7 +173,7 @@ class Session:
                 )
             self.cache.pin(torch.arange(opening.tokens), self.config.pin_turns)
         self._make_room("the system prompt", opening.tokens)
-        self._run([opening])
+        self.run_alone([opening])
         self.cache.evict()
 
     def _setup(self, model: Model, config: SessionConfig) -> None:
@@ -270,7 +270,7 @@ class Session:
         if not ids:
             return TextScore(0, 0.0)
         self._make_room("the text", len(ids), self.config.question_room_tokens)
-        ran = self._run([self._part(ids)], targets=torch.tensor(ids))
+        ran = self.run_alone([self.part(ids)], targets=torch.tensor(ids))
         self.cache.evict()
         return TextScore(len(ids), ran.nll)
 
@@ -288,7 +288,7 @@ class Session:
         self._make_room("the question", prompt + 1 + turn[1].tokens)  # with room for a one-token answer
         answer_room = self._room() - prompt - turn[1].tokens
         max_new_tokens = min(max_new_tokens, answer_room - self._kept_for_questions(answer_room))
-        self._open_answer = Answer(self, [self._part(question_ids), turn[0]], turn[1], max_new_tokens, sampling)
+        self._open_answer = Answer(self, [self.part(question_ids), turn[0]], turn[1], max_new_tokens, sampling)
         return self._open_answer
 
     def _room(self) -> int:
@@ -321,23 +321,27 @@ class Session:
             self._open_answer.close()
             self._open_answer = None
 
-    def _answer_over(self, answer: Answer) -> None:
+    # What an answer (`engine/answer.py`) asks of its session: its tokens as parts, its turn's
+    # markers pinned, its closing run alone, and to be let go once over.
+
+    def answer_over(self, answer: Answer) -> None:
+        """The answer is over (ended, or its question failed): nothing is left to close."""
         if self._open_answer is answer:
             self._open_answer = None
 
-    def _pin(self, start: int, count: int, new_turn: bool) -> None:
+    def pin_turn(self, start: int, count: int, new_turn: bool) -> None:
         """With `pin_turns`: never evict the `count` tokens from stream place `start` on."""
         if self.config.pin_turns and self.policy.evicts:
             self.cache.pin(torch.arange(start, start + count), self.config.pin_turns, new_turn)
 
-    def _part(self, ids: Sequence[int], time_s: float | None = None) -> Part:
+    def part(self, ids: Sequence[int], time_s: float | None = None) -> Part:
         """Text tokens, taken at `time_s` (the current video time when None)."""
         return Part(self.model.embed_tokens(ids), TEXT, self._video_time_s if time_s is None else time_s)
 
     def _text(self, text: str, time_s: float | None = None) -> Part:
-        return self._part(self.model.tokenize(text), time_s)
+        return self.part(self.model.tokenize(text), time_s)
 
-    def _run(self, parts: list[Part], targets: torch.Tensor | None = None) -> runner.Ran:
+    def run_alone(self, parts: list[Part], targets: torch.Tensor | None = None) -> runner.Ran:
         """Run a prompt alone, at the positions after the cache's tokens (nothing evicted)."""
         ran = runner.run(self.model, [self.prompt(parts, targets)])[0]
         self.ran(parts, ran)
