@@ -8,9 +8,9 @@ Starts Redis (REDIS_URL, else an embedded server), one gateway and one worker se
 First `--probes` two-token questions on an idle session, one after another (`idle_*`); then a
 second session queues `--questions` questions of `--tokens` tokens each, and while its first
 answer streams the same probes run again (`busy_*`: time from `POST /ask` to its reply, the
-whole answer). The worker runs one engine step at a time (a
-question's prefill and first token, one more token, or a group of frames): the probes wait for
-the step under way, never for the long answers. Then DELETE of the busy session (`delete_stop_s`:
+whole answer). The worker runs one engine step at a time (the questions that can start, a
+token of each answer under way, frames within the step's token budget): the probes wait for the
+step under way, never for the long answers. Then DELETE of the busy session (`delete_stop_s`:
 until its answer stream stops growing and the worker lists it no more), and SIGTERM of the worker
 while it answers (`sigterm_exit_s`). One JSON line.
 """

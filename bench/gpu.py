@@ -41,9 +41,10 @@ parameters), and a `summary` line last:
   turn), timed from each answer's first token (the questions' prefill is not), and the ratio.
 - `serving`: the worker's loop in process, on this engine, in real time, for `--serve-seconds`:
   each of N sessions gets a frame every second and a question every `--ask-every` seconds
-  (sessions staggered), and `worker.scheduler.Scheduler` (batch_sessions 16) picks each step as
-  the worker does: `start` (a question and its first token), `answer` (a token of each answer
-  under way, batched) or `ingest` (up to 8 waiting frames of each session, batched). Frames wait
+  (sessions staggered), and `worker.scheduler.Scheduler` (batch_sessions 16, step_tokens 4,096)
+  fills each step as the worker does: the questions that can start (each with its first token),
+  a token of each answer under way and up to 8 waiting frames of sessions in turn within the
+  step's token budget, all in one engine step (`steps` counts the steps that held each). Frames wait
   under the worker's live rule (worker/buffers.py: a frame late by more than 3 s is dropped,
   except the newest). Reports time to first token (from the question's arrival) p50 and p99,
   frames dropped and frames late (ingested more than 3 s after they arrived); `served` is true
@@ -76,7 +77,7 @@ from engine.step import step as engine_step
 from engine.model import FAMILIES, Model, Vision, chat_format
 from engine.tiny import ascii_tokenizer
 from streamvqa.protocol import peak_cache_tokens
-from worker.scheduler import Scheduler
+from worker.scheduler import DEFAULT_STEP_TOKENS, Scheduler
 
 QWEN2_7B = dict(
     vocab_size=152064,
@@ -354,6 +355,10 @@ class _Stream:
     def ingest_ready(self) -> bool:
         return bool(self.frames)
 
+    @property
+    def frame_tokens(self) -> int:
+        return self.session.frame_tokens
+
     def take_frames(self, now_s: float) -> list[float]:
         """Up to FRAMES_PER_STEP waiting frames' video times; counts the late ones."""
         taken = [self.frames.popleft() for _ in range(min(FRAMES_PER_STEP, len(self.frames)))]
@@ -370,9 +375,9 @@ def measure_serving(sessions: list[Session], frames: list[np.ndarray], seconds: 
         str(i): _Stream(session, i / count, 1.0 + ask_every_s * i / count, ask_every_s, next_times(session, 1)[0])
         for i, session in enumerate(sessions)
     }
-    scheduler = Scheduler(BATCH_SESSIONS)
+    scheduler = Scheduler(BATCH_SESSIONS, DEFAULT_STEP_TOKENS, FRAMES_PER_STEP)
     ttft_s: list[float] = []
-    steps = {"start": 0, "answer": 0, "ingest": 0}
+    steps = {"start": 0, "answer": 0, "ingest": 0}  # steps that held each kind of work
     origin = clock()
     while (now := clock() - origin) < seconds:
         for stream in streams.values():
@@ -382,28 +387,26 @@ def measure_serving(sessions: list[Session], frames: list[np.ndarray], seconds: 
             wake = min(stream.next_arrival_s for stream in streams.values())
             time.sleep(max(0.0, min(wake, seconds) - (clock() - origin)))
             continue
-        steps[step.kind] += 1
-        chosen = [streams[i] for i in step.session_ids]
-        if step.kind == "start":
-            stream = chosen[0]
-            arrival = stream.questions.popleft()
+        for kind, ids in (("start", step.starts), ("answer", step.answers), ("ingest", step.frames)):
+            steps[kind] += bool(ids)
+        starting = [streams[i] for i in step.starts]
+        arrivals = [stream.questions.popleft() for stream in starting]
+        for stream in starting:
             stream.answer = stream.session.ask(QUESTION, max_new_tokens=answer_tokens)
-            next(stream.answer)
-            ttft_s.append(clock() - origin - arrival)
-        elif step.kind == "answer":
-            for stream, piece in zip(chosen, engine_step([s.answer for s in chosen]), strict=True):
-                if isinstance(piece, Exception):
-                    raise piece
-                if piece is None:
-                    stream.answer = None
-        else:
-            now, work = clock() - origin, []
-            for stream in chosen:
-                times = stream.take_frames(now)
-                work.append((stream.session, [frames[int(t) % len(frames)] for t in times], times))
-            errors = [e for e in engine_step([Frames(*w) for w in work]) if e is not None]
-            if errors:
-                raise errors[0]
+        answering = starting + [streams[i] for i in step.answers]
+        ingesting, now = [streams[i] for i in step.frames], clock() - origin
+        work = []
+        for stream in ingesting:
+            times = stream.take_frames(now)
+            work.append(Frames(stream.session, [frames[int(t) % len(frames)] for t in times], times))
+        results = engine_step([stream.answer for stream in answering] + work)
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            raise failed[0]
+        ttft_s += [clock() - origin - arrival for arrival in arrivals]
+        for stream, piece in zip(answering, results, strict=False):
+            if piece is None:
+                stream.answer = None
     end = clock() - origin
     started = len(ttft_s)
     for stream in streams.values():

@@ -101,6 +101,7 @@ class KVCache:
         # Per layer while an answer borrows from the host: (kv_heads, n) True where a token is borrowed.
         self.borrowed: list[torch.Tensor | None] = [None] * num_layers
         self._question_tokens = 0  # the next run's first tokens whose keys choose them
+        self._borrowed_at: int | None = None  # the stream place of the question that borrows, until given back
         self.retrievals = 0
         self.retrieved_tokens = 0  # per layer, over every question
         self.retrieved_pages = 0  # pages the first layer's KV heads borrowed from, over every question
@@ -224,7 +225,10 @@ class KVCache:
     def rollback(self, appended: int | None = None) -> None:
         """After a failed forward: drop whatever it appended or borrowed, and what it observed;
         given `appended` (the stream place before a prompt of several forwards), the tokens of
-        the forwards before it too (nothing is evicted within a prompt, so they are the last)."""
+        the forwards before it too (nothing is evicted within a prompt, so they are the last).
+        Borrowed tokens go back only if the forwards undone are the ones that borrowed them: an
+        answer's token that failed leaves its answer's borrowing as it was."""
+        undone_from = self.appended if appended is None else min(appended, self.appended)
         if appended is not None and appended < self.appended:
             self._merge()
             drop = self.appended - appended
@@ -239,7 +243,8 @@ class KVCache:
                 cached.keys = cached.keys[:, :, :held]
                 cached.values = cached.values[:, :, :held]
         self._forget_queries()
-        self.give_back()
+        if self._borrowed_at is not None and self._borrowed_at >= undone_from:
+            self.give_back()
         self._received = [None] * self.num_layers
 
     def _forget_queries(self) -> None:
@@ -256,6 +261,7 @@ class KVCache:
             return 0
         count = min(retrieval_tokens, self.host.available())
         self._question_tokens = max(1, question_tokens)
+        self._borrowed_at = self.appended
         self.host.begin_question()
         if count:
             for cached in self.hf.layers:
@@ -301,6 +307,7 @@ class KVCache:
 
     def give_back(self) -> None:
         """Remove every borrowed token (they are still in the host tier)."""
+        self._borrowed_at = None
         for layer, borrowed in enumerate(self.borrowed):
             if borrowed is None:
                 continue

@@ -191,6 +191,7 @@ class Session:
         self._logits: torch.Tensor | None = None  # (vocab,) after the last token run
         self._seen = Seen()  # tokens appended per second of video
         self._open_answer: Answer | None = None  # the answer under way, until it ends
+        self.frame_tokens = 0  # tokens a frame took, with its time's markers (0 before the first)
 
     # -- the stream ----------------------------------------------------------------------------
 
@@ -229,6 +230,7 @@ class Session:
             for tokens, t in zip(visual[start : start + each], times, strict=True):
                 parts += [self._text(f"[{t:.1f}s]", t), Part(tokens[None], FRAME, t), self._text("\n", t)]
             prompts.append((parts, times))
+            self.frame_tokens = sum(part.tokens for part in parts) // len(times)
         return prompts
 
     def make_frame_room(self, parts: list[Part], times: list[float]) -> None:

@@ -82,14 +82,16 @@ def step(work: Sequence["Answer | Frames"]) -> list[Result]:
                 continue
             round_.append(job)
         for job, ran in zip(round_, _run(round_), strict=True):
-            if isinstance(ran, Exception):
-                results[job.item] = ran
+            try:
+                if isinstance(ran, Exception):
+                    raise ran
+                job.session.ran(job.parts, ran)
+                job.after(ran)  # the session's eviction, each its own
+            except Exception as err:
+                results[job.item] = err
                 plan.pop(job.item, None)
                 if not job.retry_alone:
                     _fail_answer(work[job.item])
-            else:
-                job.session.ran(job.parts, ran)
-                job.after(ran)
     for i, answer in answers:
         if results[i] is None:
             try:
@@ -106,7 +108,7 @@ def _answer_job(item: int, answer: "Answer") -> _Job | None:
         return _Job(item, answer.session, question, lambda ran: answer.question_ran())
     token = answer.unfed()
     if token is not None:
-        return _Job(item, answer.session, token, lambda ran: answer.fed(ran.logits), retry_alone=True)
+        return _Job(item, answer.session, token, lambda ran: answer.fed(answer.session.logits), retry_alone=True)
     return None
 
 
@@ -126,7 +128,12 @@ def _plan_frames(work: list[tuple[int, Frames]], plan: dict[int, list[_Job]], re
             results[i] = err
     for pool, items in by_pool.items():
         model = items[0][1].session.model
-        visual = model.encode_frames([frame for _, item in items for frame in item.frames], pool)  # (N, tokens_per_frame, hidden)
+        try:
+            visual = model.encode_frames([frame for _, item in items for frame in item.frames], pool)  # (N, tokens_per_frame, hidden)
+        except Exception as err:  # the vision tower failed: these frames fail, the step goes on
+            for i, _ in items:
+                results[i] = err
+            continue
         offset = 0
         for i, item in items:
             session, count = item.session, len(item.frames)

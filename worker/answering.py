@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from engine import ContextFull, Model, Sampling, Session
-from engine.step import step
+from engine.step import Result
 from engine.session import Answer, SessionStats
 from streamvqa import protocol
 from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, TokenEvent, scripts
@@ -82,6 +82,56 @@ class AnswerRun:
         )
 
 
+class Starts:
+    """Questions a step starts: asked on the engine's thread (`work`), then published."""
+
+    def __init__(self, answering: "Answering", starting: list[tuple[str, Hosted, bytes, Question, str]]) -> None:
+        self.answering = answering
+        self.starting = starting
+        self.befores = [hosted.engine.stats() for _, hosted, *_ in starting]
+        self.begun: list[tuple[int, AnswerRun | Exception | None]] = []  # per question: its tokens, and its run or why not
+
+    def work(self) -> list[Answer]:
+        """On the engine's thread: each question asked (refused when too long); their answers."""
+        model = self.answering.model
+        for (_, hosted, entry_id, question, stream), before in zip(self.starting, self.befores, strict=True):
+            tokens = len(model.tokenize(question.question, user=True))
+            if tokens > protocol.MAX_QUESTION_TOKENS:
+                self.begun.append((tokens, None))
+                continue
+            try:
+                pieces = hosted.engine.ask(question.question, question.max_new_tokens, engine_sampling(question.sampling))
+            except Exception as err:
+                self.begun.append((tokens, err))
+                continue
+            self.begun.append((tokens, AnswerRun(entry_id, question, stream, pieces, before)))
+        return [run.pieces for _, run in self.begun if isinstance(run, AnswerRun)]
+
+    async def publish(self, results: list[Result] | Exception) -> None:
+        if isinstance(results, Exception):  # the step failed as a whole
+            begun = [(tokens, results, None) for tokens, _ in self.begun]
+            begun += [(0, results, None)] * (len(self.starting) - len(begun))
+        else:
+            firsts = iter(results)
+            begun = [(tokens, run, next(firsts) if isinstance(run, AnswerRun) else None) for tokens, run in self.begun]
+        await self.answering._started(self.starting, begun)
+
+
+class Tokens:
+    """Answers a step advances by a token each."""
+
+    def __init__(self, answering: "Answering", stepping: list[tuple[str, Hosted]]) -> None:
+        self.answering = answering
+        self.stepping = stepping
+
+    def work(self) -> list[Answer]:
+        return [hosted.answer.pieces for _, hosted in self.stepping]
+
+    async def publish(self, results: list[Result] | Exception) -> None:
+        pieces = [results] * len(self.stepping) if isinstance(results, Exception) else results
+        await self.answering._advanced(self.stepping, pieces)
+
+
 class Answering:
     def __init__(
         self, redis: Redis, keys: Keys, model: Model, threads: Threads, records: RecordWriter, counters: Counters
@@ -94,39 +144,20 @@ class Answering:
         self.counters = counters
         self._publish = redis.register_script(scripts.PUBLISH_ANSWER_LUA)
 
-    async def start(self, work: list[tuple[str, Hosted]]) -> None:
-        """A step of questions, the first waiting in each session: each refused, or all their
-        prefills run as one forward, with their first tokens."""
+    async def starts(self, work: list[tuple[str, Hosted]]) -> "Starts | None":
+        """The questions a step starts, the first waiting in each session (None when every one
+        was refused or needs no answer): asked on the engine's thread, their prefills and first
+        tokens run in the step."""
         starting: list[tuple[str, Hosted, bytes, Question, str]] = []
         for session_id, hosted in work:
             question = await self._take_question(session_id, hosted)
             if question is not None:
                 starting.append((session_id, hosted, *question))
-        if not starting:
-            return
-        befores = [hosted.engine.stats() for _, hosted, *_ in starting]
+        return Starts(self, starting) if starting else None
 
-        def begin() -> list[tuple[int, AnswerRun | Exception | None, str | None | Exception]]:  # on the engine's thread
-            begun: list[tuple[int, AnswerRun | Exception | None]] = []
-            for (_, hosted, entry_id, question, stream), before in zip(starting, befores, strict=True):
-                tokens = len(self.model.tokenize(question.question, user=True))
-                if tokens > protocol.MAX_QUESTION_TOKENS:
-                    begun.append((tokens, None))
-                    continue
-                try:
-                    pieces = hosted.engine.ask(question.question, question.max_new_tokens, engine_sampling(question.sampling))
-                except Exception as err:
-                    begun.append((tokens, err))
-                    continue
-                begun.append((tokens, AnswerRun(entry_id, question, stream, pieces, before)))
-            runs = [run for _, run in begun if isinstance(run, AnswerRun)]
-            firsts = iter(step([run.pieces for run in runs]) if runs else [])
-            return [(tokens, run, next(firsts) if isinstance(run, AnswerRun) else None) for tokens, run in begun]
-
-        try:
-            begun = await self.threads.engine(begin)
-        except Exception as err:
-            begun = [(0, err, None)] * len(starting)
+    async def _started(self, starting: list[tuple[str, Hosted, bytes, Question, str]],
+                       begun: list[tuple[int, "AnswerRun | Exception | None", Result]]) -> None:
+        """Each question started, or refused (too long, past the context, a failure)."""
         for (session_id, hosted, entry_id, _, stream), (tokens, run, piece) in zip(starting, begun, strict=True):
             error = run if isinstance(run, Exception) else piece if isinstance(piece, Exception) else None
             if isinstance(error, ContextFull):
@@ -198,19 +229,16 @@ class Answering:
             return None
         return entry_id, question, stream
 
-    async def step(self, work: list[tuple[str, Hosted]]) -> None:
-        """A step of answers under way: the next token of each, their forwards run as one
-        (an answer with events Redis did not take before sends those instead)."""
+    async def tokens(self, work: list[tuple[str, Hosted]]) -> "Tokens | None":
+        """The answers under way that a step advances by a token (an answer with events Redis
+        did not take before sends those instead, and takes no token this step)."""
         stepping = [(session_id, hosted) for session_id, hosted in work if not hosted.answer.outbox]
         for session_id, hosted in work:
             if hosted.answer.outbox:
                 await self._send(session_id, hosted, "")
-        if not stepping:
-            return
-        try:
-            pieces = await self.threads.engine(step, [hosted.answer.pieces for _, hosted in stepping])
-        except Exception as err:  # each answer's own failure comes back as its piece
-            pieces = [err] * len(stepping)
+        return Tokens(self, stepping) if stepping else None
+
+    async def _advanced(self, stepping: list[tuple[str, Hosted]], pieces: list[Result]) -> None:
         for (session_id, hosted), piece in zip(stepping, pieces, strict=True):
             if isinstance(piece, Exception):
                 log.error("session %s: answering failed", session_id, exc_info=piece)

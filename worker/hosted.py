@@ -176,6 +176,10 @@ class Hosted:
         return self.held and self.answer is not None
 
     @property
+    def frame_tokens(self) -> int:
+        return self.engine.frame_tokens
+
+    @property
     def ingest_ready(self) -> bool:
         if not self.held or self.ingest is None or self.failed:
             return False

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from engine import ContextFull
-from engine.step import Frames, step
+from engine import ContextFull, SessionStats
+from engine.step import Frames, Result
+from worker import engine_steps
 from streamvqa import protocol
 from streamvqa.protocol import (
     IngestEvent,
@@ -41,6 +42,25 @@ from worker.threads import Threads
 from worker.upload import UploadIngest
 
 log = logging.getLogger(__name__)
+
+
+class Appending:
+    """Frames a step appends (a session past its context lets its frames go), then reports."""
+
+    def __init__(self, intake: "MediaIntake", taken: list[tuple[str, Hosted, Batch]]) -> None:
+        self.intake = intake
+        self.taken = taken
+        self.appending = [(session_id, hosted, batch) for session_id, hosted, batch in taken
+                          if batch.frames and not hosted.record.context_full]
+        self.befores = [hosted.engine.stats() for _, hosted, _ in self.appending]
+
+    def work(self) -> list[Frames]:
+        return [Frames(hosted.engine, [f.image for f in batch.frames], [f.time_s for f in batch.frames])
+                for _, hosted, batch in self.appending]
+
+    async def publish(self, results: list[Result] | Exception) -> None:
+        errors = [results] * len(self.appending) if isinstance(results, Exception) else results
+        await self.intake._appended(self.taken, self.appending, self.befores, errors)
 
 
 class MediaIntake:
@@ -163,38 +183,38 @@ class MediaIntake:
             if hosted.batch is None and ingest is not None and ingest.frames_block and ingest.has_work and hosted.held:
                 hosted.batch = self.threads.decode_ahead(ingest.next_frames, self.settings.frames_per_step)
 
-    async def step(self, work: list[tuple[str, Hosted]]) -> None:
-        """A step of ingests: the frames ready for each session (decoded ahead, or taken from a
-        live queue), appended in one engine step (`engine/step.py`), then reported; and an
-        upload's end noticed."""
+    async def frames(self, work: list[tuple[str, Hosted]]) -> "Appending":
+        """The frames ready for each session of a step (decoded ahead, or taken from a live
+        queue), appended in the engine step (`engine/step.py`), then reported (`Appending`)."""
         taken: list[tuple[str, Hosted, Batch]] = []
         for session_id, hosted in work:
             batch = await self._take(session_id, hosted)
             if batch is not None:
                 taken.append((session_id, hosted, batch))
-        appending = [(session_id, hosted, batch) for session_id, hosted, batch in taken if batch.frames and not hosted.record.context_full]
+        return Appending(self, taken)
+
+    async def step(self, work: list[tuple[str, Hosted]]) -> None:
+        """An engine step of these sessions' frames alone (a replay makes room in a live queue)."""
+        await engine_steps.run(self.threads, [await self.frames(work)])
+
+    async def _appended(self, taken: list[tuple[str, Hosted, Batch]], appending: list[tuple[str, Hosted, Batch]],
+                        befores: list[SessionStats], errors: list[Result]) -> None:
+        """After the step: each session's frames counted, or its failure; every report sent."""
         appended: dict[str, int] = {}
-        if appending:  # past the context, frames are let go
-            befores = [hosted.engine.stats() for _, hosted, _ in appending]
-            calls = [Frames(hosted.engine, [f.image for f in batch.frames], [f.time_s for f in batch.frames]) for _, hosted, batch in appending]
-            try:
-                errors = await self.threads.engine(step, calls)
-            except Exception as err:
-                errors = [err] * len(calls)
-            for (session_id, hosted, batch), before, error in zip(appending, befores, errors, strict=True):
-                if isinstance(error, ContextFull):
-                    await self._context_full(session_id, hosted, error)
-                elif error is not None:
-                    log.error("session %s: ingest failed", session_id, exc_info=error)
-                    await self.fail(session_id, hosted, f"ingest failed {INTERNAL}")
-                    continue
-                hosted.changed = True
-                stats = hosted.engine.stats()
-                appended[session_id] = stats.frames - before.frames
-                self.counters.frames_ingested += appended[session_id]
-                self.counters.evictions += stats.evictions - before.evictions
-                hosted.host_bytes = stats.host_bytes
-                hosted.lag_s = batch.lag_s
+        for (session_id, hosted, batch), before, error in zip(appending, befores, errors, strict=True):
+            if isinstance(error, ContextFull):
+                await self._context_full(session_id, hosted, error)
+            elif error is not None:
+                log.error("session %s: ingest failed", session_id, exc_info=error)
+                await self.fail(session_id, hosted, f"ingest failed {INTERNAL}")
+                continue
+            hosted.changed = True
+            stats = hosted.engine.stats()
+            appended[session_id] = stats.frames - before.frames
+            self.counters.frames_ingested += appended[session_id]
+            self.counters.evictions += stats.evictions - before.evictions
+            hosted.host_bytes = stats.host_bytes
+            hosted.lag_s = batch.lag_s
         for session_id, hosted, batch in taken:
             if not hosted.failed:
                 hosted.reports.append((batch, appended.get(session_id, 0)))

@@ -4,8 +4,8 @@ One event loop does all Redis I/O; `worker.threads` says what runs on the engine
 media threads. Each turn reads every stream the worker owns in one XREADGROUP (on a Redis
 Cluster, one per slot, at once), without waiting while there is work, queues the questions it
 got, hands the media to each session's ingest, and runs one engine step that `worker.scheduler`
-chooses: a question's start first, otherwise the sessions' answers and frames in turn, one step
-each. A session idle for IDLE_RELEASE_S leaves the worker (snapshotted) and comes back at its
+fills: the questions that can start, a token of every answer under way, and frames of sessions
+in turn within the step's token budget (`worker.engine_steps` runs it). A session idle for IDLE_RELEASE_S leaves the worker (snapshotted) and comes back at its
 next question or media, so idle sessions do not hold a worker's places.
 
 The loop composes its collaborators, each a module of its own:
@@ -35,6 +35,7 @@ from engine import Model
 from streamvqa import protocol
 from streamvqa.protocol import ErrorEvent, Keys
 from streamvqa.redis_client import FAILURES, xreadgroup
+from worker import engine_steps
 from worker.answering import Answering
 from worker.capacity import Capacity, Counters
 from worker.claims import Claims
@@ -89,7 +90,7 @@ class Worker:
         self.sessions: dict[str, Hosted] = {}  # at most settings.max_sessions
         self._stopping = asyncio.Event()
         self._swept_at = 0.0
-        self.scheduler = Scheduler(settings.batch_sessions)
+        self.scheduler = Scheduler(settings.batch_sessions, settings.step_tokens, settings.frames_per_step)
         self._failing_since: float | None = None  # monotonic time the loop's turns began to fail
         self.threads = threads = Threads()
         self.capacity = Capacity(settings, model)
@@ -213,19 +214,25 @@ class Worker:
         return IDLE_BLOCK_MS
 
     async def _run_step(self, step: Step) -> None:
-        work = [(session_id, self.sessions[session_id]) for session_id in step.session_ids]
+        """The step's parts prepared (questions and frames taken), run as one engine step, and
+        their results published (`worker/engine_steps.py`)."""
         now = time.monotonic()
-        for _, hosted in work:
-            hosted.active_at = now
+        for session_id in step.sessions:
+            self.sessions[session_id].active_at = now
         self.counters.steps += 1
-        self.counters.step_sessions += len(work)
-        self.counters.step_batch_sessions.observe(len(work))
-        if step.kind == "start":
-            await self.answering.start(work)
-        elif step.kind == "answer":
-            await self.answering.step(work)
-        else:
-            await self.intake.step(work)
+        self.counters.step_sessions += len(step.sessions)
+        self.counters.step_batch_sessions.observe(len(step.sessions))
+        work = lambda ids: [(session_id, self.sessions[session_id]) for session_id in ids]  # noqa: E731
+        parts = [
+            part
+            for part in (
+                await self.answering.starts(work(step.starts)) if step.starts else None,
+                await self.answering.tokens(work(step.answers)) if step.answers else None,
+                await self.intake.frames(work(step.frames)) if step.frames else None,
+            )
+            if part is not None
+        ]
+        await engine_steps.run(self.threads, parts)
 
     async def _tend(self) -> None:
         """What each session needs between steps: its media tended, a snapshot, a memory report;
@@ -357,7 +364,7 @@ class Worker:
         try:
             deadline = time.monotonic() + STOP_GRACE_S
             while time.monotonic() < deadline and any(h.answering for h in self.sessions.values()):
-                await self.answering.step([(session_id, h) for session_id, h in self.sessions.items() if h.answering])
+                await self._run_step(Step(answers=tuple(session_id for session_id, h in self.sessions.items() if h.answering)))
             for session_id, hosted in list(self.sessions.items()):
                 if hosted.answer is not None:
                     message = "the worker stopped while answering; ask again"
@@ -365,7 +372,7 @@ class Worker:
                 for _ in range(self.settings.live_queue_frames):  # frames already read go into the snapshot
                     if hosted.ingest is None or not hosted.ingest.backlog:
                         break
-                    await self.intake.step([(session_id, hosted)])
+                    await self._run_step(Step(frames=(session_id,)))
                 await self.snapshots.maybe_take(session_id, hosted, force=True)
                 await self.leases.release(session_id)
                 await self.leases.requeue(session_id)

@@ -1,40 +1,46 @@
-"""Which engine step a worker runs next, so that no session's work holds up another's question.
+"""What a worker's next engine step holds, so that no session's work holds up another's question.
 
 A worker has one engine and many sessions. Their work is cut into **steps**, each of bounded
-length, and the worker's loop runs one step, then reads Redis again, then asks `next_step`:
+length: each turn of the worker's loop reads Redis, asks `next_step`, and runs the step as one
+engine step (`engine/step.py`: one forward for all of its prompts, chunk by chunk). A step holds:
 
-- `start`: the first question waiting in each of up to `batch_sessions` sessions, the oldest
-  asked first: their prefills (at most MAX_QUESTION_TOKENS and the turn's markers each) run as
-  one forward, and their first tokens;
-- `answer`: one more token of every answer under way (up to `batch_sessions` of them), their
-  forwards run as one (`engine/step.py`);
-- `ingest`: one group of at most `frames_per_step` frames of each of up to `batch_sessions`
-  sessions with frames ready, encoded and prefilled together.
+- `starts`: the first question waiting in each of up to `batch_sessions` sessions, the oldest
+  asked first (each at most MAX_QUESTION_TOKENS and its turn's markers): its prefill and first token;
+- `answers`: one more token of every answer under way (up to `batch_sessions` of them);
+- `frames`: the next group of at most `frames_per_step` frames of sessions with frames ready,
+  up to `batch_sessions`, while the step stays within `step_tokens`.
 
-The rule: questions that have not started go first (the oldest asked, over all sessions);
-otherwise answers and frames take turns (an `answer` step, then an `ingest` step, while both
-have work), and within each kind the sessions take turns after those that ran last, so that
-past `batch_sessions` every session's turn comes within ceil(sessions / batch_sessions) steps
-of its kind. A session does one thing at a time, its questions in order and before its media
-(frames never enter the cache in the middle of an answer); a question asked on a stream socket
-after media is not ready (`next_question_at` is None) until that media is in the cache, and its
-session's `ingest` steps go on meanwhile. So a question read by the worker waits for the step
-running when it came and for the starts of questions read before it, never for another
-session's whole answer or whole video; and an answer's next token waits for at most one
-`ingest` step and the starts of new questions.
+The token budget: a start counts as MAX_QUESTION_TOKENS, an answer as one token, a session's
+frames as `frames_per_step` times the tokens one of its frames took in its cache (`frame_tokens`,
+0 before its first). Frames join a step while its count stays within `step_tokens`; the first
+session in turn always joins a step that starts no question, so frames never wait for answers.
+
+The rule: every question that can start goes in the next step (the oldest asked first); every
+answer under way gets a token in every step; within each of the three the sessions take turns
+after those that ran last, so that past `batch_sessions` every session's turn comes within
+ceil(sessions / batch_sessions) steps. A session does one thing at a time, its questions in
+order and before its media (frames never enter the cache in the middle of an answer, nor while a
+question of its session waits to start); a question asked on a stream socket after media is not
+ready (`next_question_at` is None) until that media is in the cache, and its session's frames
+go on meanwhile. So a question read by the worker waits for the step running when it came and
+for the starts of questions read before it, never for another session's whole answer or whole
+video; and an answer's next token waits for one step.
 
 A session's own frames wait for its answer. For a live stream that wait must not turn into a
 hole in the cache: while a session answers or has a question ready to start, its ingest holds the
 real-time rule (`Ingest.hold`, set by the loop each turn from the same `answering` and
 `next_question_at` this scheduler reads), so the frames sent meanwhile queue up and enter the
-cache in the `ingest` steps after the answer, instead of being dropped as late.
+cache in the steps after the answer, instead of being dropped as late.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-StepKind = Literal["start", "answer", "ingest"]
+from streamvqa.protocol import MAX_QUESTION_TOKENS
+
+Kind = Literal["starts", "answers", "frames"]
+DEFAULT_STEP_TOKENS = 4096
 
 
 class Work(Protocol):
@@ -52,53 +58,68 @@ class Work(Protocol):
     def ingest_ready(self) -> bool:
         """Frames (or an ingest's errors and warnings) wait for a step."""
 
+    @property
+    def frame_tokens(self) -> int:
+        """Tokens one frame took in its cache (0 before its first)."""
+
 
 @dataclass(frozen=True)
 class Step:
-    kind: StepKind
-    session_ids: tuple[str, ...]  # one or more: in the order their questions were asked for `start`, in turn order for the others
+    starts: tuple[str, ...] = ()  # in the order their questions were asked
+    answers: tuple[str, ...] = ()  # in turn order, as are frames
+    frames: tuple[str, ...] = ()
+
+    @property
+    def sessions(self) -> tuple[str, ...]:
+        return self.starts + self.answers + self.frames
 
 
 class Scheduler:
-    """Chooses steps; remembers the kind of the last step and, per kind, where the turns stand."""
+    """Chooses steps; remembers, per kind of work, the last session that had a turn."""
 
-    def __init__(self, batch_sessions: int) -> None:
-        if batch_sessions < 1:
-            raise ValueError(f"batch_sessions must be >= 1, got {batch_sessions}")
+    def __init__(self, batch_sessions: int, step_tokens: int = DEFAULT_STEP_TOKENS, frames_per_step: int = 8) -> None:
+        for name, value in (("batch_sessions", batch_sessions), ("step_tokens", step_tokens), ("frames_per_step", frames_per_step)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.batch_sessions = batch_sessions
-        self._last_kind: StepKind | None = None
-        self._last: dict[StepKind, str] = {}  # per kind, the last session of its last step
+        self.step_tokens = step_tokens
+        self.frames_per_step = frames_per_step
+        self._last: dict[Kind, str] = {}  # per kind, the last session of its last step
 
     def peek(self, sessions: Mapping[str, Work]) -> Step | None:
         """The step `next_step` would choose, without taking it."""
         waiting = sorted((work.next_question_at, session_id) for session_id, work in sessions.items() if work.next_question_at)
-        if waiting:
-            return Step("start", tuple(session_id for _, session_id in waiting[: self.batch_sessions]))
-        answering = self._in_turn(sessions, "answer", lambda work: work.answering)
-        ingesting = self._in_turn(sessions, "ingest", lambda work: not work.answering and work.ingest_ready)
-        if answering and (not ingesting or self._last_kind != "answer"):
-            return Step("answer", answering)
-        if ingesting:
-            return Step("ingest", ingesting)
-        return None
+        starts = tuple(session_id for _, session_id in waiting[: self.batch_sessions])
+        answers = tuple(self._in_turn(sessions, "answers", lambda work: work.answering)[: self.batch_sessions])
+        tokens = len(starts) * MAX_QUESTION_TOKENS + len(answers)
+        frames: list[str] = []
+        ready = lambda work: work.ingest_ready and not work.answering and work.next_question_at is None  # noqa: E731
+        for session_id in self._in_turn(sessions, "frames", ready)[: self.batch_sessions]:
+            cost = self.frames_per_step * sessions[session_id].frame_tokens
+            if tokens + cost > self.step_tokens and (frames or starts):
+                break
+            frames.append(session_id)
+            tokens += cost
+        step = Step(starts, answers, tuple(frames))
+        return step if step.sessions else None
 
     def next_step(self, sessions: Mapping[str, Work]) -> Step | None:
         """The step to run now."""
         step = self.peek(sessions)
         if step is not None:
-            self._last_kind = step.kind
-            self._last[step.kind] = step.session_ids[-1]
+            for kind in ("starts", "answers", "frames"):
+                if getattr(step, kind):
+                    self._last[kind] = getattr(step, kind)[-1]
         return step
 
-    def _in_turn(self, sessions: Mapping[str, Work], kind: StepKind, ready) -> tuple[str, ...]:
-        """Up to `batch_sessions` sessions `ready` for a step of `kind`, from the one after the
-        last that ran one."""
+    def _in_turn(self, sessions: Mapping[str, Work], kind: Kind, ready: Callable[[Work], bool]) -> list[str]:
+        """The sessions `ready` for work of `kind`, from the one after the last that had a turn."""
         order = list(sessions)
         last = self._last.get(kind)
         if last in sessions:
             at = order.index(last) + 1
             order = order[at:] + order[:at]
-        return tuple([session_id for session_id in order if ready(sessions[session_id])][: self.batch_sessions])
+        return [session_id for session_id in order if ready(sessions[session_id])]
 
 
 def entry_time(entry_id: bytes | str) -> tuple[int, int]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, field_validator
 
 from streamvqa.settings import CommonSettings
+from worker.scheduler import DEFAULT_STEP_TOKENS
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 MEMORY_FORMAT = "`auto`, a share of the whole (`0.5`, `50%`), or bytes (`6000000`, `512MiB`, `8GiB`, `2GB`)"
@@ -100,6 +101,11 @@ class WorkerSettings(CommonSettings):
     batch_sessions: int = Field(
         16, ge=1, le=256,
         description="Sessions whose next answer tokens (or frames) run in one forward; 1 runs one session at a time.",
+    )
+    step_tokens: int = Field(
+        DEFAULT_STEP_TOKENS, ge=1,
+        description="Tokens one engine step takes at most as it adds sessions' frames beside question starts and answer tokens "
+        "(a question start counts as 1,024, a token as 1); the first session's frames go in any step without starts.",
     )
     max_frame_side: int = Field(768, ge=32, description="Decoded frames are scaled down to this longer side.")
     live_max_lag_s: float = Field(

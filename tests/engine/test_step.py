@@ -131,10 +131,12 @@ def test_a_session_that_cannot_take_its_frames_fails_alone(llava):
 
 
 def test_a_failed_batched_forward_leaves_every_session_as_it_was(llava, monkeypatch):
-    config = SessionConfig(policy="infmllm", budget_tokens=200)
-    alone = [_streamed(llava, config, 3 + i, i) for i in range(3)]
+    # the third borrows from its host tier: a failed token keeps what its answer borrowed
+    configs = [SessionConfig(policy="infmllm", budget_tokens=200)] * 2
+    configs.append(SessionConfig(policy="infmllm", budget_tokens=200, recall=True, retrieval_tokens=64))
+    alone = [_streamed(llava, config, 3 + i, i) for i, config in enumerate(configs)]
     expected = ["".join(s.ask("Why?", max_new_tokens=6)) for s in alone]
-    together = [_streamed(llava, config, 3 + i, i) for i in range(3)]
+    together = [_streamed(llava, config, 3 + i, i) for i, config in enumerate(configs)]
     answers = [s.ask("Why?", max_new_tokens=6) for s in together]
     first = step(answers)
     layer = llava.hf.model.language_model.layers[1]
@@ -200,6 +202,24 @@ def test_question_starts_answer_tokens_and_frames_share_a_step(llava):
     for a, b in zip(alone, together):
         _same_cache(a, b)
         assert a.stats().tokens_seen == b.stats().tokens_seen
+
+
+def test_frames_the_vision_tower_fails_on_fail_alone_and_the_answers_beside_them_go_on(llava, monkeypatch):
+    config = SessionConfig(policy="infmllm", budget_tokens=200)
+    alone, together = _streamed(llava, config, 3, 0), [_streamed(llava, config, 3 + i, i) for i in range(2)]
+    expected = "".join(alone.ask("What is it?", max_new_tokens=5))
+    answer = together[0].ask("What is it?", max_new_tokens=5)
+    before = together[1].stats()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("vision tower fault")
+
+    monkeypatch.setattr(llava, "encode_frames", broken)
+    first, failed = step([answer, Frames(together[1], _frames(1, 50), [9.0])])
+    monkeypatch.undo()
+    assert isinstance(failed, RuntimeError) and together[1].stats() == before
+    assert first + "".join(answer) == expected
+    _same_cache(alone, together[0])
 
 
 def _counts(stats):
