@@ -4,9 +4,10 @@ An answer goes through these steps, each an explicit call: `begin` (its question
 run next: the places of what it borrows reserved, its markers pinned), `question_ran` (the
 prompt ran; the logits after it wait for the first token), `accept(logits)` (one token chosen
 from the logits after the last one run: its piece of text; `unfed()` is then that token, to be
-run next, and `fed(logits)` says it ran), `advance` (after a step: the next piece, or the end),
-and `end` (its turn closed in the cache: the last token chosen and the markers closing the
-answer run, its evidence read, what it borrowed given back). An engine step (`engine/step.py`)
+run next, and `fed(logits)` says it ran), `advance` (after a step: the next piece, or None once
+it has said all), and `closing` / `closed` (its turn closed in the cache: the last token chosen
+and the markers closing the answer run, its evidence read, what it borrowed given back; `end`
+does both alone). An engine step (`engine/step.py`)
 runs the prompts of many answers, and frames, in one forward and calls these; iterating an
 answer is a step of one per piece. Nothing changes the cache but these calls: an answer left
 open is ended by its session's next call."""
@@ -89,8 +90,7 @@ class Answer(Iterator[str]):
 
     def failed(self) -> None:
         """The question's prompt did not run: the answer is over, with no turn in the cache."""
-        self._over = True
-        self.session.answer_over(self)
+        self._finish()
 
     def unfed(self) -> list["Part"] | None:
         """The token chosen last, to be run next; None when there is none to run."""
@@ -107,7 +107,7 @@ class Answer(Iterator[str]):
 
     def advance(self) -> str | None:
         """After the step that ran its prompt (or with nothing to run): the next piece, or None
-        once the answer is over (then its turn is closed)."""
+        once it has said all (the step then closes its turn: `closing`, `closed`)."""
         if self._over:
             return None
         if not self._stopping:
@@ -117,8 +117,12 @@ class Answer(Iterator[str]):
         if self._rest:
             rest, self._rest = self._rest, ""
             return rest
-        self.end()
+        self._stopping = True
         return None
+
+    @property
+    def over(self) -> bool:
+        return self._over
 
     def accept(self, logits: torch.Tensor) -> str | None:
         """The next token, chosen from `logits` (vocab,): its piece of text; None when the model
@@ -145,26 +149,43 @@ class Answer(Iterator[str]):
                 self._rest = text[len(self._emitted) :].rstrip("\ufffd")  # held back for a stop string that never came
         return piece
 
+    def closing(self) -> list["Part"] | None:
+        """The prompt that closes the answer's turn in the cache (the token chosen last, unless it
+        ran, and the markers closing the answer), its markers pinned; None when its question
+        never ran (then there is no turn to close)."""
+        if self._over or not self._ran:
+            return None
+        session = self.session
+        session.pin_turn(session.cache.appended + len(self._unfed), self._closing.tokens, new_turn=False)
+        return [session.part(self._unfed), self._closing]
+
+    def closed(self) -> None:
+        """The closing prompt ran: its evidence read, what it borrowed given back; it is over."""
+        session, cache = self.session, self.session.cache
+        self._weigh_frames()
+        cache.give_back()
+        cache.evict()
+        self.evidence = self._top_evidence(session.config.evidence_top_k)
+        if self.borrowed:
+            self.recalled_s = sorted(cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
+        self._finish()
+
     def end(self) -> None:
-        """Close the answer's turn in the cache: the token chosen last (unless run) and the
-        markers closing the answer run; its evidence read; what it borrowed given back. An
-        answer whose question never ran ends with no change."""
+        """Close the answer's turn in the cache now, alone (a step closes the turns of the
+        answers that said all together). An answer whose question never ran ends with no change."""
         if self._over:
             return
-        self._over = True
-        session, cache = self.session, self.session.cache
-        if self._ran:
-            unfed = self._unfed  # empty when a step ran it (`fed`)
-            session.pin_turn(cache.appended + len(unfed), self._closing.tokens, new_turn=False)
-            session.run_alone([session.part(unfed), self._closing])
-            self._weigh_frames()
-            cache.give_back()
-            cache.evict()
-            self.evidence = self._top_evidence(session.config.evidence_top_k)
-            if self.borrowed:
-                self.recalled_s = sorted(cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
+        closing = self.closing()
+        if closing is None:
+            self._finish()
+            return
+        self.session.run_alone(closing)
+        self.closed()
+
+    def _finish(self) -> None:
+        self._over, self._stopping = True, True
         self._fed, self._unfed = None, []
-        session.answer_over(self)
+        self.session.answer_over(self)
 
     def close(self) -> None:
         """Stop early; the turn still ends in the cache."""

@@ -9,7 +9,9 @@ Work comes in two kinds, of distinct sessions of one model:
 A step runs in rounds: each round is one run of the runner (`engine/runner.py`, one forward per
 chunk) over the next prompt of every item that has one left: the first round holds every
 answer's prompt and every session's first frame prompt, later rounds the frames' further
-prompts. After its prompt, each session applies what ran and evicts, exactly as alone. One
+prompts, and a last round closes the turns of the answers that said all (the token chosen last
+and the markers closing the answer). After its prompt, each session applies what ran and
+evicts, exactly as alone. One
 session alone is a step of one: `Session.append_frames` and iterating an `Answer` call `step`.
 
 Results, one per item in order: an answer's piece (a str; None once it is over) or None for
@@ -81,24 +83,44 @@ def step(work: Sequence["Answer | Frames"]) -> list[Result]:
                 plan.pop(i, None)
                 continue
             round_.append(job)
-        for job, ran in zip(round_, _run(round_), strict=True):
-            try:
-                if isinstance(ran, Exception):
-                    raise ran
-                job.session.ran(job.parts, ran)
-                job.after(ran)  # the session's eviction, each its own
-            except Exception as err:
-                results[job.item] = err
-                plan.pop(job.item, None)
-                if not job.retry_alone:
-                    _fail_answer(work[job.item])
+        _apply(round_, work, results, plan)
+    closing = []  # the turns of the answers that said all, closed in one more round
     for i, answer in answers:
         if results[i] is None:
             try:
                 results[i] = answer.advance()
+                if results[i] is None and not answer.over:
+                    closing.append(_closing_job(i, answer))
             except Exception as err:
                 results[i] = err
+    _apply([job for job in closing if job is not None], work, results, {})
     return results
+
+
+def _apply(jobs: list[_Job], work: Sequence["Answer | Frames"], results: list[Result], plan: dict[int, list[_Job]]) -> None:
+    """Run the jobs as one run of the runner, then each session applies what ran; a job that
+    failed fails its item (and its further prompts)."""
+    for job, ran in zip(jobs, _run(jobs), strict=True):
+        try:
+            if isinstance(ran, Exception):
+                raise ran
+            job.session.ran(job.parts, ran)
+            job.after(ran)  # the session's eviction, each its own
+        except Exception as err:
+            results[job.item] = err
+            plan.pop(job.item, None)
+            if not job.retry_alone:
+                _fail_answer(work[job.item])
+
+
+def _closing_job(item: int, answer: "Answer") -> _Job | None:
+    """The prompt that closes the turn of an answer that said all; None (and it is over) when
+    its question never ran."""
+    closing = answer.closing()
+    if closing is None:
+        answer.end()
+        return None
+    return _Job(item, answer.session, closing, lambda ran: answer.closed(), retry_alone=True)
 
 
 def _answer_job(item: int, answer: "Answer") -> _Job | None:

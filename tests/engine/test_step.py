@@ -66,7 +66,7 @@ CASES = [
 ]
 
 
-def test_answers_run_together_are_the_answers_run_alone(llava):
+def test_answers_run_together_are_the_answers_run_alone(llava, monkeypatch):
     def sessions() -> list[Session]:
         return [
             _streamed(llava, SessionConfig(policy=policy, budget_tokens=200, **options), frames, seed)
@@ -74,11 +74,28 @@ def test_answers_run_together_are_the_answers_run_alone(llava):
         ]
 
     alone = sessions()
-    expected = ["".join(s.ask(question, max_new_tokens=10)) for s, (*_, question) in zip(alone, CASES)]
+    singles = [s.ask(question, max_new_tokens=10) for s, (*_, question) in zip(alone, CASES)]
+    expected = ["".join(answer) for answer in singles]
     together = sessions()
     answers = [s.ask(question, max_new_tokens=10) for s, (*_, question) in zip(together, CASES)]
+    widths = []  # tokens of each forward
+    layer = llava.hf.model.language_model.layers[0]
+    original = layer.forward
+
+    def counted(hidden, *args, **kwargs):
+        widths.append(hidden.shape[1])
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", counted)
     assert _answer_together(answers) == expected
+    monkeypatch.undo()
     assert [a.tokens for a in answers] == [10, 10, 10, 10]
+    # the questions in one forward, then 9 of a token each, then the four turns closed in one
+    # (each a token and its turn's closing markers)
+    assert len(widths) == 11 and widths[1:10] == [4] * 9
+    assert [(a.evidence, a.recalled_s, a.finish_reason) for a in answers] == [
+        (a.evidence, a.recalled_s, a.finish_reason) for a in singles
+    ]
     for a, b in zip(alone, together):
         _same_cache(a, b)
         assert a.stats().evictions == b.stats().evictions and a.stats().tokens_seen == b.stats().tokens_seen
