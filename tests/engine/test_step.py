@@ -56,6 +56,20 @@ def _same_cache(a: Session, b: Session) -> None:
     assert torch.allclose(a.logits, b.logits, atol=1e-4)
 
 
+def _forward_widths(model, monkeypatch) -> list[int]:
+    """The tokens of each forward of the model from now on (until `monkeypatch.undo()`)."""
+    widths: list[int] = []
+    layer = model.hf.model.language_model.layers[0]
+    original = layer.forward
+
+    def counted(hidden, *args, **kwargs):
+        widths.append(hidden.shape[1])
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", counted)
+    return widths
+
+
 # Budgets small enough that every stream below evicts, streams of different lengths (so caches
 # of different lengths pack together), questions of different lengths, one session with recall.
 CASES = [
@@ -78,15 +92,7 @@ def test_answers_run_together_are_the_answers_run_alone(llava, monkeypatch):
     expected = ["".join(answer) for answer in singles]
     together = sessions()
     answers = [s.ask(question, max_new_tokens=10) for s, (*_, question) in zip(together, CASES)]
-    widths = []  # tokens of each forward
-    layer = llava.hf.model.language_model.layers[0]
-    original = layer.forward
-
-    def counted(hidden, *args, **kwargs):
-        widths.append(hidden.shape[1])
-        return original(hidden, *args, **kwargs)
-
-    monkeypatch.setattr(layer, "forward", counted)
+    widths = _forward_widths(llava, monkeypatch)
     assert _answer_together(answers) == expected
     monkeypatch.undo()
     assert [a.tokens for a in answers] == [10, 10, 10, 10]
@@ -181,15 +187,7 @@ def test_prompts_longer_than_a_chunk_run_in_chunks_the_same_together_and_alone(l
     for session, (frames, times) in zip(alone, new):
         session.append_frames(frames, times)
     together = [_streamed(llava, config, 2 + i, i) for i, config in enumerate(configs)]
-    widths = []  # tokens of each forward
-    layer = llava.hf.model.language_model.layers[0]
-    original = layer.forward
-
-    def counted(hidden, *args, **kwargs):
-        widths.append(hidden.shape[1])
-        return original(hidden, *args, **kwargs)
-
-    monkeypatch.setattr(layer, "forward", counted)
+    widths = _forward_widths(llava, monkeypatch)
     assert step([Frames(s, f, t) for s, (f, t) in zip(together, new)]) == [None, None]
     monkeypatch.undo()
     # 23 tokens a frame. Round 1: the first's frame (23) beside the second's two (46), 7 of each a
