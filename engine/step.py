@@ -55,7 +55,7 @@ class _Job:
     item: int  # the item's index in the step's work
     session: "Session"
     parts: list["Part"]
-    after: Callable[[runner.Ran], None]
+    after: Callable[[], None]  # once the session applied what ran: its eviction, its answer's next state
     before: Callable[[], None] = lambda: None  # checks just before it runs (raises to fail the item)
     retry_alone: bool = False  # after a failed forward of several: run alone (an answer's token)
 
@@ -105,7 +105,7 @@ def _apply(jobs: list[_Job], work: Sequence["Answer | Frames"], results: list[Re
             if isinstance(ran, Exception):
                 raise ran
             job.session.ran(job.parts, ran)
-            job.after(ran)  # the session's eviction, each its own
+            job.after()  # the session's eviction, each its own
         except Exception as err:
             results[job.item] = err
             plan.pop(job.item, None)
@@ -120,17 +120,17 @@ def _closing_job(item: int, answer: "Answer") -> _Job | None:
     if closing is None:
         answer.end()
         return None
-    return _Job(item, answer.session, closing, lambda ran: answer.closed(), retry_alone=True)
+    return _Job(item, answer.session, closing, answer.closed, retry_alone=True)
 
 
 def _answer_job(item: int, answer: "Answer") -> _Job | None:
     """The prompt that advances an answer: its question's, or its last token; None if none."""
     question = answer.begin()
     if question is not None:
-        return _Job(item, answer.session, question, lambda ran: answer.question_ran())
+        return _Job(item, answer.session, question, answer.question_ran)
     token = answer.unfed()
     if token is not None:
-        return _Job(item, answer.session, token, lambda ran: answer.fed(answer.session.logits), retry_alone=True)
+        return _Job(item, answer.session, token, lambda: answer.fed(answer.session.logits), retry_alone=True)
     return None
 
 
@@ -170,8 +170,8 @@ def _room(session: "Session", parts: list["Part"], times: list[float]) -> Callab
     return lambda: session.make_frame_room(parts, times)
 
 
-def _appended(session: "Session", times: list[float]) -> Callable[[runner.Ran], None]:
-    return lambda ran: session.appended_frames(times)
+def _appended(session: "Session", times: list[float]) -> Callable[[], None]:
+    return lambda: session.appended_frames(times)
 
 
 def _run(jobs: list[_Job]) -> list[runner.Ran | Exception]:

@@ -39,7 +39,7 @@ from typing import Literal, Protocol
 
 from streamvqa.protocol import MAX_QUESTION_TOKENS
 
-Kind = Literal["starts", "answers", "frames"]
+Kind = Literal["answers", "frames"]  # work that sessions take turns at
 DEFAULT_STEP_TOKENS = 4096
 
 
@@ -107,7 +107,7 @@ class Scheduler:
         """The step to run now."""
         step = self.peek(sessions)
         if step is not None:
-            for kind in ("starts", "answers", "frames"):
+            for kind in ("answers", "frames"):  # starts go by the time they were asked, not in turn
                 if getattr(step, kind):
                     self._last[kind] = getattr(step, kind)[-1]
         return step
