@@ -24,9 +24,12 @@ key by the cosine similarity of its closest representative (in the first EXACT_L
 of its closest key held: there keys are the words' own, and a mean of 8 words hides one);
 per question key, a softmax over the pages (sharpened by SIMILARITY_SHARPNESS); a page's score
 is that share averaged over the question's keys. A page is the same span of the stream in
-every layer and head, so the scores pool: the layers run in turn, and each borrows by the mean
-score, over the heads of it and of the layers before it that hold something of the page (the
-first layer by its own alone; a head that holds the page's tokens on the device has no say).
+every layer and head, so the scores pool: the first SCORED_LAYERS layers run in turn, and each
+borrows by the mean score, over the heads of it and of the layers before it that hold something
+of the page (the first layer by its own alone; a head that holds the page's tokens on the device
+has no say); the last of them chooses for every layer after it at once, which borrow without
+scoring (on bench.recall's streams, 52 of 60 answers against 51 when every layer scored, and a
+third less time to the first token: docs/benchmarks.md).
 The page after a page ranks at least FOLLOWER_SHARE of it: a sentence cut by a page's end goes
 on there. Every KV head then borrows
 the tokens it holds of the best pages, best first, up to the retrieval budget (the same
@@ -67,6 +70,7 @@ SIMILARITY_SHARPNESS = 20.0  # a question key's softmax over pages is of 20 x co
 INDEX_DTYPE = torch.bfloat16  # of the representative keys' sums (at most page_tokens keys each)
 DROP_RULES = ("novel", "oldest")
 EXACT_LAYERS = 1  # layers whose pages are scored by every key held, not by representatives
+SCORED_LAYERS = 4  # layers that score the pages; the last of them chooses for every layer after it at once
 FOLLOWER_SHARE = 0.99  # the page after a matched page scores this share of it, when that is more than its own
 NOVEL_DROP_SHARE = 8  # under "novel", the least novel 1/8 of the pages leave together (amortises the scoring)
 NOVEL_KEEP_SHARE = 4  # ... never one of the 1/4 of the pages used most recently
@@ -283,6 +287,8 @@ class HostTier:
     def begin_question(self) -> None:
         """A new question: its layers' scores pool from the first layer on."""
         self._pooled = self._pooled_heads = None
+        self._chosen = None  # what the layers from `_chosen_from` on borrow: places (layers, kv_heads, count) and their order
+        self._chosen_from = 0
         self._before = torch.full((self.slots,), -1, dtype=torch.int64)  # slot -> the slot of the page before, -1: not held
         for page, slot in self.slot_of.items():
             self._before[slot] = self.slot_of.get(page - 1, -1)
@@ -290,8 +296,18 @@ class HostTier:
     def retrieve(self, layer: int, keys: torch.Tensor, count: int) -> Retrieval:
         """`count` tokens (at most `available()`) of `layer` for the question's keys (kv_heads, c,
         head_dim) (before the rotary embedding): for each KV head, what it holds of the best pages
-        by the scores pooled so far, best first, in stream order."""
-        heads, device = keys.shape[0], keys.device
+        by the scores pooled so far, best first, in stream order. The first SCORED_LAYERS layers
+        score the pages; the last of them chooses for every layer after it at once."""
+        chosen = self._chosen
+        if layer < SCORED_LAYERS or chosen is None or not self._chosen_from <= layer < self._chosen_from + chosen[0].shape[0]:
+            self._pool(layer, keys)
+            layers = self.held.shape[0] if layer >= SCORED_LAYERS - 1 else layer + 1
+            self._chosen, self._chosen_from = self._choose(layer, layers, count), layer
+        places, order = (part[layer - self._chosen_from] for part in self._chosen)
+        return self._lend(layer, places, order, keys.device)
+
+    def _pool(self, layer: int, keys: torch.Tensor) -> None:
+        """Add the layer's page scores (over the heads that hold something of a page) to the pool."""
         scores = self.score(layer, keys)  # (kv_heads, slots), -inf where a head holds nothing of a page
         scored = scores.isfinite()
         mine, heads_scored = scores.masked_fill(~scored, 0.0).sum(0), scored.sum(0)
@@ -299,23 +315,33 @@ class HostTier:
             self._pooled, self._pooled_heads = mine, heads_scored
         else:
             self._pooled, self._pooled_heads = self._pooled + mine, self._pooled_heads + heads_scored
-        scores = self._with_followers(self._pooled / self._pooled_heads.clamp_min(1)).expand(heads, -1)
-        wanted = scores[:, :, None].expand(-1, -1, self.page_tokens).masked_fill(~self.held[layer], float("-inf"))
-        chosen = wanted.flatten(1).topk(count, dim=-1).indices  # (kv_heads, count) into slots * page_tokens
-        chosen = chosen.cpu()
-        slot, place = chosen // self.page_tokens, chosen % self.page_tokens
-        order = self.page_of[slot] * self.page_tokens + place
+
+    def _choose(self, first: int, last: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For layers first..last-1, each KV head's `count` places (into slots * page_tokens) of the
+        best pages by the pooled scores, and their places in the stream, both (layers, kv_heads,
+        count) on the CPU, in stream order."""
+        scores = self._with_followers(self._pooled / self._pooled_heads.clamp_min(1))  # (slots,)
+        held = self.held[first:last]  # (layers, kv_heads, slots, page_tokens)
+        wanted = torch.where(held, scores[:, None], float("-inf"))
+        chosen = wanted.flatten(2).topk(count, dim=-1).indices.cpu()  # (layers, kv_heads, count)
+        order = self.page_of[chosen // self.page_tokens] * self.page_tokens + chosen % self.page_tokens
         order, by_place = order.sort(dim=-1)
-        chosen, slot = chosen.gather(1, by_place), slot.gather(1, by_place)
-        used = slot.unique()
+        chosen = chosen.gather(-1, by_place)
         self.clock += 1
-        self.used[used] = self.clock
-        index = chosen[:, :, None].expand(-1, -1, self.keys.shape[-1])
+        self.used[(chosen // self.page_tokens).unique()] = self.clock
+        return chosen, order
+
+    def _lend(self, layer: int, chosen: torch.Tensor, order: torch.Tensor, device: torch.device) -> Retrieval:
+        """The tokens at `chosen` (kv_heads, count) of `layer`, keys and values on `device`."""
+        heads, count = chosen.shape
+        per_head = self.slots * self.page_tokens
+        rows = (chosen + torch.arange(heads)[:, None] * per_head).view(-1)  # into the layer's (kv_heads * slots * page_tokens) rows
 
         def lend(pool: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(heads, count, pool.shape[-1], dtype=pool.dtype, pin_memory=device.type == "cuda")
-            torch.gather(pool[layer].flatten(1, 2), 1, index, out=out)
-            return out.to(device, non_blocking=True)[None]
+            """Whole rows copied (index_select): many times faster than a gather over head_dim."""
+            out = torch.empty(heads * count, pool.shape[-1], dtype=pool.dtype, pin_memory=device.type == "cuda")
+            torch.index_select(pool[layer].view(heads * per_head, -1), 0, rows, out=out)
+            return out.view(1, heads, count, -1).to(device, non_blocking=True)
 
         tokens = Tokens(
             lend(self.keys),
@@ -324,7 +350,7 @@ class HostTier:
             self.times[layer].flatten(1).gather(1, chosen)[None],
             order[None],
         )
-        return Retrieval(tokens, sorted(self.page_of[used].tolist()))
+        return Retrieval(tokens, sorted(self.page_of[(chosen // self.page_tokens).unique()].tolist()))
 
     def _with_followers(self, scores: torch.Tensor) -> torch.Tensor:
         """(slots,) each page's score, or FOLLOWER_SHARE of the score of the page just before it

@@ -286,11 +286,12 @@ class KVCache:
             self.retrieved_pages += len(retrieval.pages)
         order = torch.cat([self.order[layer], got.order[0]], dim=1)  # (kv_heads, held + count)
         merge = order.argsort(dim=1, stable=True)
-        index = merge.to(cached.keys.device)[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])
+        # into [held, new, borrowed] as they are joined below: the held and the borrowed merged
+        # in stream order, then the new tokens
+        rows = torch.cat([merge + (merge >= held) * new, torch.arange(held, held + new).expand(self.kv_heads, new)], dim=1)
+        rows = rows.to(cached.keys.device)
         for name in ("keys", "values"):
-            stored = getattr(cached, name)
-            joined = torch.cat([stored[:, :, :held], getattr(got, name)], dim=2).gather(2, index)
-            setattr(cached, name, torch.cat([joined, stored[:, :, held:]], dim=2))
+            setattr(cached, name, take(torch.cat([getattr(cached, name), getattr(got, name)], dim=2), rows))
         self.kinds[layer] = torch.cat([self.kinds[layer], got.kinds[0]], dim=1).gather(1, merge)
         self.times[layer] = torch.cat([self.times[layer], got.times[0]], dim=1).gather(1, merge)
         self.order[layer] = order.gather(1, merge)

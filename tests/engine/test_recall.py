@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import Session, SessionConfig, load_model
-from engine.host_tier import HostTier, Tokens
+from engine.host_tier import SCORED_LAYERS, HostTier, Tokens
 
 BUDGET = 160
 FRAME_TOKENS = 23  # tiny-random-llava: 16 visual tokens, "[1.0s]" and "\n"
@@ -333,3 +333,20 @@ def test_a_host_tier_saved_with_float32_representatives_chooses_the_same_pages()
     assert torch.allclose(older.key_sums.float(), tier.key_sums.float(), rtol=1e-2, atol=1e-2)
     for question, page in [(every.keys[0, :, 44:48], 5), (every.keys[0, :, 8:12], 1)]:
         assert asked(older, 0, question, count=8).pages == asked(tier, 0, question, count=8).pages == [page]
+
+
+def test_layers_after_the_scored_ones_borrow_what_the_last_scored_layer_chose():
+    """Only the first SCORED_LAYERS layers score the pages: the layers after them borrow the
+    pages chosen then, whatever their own keys would match."""
+    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
+    torch.manual_seed(0)
+    layers = [tokens(0, 64, heads=2, dim=16) for _ in range(2 * SCORED_LAYERS)]
+    tier.add(Tokens(*(torch.cat([getattr(layer, name) for layer in layers]) for name in Tokens.FIELDS)))
+    tier.begin_question()
+    for layer in range(SCORED_LAYERS):  # one word of page 5 among vague ones
+        vague = layers[layer].keys[0, :, 0:64].mean(dim=1, keepdim=True)
+        assert tier.retrieve(layer, torch.cat([layers[layer].keys[0, :, 44:45], vague, vague], dim=1), count=8).pages == [5]
+    for layer in range(SCORED_LAYERS, 2 * SCORED_LAYERS):  # their own keys match page 1, all of them
+        assert tier.retrieve(layer, layers[layer].keys[0, :, 8:16], count=8).pages == [5]
+    last = 2 * SCORED_LAYERS - 1
+    assert asked(tier, last, layers[last].keys[0, :, 8:16], count=8).pages == [1]  # as a question's first layer they would
