@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from engine.session import Part, Session
 
 MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the host tier
+EVIDENCE_FLOOR = 0.2  # a time is evidence only if its attention per token held is at least this share of the best's
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Answer(Iterator[str]):
         self._unfed: list[int] = []  # the token chosen last, not yet run through the model
         self._stopping = False  # the last token is chosen: only the rest and the end remain
         self._over = False
-        self._attention: dict[float, float] = {}  # paid to frames, by video time
+        self._attention: dict[float, tuple[float, int]] = {}  # paid to frames, and their tokens held, by video time
         self.finish_reason = "stop"  # `stop`: the model ended its turn, or a stop string came;
         # `length`: it reached `max_new_tokens`, or the model's context
         self.prompt_tokens = 0  # tokens the question added to the cache, with the markers of its turn
@@ -204,10 +205,22 @@ class Answer(Iterator[str]):
     # -- evidence ------------------------------------------------------------------------------
 
     def _weigh_frames(self) -> None:
-        for time_s, mass in self.session.cache.frame_attention().items():
-            self._attention[time_s] = self._attention.get(time_s, 0.0) + mass
+        for time_s, (mass, held) in self.session.cache.frame_attention().items():
+            before = self._attention.get(time_s, (0.0, 0))
+            self._attention[time_s] = (before[0] + mass, before[1] + held)
 
     def _top_evidence(self, k: int) -> list[Evidence]:
-        total = sum(self._attention.values())
-        best = sorted(self._attention.items(), key=lambda item: -item[1])[:k]
-        return [Evidence(round(t, 3), round(mass / total, 4)) for t, mass in best] if total > 0 else []
+        return top_evidence(self._attention, k)
+
+
+def top_evidence(attention: dict[float, tuple[float, int]], k: int) -> list[Evidence]:
+    """From the attention paid to the frames of each video time and their tokens held: the `k`
+    times whose frames drew the most attention per token held, of those that drew at least
+    EVIDENCE_FLOOR of the most; each weighted by its share of the attention per token of every
+    time (docs/engine.md, "Evidence")."""
+    per_token = {t: mass / held for t, (mass, held) in attention.items() if held}
+    total = sum(per_token.values())
+    if total <= 0:
+        return []
+    best = sorted(per_token.items(), key=lambda item: -item[1])[:k]
+    return [Evidence(round(t, 3), round(w / total, 4)) for t, w in best if w >= EVIDENCE_FLOOR * best[0][1]]

@@ -404,12 +404,13 @@ class KVCache:
 
     # -- read ----------------------------------------------------------------------------------
 
-    def frame_attention(self) -> dict[float, float]:
-        """Attention the last queries (up to `evidence_window`) paid to the frames still held,
-        summed over layers, heads and queries, by the frame's video time."""
+    def frame_attention(self) -> dict[float, tuple[float, int]]:
+        """By the frame's video time: the attention the last queries (up to `evidence_window`)
+        paid to its tokens still held, summed over layers, heads and queries, and how many of
+        its tokens the layers' KV heads hold (a token held in two heads counts twice)."""
         if self._queries[0].read() is None:
             return {}
-        mass: dict[float, float] = {}
+        mass: dict[float, tuple[float, int]] = {}
         for layer in range(self.num_layers):
             frames = self.kinds[layer] == FRAME
             if not frames.any():  # text alone: nothing to weigh
@@ -417,10 +418,11 @@ class KVCache:
             queries = self._queries[layer].read()[:, -self.evidence_window :]
             received = causal_attention(queries, self.rotated_keys(layer), self._scaling[layer]).sum(dim=(1, 2)).cpu()
             times, weights = self.times[layer][frames], received[frames]
-            unique, slot = torch.unique(times, return_inverse=True)
+            unique, slot, counts = torch.unique(times, return_inverse=True, return_counts=True)
             per_time = torch.zeros(unique.shape[0]).index_add_(0, slot, weights)
-            for t, w in zip(unique.tolist(), per_time.tolist()):
-                mass[t] = mass.get(t, 0.0) + w
+            for t, w, n in zip(unique.tolist(), per_time.tolist(), counts.tolist()):
+                before = mass.get(t, (0.0, 0))
+                mass[t] = (before[0] + w, before[1] + n)
         return mass
 
     def held_per_second(self, kind: int, seconds: int) -> torch.Tensor:
