@@ -66,6 +66,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_buffers import take
+
 SIMILARITY_SHARPNESS = 20.0  # a question key's softmax over pages is of 20 x cosine similarity
 INDEX_DTYPE = torch.bfloat16  # of the representative keys' sums (at most page_tokens keys each)
 DROP_RULES = ("novel", "oldest")
@@ -334,14 +336,10 @@ class HostTier:
     def _lend(self, layer: int, chosen: torch.Tensor, order: torch.Tensor, device: torch.device) -> Retrieval:
         """The tokens at `chosen` (kv_heads, count) of `layer`, keys and values on `device`."""
         heads, count = chosen.shape
-        per_head = self.slots * self.page_tokens
-        rows = (chosen + torch.arange(heads)[:, None] * per_head).view(-1)  # into the layer's (kv_heads * slots * page_tokens) rows
 
         def lend(pool: torch.Tensor) -> torch.Tensor:
-            """Whole rows copied (index_select): many times faster than a gather over head_dim."""
             out = torch.empty(heads * count, pool.shape[-1], dtype=pool.dtype, pin_memory=device.type == "cuda")
-            torch.index_select(pool[layer].view(heads * per_head, -1), 0, rows, out=out)
-            return out.view(1, heads, count, -1).to(device, non_blocking=True)
+            return take(pool[layer].flatten(1, 2)[None], chosen, out=out).to(device, non_blocking=True)
 
         tokens = Tokens(
             lend(self.keys),

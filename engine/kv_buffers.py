@@ -234,13 +234,14 @@ class PreRopeLayer(DynamicLayer):
         return self._rotated.tokens
 
 
-def take(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def take(tokens: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """(1, kv_heads, k, head_dim) each KV head's tokens of (1, kv_heads, N, head_dim) at its own
     indices (kv_heads, k): whole rows copied (index_select), many times faster than a gather
-    with an index expanded over head_dim, and the same values."""
+    with an index expanded over head_dim, and the same values. Written into `out` (kv_heads * k
+    rows of head_dim, e.g. pinned memory) when given."""
     _, heads, total, dim = tokens.shape
     rows = (index + torch.arange(heads, device=index.device)[:, None] * total).reshape(-1)
-    return tokens.reshape(heads * total, dim).index_select(0, rows).view(1, heads, -1, dim)
+    return torch.index_select(tokens.reshape(heads * total, dim), 0, rows, out=out).view(1, heads, -1, dim)
 
 
 class QueryWindow:
