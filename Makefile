@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway bench-needle bench-recall bench-fairness bench-chaos bench-gpu train-demo
+.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway bench-needle bench-recall bench-fairness bench-chaos bench-pool bench-gpu train-demo
 
 run: $(STAMP)
 	$(BIN)/python -m streamvqa.run
@@ -47,6 +47,11 @@ bench-fairness: $(STAMP)
 # Kills workers, gateways and Redis at random for 5 minutes while sessions stream, upload and ask.
 bench-chaos: $(STAMP)
 	$(BIN)/python -m bench.chaos $(BENCH_ARGS)
+
+# Sessions in turn with their caches in a KV pool and without (resident memory), and `full` over
+# a long stream (time per frame): BENCH_ARGS="turns" or "stream".
+bench-pool: $(STAMP)
+	$(BIN)/python -m bench.pool $(BENCH_ARGS)
 
 # LLaVA-OneVision-Qwen2-7B's published shape with random bfloat16 weights, on one CUDA GPU (no
 # download; about 10 minutes); BENCH_ARGS="--device cpu --shape tiny" is a smoke test on a CPU.

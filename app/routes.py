@@ -51,6 +51,11 @@ class WorkerMemory(BaseModel):
     ram_free_bytes: int = Field(description="RAM free (to anyone) when it last looked.")
     default_sessions: int = Field(description="Sessions of the default budget its cache memory holds.")
     warning: str | None = Field(description="Set while that is under 2: why, and what to do.")
+    pool_pages: int = Field(0, description="Pages of its KV pool, allocated once at start: every session's cache is a run of them.")
+    pool_free_pages: int = Field(0, description="Of those, the pages no session leases.")
+    pool_page_tokens: int = Field(0, description="Cache tokens a page holds (keys, values and rotated keys, in every layer).")
+    pool_bytes: int = Field(0, description="Bytes of the whole pool.")
+    pool_session_pages: dict[str, int] = Field({}, description="Pages each session it holds leases, by session id.")
 
 
 class ServedModel(BaseModel):
@@ -154,6 +159,8 @@ async def list_models(store: Store, settings: Settings) -> ModelList:
             host_memory=worker.host_memory, host_memory_bytes=worker.host_memory_bytes,
             host_free_bytes=worker.host_free_bytes, ram_free_bytes=worker.ram_free_bytes,
             default_sessions=worker.default_sessions, warning=worker.memory_warning,
+            pool_pages=worker.pool_pages, pool_free_pages=worker.pool_free_pages, pool_page_tokens=worker.pool_page_tokens,
+            pool_bytes=worker.pool_bytes, pool_session_pages=worker.pool_session_pages,
         ))
     return ModelList(default=settings.model, models=sorted(served.values(), key=lambda m: m.name))
 

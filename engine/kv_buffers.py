@@ -95,12 +95,17 @@ class Rows:
     place, and only a full buffer is copied, into one GROWTH times what it must hold but no
     larger than `most` (unless it must hold more), so its storage never exceeds GROWTH times
     the most tokens it held, nor `most` when it held no more. `tokens` is a view of the n
-    tokens: an append leaves earlier views as they were, an assignment writes over them."""
+    tokens: an append leaves earlier views as they were, an assignment writes over them.
 
-    def __init__(self, most: int | None = None) -> None:
+    With a `home` (a session's slots in the worker's pool, `engine/kv_pool.py`), the buffer
+    is the home, allocated once: tokens past it (which a session's lease is sized never to
+    need) go to a buffer of their own until the tokens fit the home again."""
+
+    def __init__(self, most: int | None = None, home: torch.Tensor | None = None) -> None:
         self.buffer: torch.Tensor | None = None  # (1, kv_heads, capacity, head_dim)
         self.length = 0
         self.most = most
+        self.home = home  # (1, kv_heads, slots, head_dim)
 
     @property
     def tokens(self) -> torch.Tensor | None:
@@ -134,9 +139,11 @@ class Rows:
                 self.length = count
                 return True
         if buffer is not None and tokens.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
-            tokens = tokens.clone()  # other tokens of this buffer: they would be written over
+            tokens = tokens.clone()  # other tokens of this buffer (or of the pool): they would be written over
         kind = (tokens.shape[1], tokens.shape[3], tokens.dtype, tokens.device)
-        if buffer is None or count > buffer.shape[2] or (buffer.shape[1], buffer.shape[3], buffer.dtype, buffer.device) != kind:
+        if buffer is not self.home and self._home_fits(count, tokens):
+            self.buffer = self.home  # back home from a buffer of its own
+        elif buffer is None or count > buffer.shape[2] or (buffer.shape[1], buffer.shape[3], buffer.dtype, buffer.device) != kind:
             self._grow(count, tokens, keep=False)
         self.buffer.narrow(2, 0, count).copy_(tokens)
         self.length = count
@@ -145,6 +152,11 @@ class Rows:
     def _grow(self, count: int, like: torch.Tensor, keep: bool) -> None:
         """A new buffer with room for GROWTH times `count` tokens of `like`'s kind; `keep`: with
         the n tokens held copied in."""
+        if self._home_fits(count, like):
+            if keep and self.length and self.buffer is not self.home:
+                self.home.narrow(2, 0, self.length).copy_(self.buffer.narrow(2, 0, self.length))
+            self.buffer = self.home
+            return
         _, heads, _, dim = like.shape
         size = math.ceil(GROWTH * count)
         if self.most is not None:
@@ -155,6 +167,14 @@ class Rows:
             buffer.narrow(2, 0, self.length).copy_(self.buffer.narrow(2, 0, self.length))
         self.buffer = buffer
 
+    def _home_fits(self, count: int, like: torch.Tensor) -> bool:
+        home = self.home
+        return (
+            home is not None
+            and count <= home.shape[2]
+            and (home.shape[1], home.shape[3], home.dtype, home.device) == (like.shape[1], like.shape[3], like.dtype, like.device)
+        )
+
 
 class PreRopeLayer(DynamicLayer):
     """A transformers cache layer that stores keys as they were before the rotary embedding: the
@@ -162,17 +182,21 @@ class PreRopeLayer(DynamicLayer):
 
     Beside them it keeps `rotated()`, the same keys rotated at their indices: appending rotates
     the new keys into it, and assigning `keys` (which is how an eviction, a borrowing, a
-    give-back or a rollback moves tokens) or `release()` drops it (a cut keeps what it holds of
-    the tokens left), to be made again from the stored keys when next read. Each key is rotated
+    give-back or a rollback moves tokens) empties it (a cut keeps what it holds of the tokens
+    left), to be made again from the stored keys when next read. Each key is rotated
     the same way whenever it is, so the copy is bit for bit what rotating every stored key from
     scratch gives. Keys, values and the copy are each in a buffer with room for more tokens
-    (`Rows`, no larger than `most_tokens` while they hold no more), so that a forward writes
-    only its new tokens; what `keys`, `values`, `update` and `rotated` return are views, valid
-    until the next assignment."""
+    (`Rows`, no larger than `most_tokens` while they hold no more, or a session's slots in the
+    worker's pool: `homes`, of keys, values and the copy), so that a forward writes only its new
+    tokens; what `keys`, `values`, `update` and `rotated` return are views, valid until the next
+    assignment."""
 
-    def __init__(self, table: PositionTable, most_tokens: int | None = None) -> None:
+    def __init__(
+        self, table: PositionTable, most_tokens: int | None = None, homes: tuple[torch.Tensor | None, ...] = (None, None, None)
+    ) -> None:
         self.most_tokens = most_tokens
-        self._keys, self._values = Rows(most_tokens), Rows(most_tokens)
+        self._keys, self._values = Rows(most_tokens, homes[0]), Rows(most_tokens, homes[1])
+        self._rotated_home = homes[2]
         self._rotated: Rows | None = None  # its first `length` tokens: the first keys, rotated
         super().__init__()
         self.table = table
@@ -218,14 +242,15 @@ class PreRopeLayer(DynamicLayer):
             rotate(unrotated, cos, sin, self.table.scale, out=copy.extend(count, unrotated))
         return self.keys, self.values
 
-    def release(self) -> None:
-        """Let the rotated copy go (it is made again when next read)."""
-        self._rotated = None
+    def leave_home(self) -> None:
+        """Hold nothing, and no more in the pool's slots (`homes`)."""
+        self.keys = self.values = None
+        self._keys.home = self._values.home = self._rotated_home = self._rotated = None
 
     def rotated(self) -> torch.Tensor:
         """(1, kv_heads, N, head_dim) the stored keys rotated at their indices."""
         if self._rotated is None:
-            self._rotated = Rows(self.most_tokens)
+            self._rotated = Rows(self.most_tokens, self._rotated_home)
         done, total = self._rotated.length, self._keys.length
         if done < total:
             stored = self._keys.buffer.narrow(2, done, total - done)

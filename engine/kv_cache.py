@@ -8,12 +8,11 @@ number, n.
 Positions are re-encoded at every eviction: a token's position is always its index 0..n-1, so
 positions never exceed the cache's peak size, whatever the stream's length. The keys are kept
 as they were before the rotary embedding (each new key is turned back from its position once,
-when it is stored), and beside them, while a prompt or an answer runs, a copy rotated at their
+when it is stored), and beside them a copy rotated at their
 indices with the model's own rotary embedding, which the attention reads. A forward rotates
 only its new tokens into the copy; whatever moves tokens to other indices (an eviction, a
 borrowing, a give-back) replaces the stored keys, and the copy is made again from them at the
-next forward; `evict`, called after every prompt, lets it go, so between prompts the cache
-holds its keys and values alone. So an eviction is a gather, and however many evictions a key
+next forward (in its own buffer, which stays). So an eviction is a gather, and however many evictions a key
 lives through, what the attention sees is one rotation away from what the model computed: in
 bfloat16, rotating kept keys from position to position at every eviction instead lets the
 rounding build up (measured: 9% after 150 moves, 40% after 1,000).
@@ -23,7 +22,7 @@ many again as the most it held, and no more than the cache's expected peak, `mos
 it holds no more), so that a forward writes only its new tokens, in place, where a transformers
 cache copies the whole layer; each token's kind, time and place, and the last queries, wait for
 a few forwards and are joined once. At its peak, then, a cache takes its peak's keys and values
-and, while a prompt or an answer runs, a copy of its keys: 1.5 times its keys and values.
+and a copy of its keys: 1.5 times its keys and values.
 
 With a host tier (`engine/host_tier.py`), what an eviction removes moves there instead of
 being dropped, and a question may borrow pages back: `begin_retrieval` reserves their places,
@@ -52,6 +51,7 @@ from torch import nn
 
 from engine.host_tier import HostTier, Tokens
 from engine.kv_buffers import LayerStore, PositionTable, PreRopeLayer, QueryWindow, outside_inference, rotate, take
+from engine.kv_pool import KEYS, ROTATED, VALUES, Lease
 from engine.policies import Observation, Policy
 
 TEXT, FRAME = 0, 1
@@ -81,15 +81,20 @@ class KVCache:
         evidence_window: int = 32,
         host: HostTier | None = None,
         most_tokens: int | None = None,
+        lease: Lease | None = None,
     ) -> None:
         """`most_tokens`: the most the cache is expected to hold at once; its buffers grow past
-        it only when it holds more."""
+        it only when it holds more. `lease`: its slots in the worker's pool, which its buffers
+        are instead (`engine/kv_pool.py`)."""
         self.policy = policy
         self.rotary = rotary
         self.kv_heads = kv_heads
         self.evidence_window = evidence_window
         self.positions = PositionTable(rotary)
-        self.hf: LayerStore = LayerStore([PreRopeLayer(self.positions, most_tokens) for _ in range(num_layers)])
+        self.lease = lease
+        self.hf: LayerStore = LayerStore([
+            PreRopeLayer(self.positions, most_tokens, self._homes(layer)) for layer in range(num_layers)
+        ])
         self._kinds = [torch.empty(kv_heads, 0, dtype=torch.int8) for _ in range(num_layers)]
         self._times = [torch.empty(kv_heads, 0) for _ in range(num_layers)]
         self._order = [torch.empty(kv_heads, 0, dtype=torch.int64) for _ in range(num_layers)]  # place in the stream
@@ -120,6 +125,22 @@ class KVCache:
         self.evicted_tokens = 0
         self.evict_s = 0.0
         self.max_position = -1
+
+    def _homes(self, layer: int) -> tuple[torch.Tensor | None, ...]:
+        if self.lease is None:
+            return (None, None, None)
+        return tuple(self.lease.rows(part, layer) for part in (KEYS, VALUES, ROTATED))
+
+    def release(self) -> None:
+        """Give the cache's slots back to the pool, and hold nothing: the cache is done with. (A
+        later forward would hold its tokens in buffers of its own, never in the pool's pages,
+        which another session may lease now.)"""
+        if self.lease is None:
+            return
+        for cached in self.hf.layers:
+            cached.leave_home()
+        self.lease.release()
+        self.lease = None
 
     @property
     def num_layers(self) -> int:
@@ -349,8 +370,9 @@ class KVCache:
 
     def evict(self) -> None:
         """Down to the policy's budget, if over it. The queries seen so far are dropped either
-        way (the next prompt brings its own window), and so are the rotated keys (the next
-        prompt's first forward rotates them again); what accumulates is kept until an eviction."""
+        way (the next prompt brings its own window); what accumulates is kept until an
+        eviction. The rotated copy stays: what an eviction moved is rotated again at the next
+        forward, and a cache that evicted nothing rotates only the next prompt's tokens."""
         if any(b is not None for b in self.borrowed):
             self._forget_queries()
             return
@@ -365,8 +387,6 @@ class KVCache:
             self.evicted_tokens += removed
             self.evict_s += time.perf_counter() - started
         self._forget_queries()
-        for cached in self.hf.layers:  # between prompts, keys and values only
-            cached.release()
 
     def _evict_layer(self, layer: int) -> tuple[torch.Tensor, ...] | None:
         """Keep the policy's choice; with a host tier, returns what left, in stream order per KV

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine import attention
 from engine.kv_cache import KVCache
@@ -65,29 +64,43 @@ class _Packed:
 
     def __init__(self, segments: list[_Segment]) -> None:
         self.segments = segments
-        self._masks: dict[tuple[int, int], torch.Tensor] = {}  # (new, total) -> mask, the same in every layer
+        self._masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (group, new, total) -> mask, the same in every layer
 
     def attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
         layer, outputs = module.layer_idx, []
-        kwargs.pop("is_causal", None)
         for segment in self.segments:
             new = slice(segment.start, segment.end)
             queries = query[:, :, new]  # (1, q_heads, c, head_dim)
             keys, values = segment.cache.hf.layers[layer].update(key[:, :, new], value[:, :, new])
             keys, values = segment.cache.attend(layer, queries, keys, values, module.scaling)  # (1, kv_heads, N, head_dim)
-            output, _ = sdpa_attention_forward(
-                module, queries, keys, values, self._mask(queries.shape[2], keys.shape[2], keys.device), is_causal=False, **kwargs
-            )
-            outputs.append(output)  # (1, c, q_heads, head_dim)
+            outputs.append(self._attend(queries, keys, values, module.scaling))  # (1, c, q_heads, head_dim)
         return torch.cat(outputs, dim=1)
 
-    def _mask(self, count: int, total: int, device: torch.device) -> torch.Tensor | None:
-        """(1, 1, c, N): each new token sees the cache and the new tokens up to itself; None for one token."""
+    def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+        """(1, c, q_heads, head_dim) the c new tokens' queries (1, q_heads, c, head_dim) over the N
+        keys and values (1, kv_heads, N, head_dim), the last c of them their own. The query heads
+        that share a KV head are one longer run of queries over it (transformers' q heads g *
+        group .. (g + 1) * group - 1 read KV head g), so no key or value is copied per query head."""
+        _, q_heads, count, dim = queries.shape
+        kv_heads, total = keys.shape[1], keys.shape[2]
+        group = q_heads // kv_heads
+        grouped = queries.reshape(1, kv_heads, group * count, dim)
+        mask = self._mask(group, count, total, queries)
+        output = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scaling)
+        return output.view(1, q_heads, count, dim).transpose(1, 2)
+
+    def _mask(self, group: int, count: int, total: int, like: torch.Tensor) -> torch.Tensor | None:
+        """(group * c, N) added to the attention's logits: each new token sees the cache and the
+        new tokens up to itself (0), not those after it (-inf), in each of the `group` runs of
+        queries; in `like`'s dtype, made once for every layer (SDPA would turn a boolean mask
+        into this at every call). None for one token."""
         if count == 1:
             return None
-        if (count, total) not in self._masks:
-            self._masks[count, total] = torch.ones(count, total, dtype=torch.bool, device=device).tril(total - count)[None, None]
-        return self._masks[count, total]
+        if (group, count, total) not in self._masks:
+            hidden = torch.ones(count, total, dtype=torch.bool, device=like.device).triu(total - count + 1)
+            mask = torch.zeros(count, total, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
+            self._masks[group, count, total] = mask.repeat(group, 1)
+        return self._masks[group, count, total]
 
 
 def run(model: Model, prompts: Sequence[Prompt]) -> list[Ran]:

@@ -33,6 +33,7 @@ from engine.answer import Answer
 from engine.host_tier import HostTier
 from engine.kv_buffers import outside_inference
 from engine.kv_cache import FRAME, TEXT, KVCache
+from engine.kv_pool import KVPool
 from engine.memory_map import Memory, Seen, SessionStats, cache_stats, memory_map
 from engine.model import Model
 from engine.policies import Policy, make_policy
@@ -160,8 +161,11 @@ def turn_marker_tokens(model: Model) -> int:
 
 
 class Session:
-    def __init__(self, model: Model, config: SessionConfig | None = None) -> None:
-        self._setup(model, config or SessionConfig())
+    def __init__(self, model: Model, config: SessionConfig | None = None, pool: KVPool | None = None) -> None:
+        """With `pool` (the worker's, of this model), the cache leases its slots there, for the
+        most it holds at once (`peak_tokens`, or the context), until `release()`; PoolFull when
+        no run of pages is free."""
+        self._setup(model, config or SessionConfig(), pool)
         opening = self._text(model.chat.open(self.config.system_prompt))
         if self.config.pin_turns and self.policy.evicts:
             pinned = opening.tokens + self.config.pin_turns * turn_marker_tokens(model)
@@ -176,14 +180,16 @@ class Session:
         self.run_alone([opening])
         self.cache.evict()
 
-    def _setup(self, model: Model, config: SessionConfig) -> None:
+    def _setup(self, model: Model, config: SessionConfig, pool: KVPool | None) -> None:
         self.model = model
         self.config = config
         self.policy = config.make_policy()
         self.context_tokens = min(model.context_tokens, config.context_tokens or model.context_tokens)
+        most_tokens = min(config.peak_tokens or self.context_tokens, self.context_tokens)
+        lease = None if pool is None else pool.lease(most_tokens, owner=self)
         self.cache = KVCache(
             self.policy, model.rotary, model.num_layers, model.kv_heads, EVIDENCE_WINDOW, config.make_host_tier(),
-            most_tokens=min(config.peak_tokens or self.context_tokens, self.context_tokens),
+            most_tokens=most_tokens, lease=lease,
         )
         self._frames = 0
         self._video_time_s = 0.0
@@ -384,16 +390,21 @@ class Session:
         torch.save(state, buffer)
         return buffer.getvalue()
 
+    def release(self) -> None:
+        """The session is over: its cache's slots go back to the worker's pool, and it holds
+        nothing more (without a pool: nothing)."""
+        self.cache.release()
+
     @classmethod
-    def restore(cls, model: Model, data: bytes) -> "Session":
-        """The session a `snapshot` was taken of, on `model` (the same model)."""
+    def restore(cls, model: Model, data: bytes, pool: KVPool | None = None) -> "Session":
+        """The session a `snapshot` was taken of, on `model` (the same model), in `pool`'s slots if given."""
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         if state.get("format") not in (1, 2, SNAPSHOT_FORMAT):
             raise ValueError(f"unknown snapshot format {state.get('format')!r}")
         if state["model"] != model.name:
             raise ValueError(f"the snapshot is of model {state['model']!r}, not {model.name!r}")
         session = cls.__new__(cls)
-        session._setup(model, SessionConfig(**state["config"]))
+        session._setup(model, SessionConfig(**state["config"]), pool)
         session.cache.load(state["cache"], model.device)
         session._frames, session._video_time_s, session._tokens_seen = state["counters"]
         session._logits = None if state["logits"] is None else state["logits"].to(model.device)

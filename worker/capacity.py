@@ -18,6 +18,7 @@ import torch
 
 from engine import Model, SessionConfig
 from engine.host_tier import index_bytes_per_token
+from engine.kv_pool import KVPool
 from streamvqa import protocol
 from streamvqa.protocol import (
     QUEUE_TIME_BUCKETS_S, STEP_SESSIONS_BUCKETS, TIME_PER_OUTPUT_TOKEN_BUCKETS_S, Histogram, SessionRecord,
@@ -95,7 +96,10 @@ def _mib(n: int) -> str:
 
 class Capacity:
     """Each session reserves its peak cache (and its index of the host tier) on the device, and
-    its host tier's bound in host memory; `refresh` sizes both memories again."""
+    its host tier's bound in host memory; `refresh` sizes both memories again. The caches
+    themselves live in the worker's KV pool (`make_pool`), allocated once from the cache
+    memory offered at start: a session is taken only when its bytes fit what is offered now
+    and a run of the pool's pages is free for its peak."""
 
     def __init__(self, settings: WorkerSettings, model: Model, read: ReadMemory = read_memory) -> None:
         self.kv_bytes_per_token = model.kv_bytes_per_token
@@ -121,7 +125,21 @@ class Capacity:
         )
         self.warning: str | None = None  # said in the registry while the cache memory is short
         self._warned_sessions = -1
+        self._model = model
+        self.pool: KVPool | None = None  # made by `make_pool`
         self.refresh([])
+
+    def make_pool(self) -> KVPool:
+        """The worker's KV pool: as many pages as the cache memory offered now holds."""
+        model = self._model
+        self.pool = KVPool.sized(
+            self.kv.offered_bytes, model.num_layers, model.kv_heads, model.head_dim, protocol.POOL_PAGE_TOKENS, model.dtype, model.device
+        )
+        log.info(
+            "KV pool: %d pages of %d tokens, %s (%s)", self.pool.total_pages, self.pool.page_tokens,
+            _mib(self.pool.nbytes), "taken now" if model.device.type == "cuda" else "RAM taken as sessions first use it",
+        )
+        return self.pool
 
     @property
     def kv_memory_bytes(self) -> int:
@@ -187,10 +205,12 @@ class Capacity:
         return max(0, self.host_memory_bytes - reserved)
 
     def fits(self, record: SessionRecord, held: list[SessionRecord]) -> bool:
-        """Whether the session's peak cache and its host tier fit in the memory not reserved yet."""
+        """Whether the session's peak cache and its host tier fit in the memory not reserved yet,
+        and its cache in a run of the pool's free pages."""
         return (
             self.device_bytes(record) <= self.kv_free_bytes(held)
             and record.host_budget_tokens * self.host_bytes_per_token <= self.host_free_bytes(held)
+            and (self.pool is None or self.pool.can_lease(self.peak_tokens(record)))
         )
 
 

@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from engine import Model, Session, SessionConfig
+from engine.kv_pool import PoolFull
 from streamvqa import protocol
 from streamvqa.pending import leave
 from streamvqa.protocol import Keys, SessionRecord, SessionState
@@ -119,11 +120,13 @@ class Claims:
             stored.pop(b"token_sha256", None)
             record = SessionRecord.from_hash(stored)
             if not self.capacity.fits(record, [h.record for h in self.sessions.values()]):
-                await self.leases.release(session_id)  # no room for its cache here: back in the queue
-                await self.leases.requeue(session_id)
-                self._no_room_until = time.monotonic() + NO_ROOM_WAIT_S
+                await self._no_room(session_id)
                 return
-            hosted = await self._open(session_id, record)
+            try:
+                hosted = await self._open(session_id, record)
+            except PoolFull:  # its snapshot's cache peaks higher than its record says
+                await self._no_room(session_id)
+                return
         except FAILURES:
             raise
         except OptionsDoNotFit as err:  # the client's options, not a fault: the session fails saying why
@@ -142,6 +145,7 @@ class Claims:
         if not await self.leases.renew(session_id, hosted):
             if hosted.ingest is not None:
                 hosted.ingest.close(delete=False)
+            await self.threads.engine(hosted.engine.release)
             return  # opening took longer than the lease, and another worker has it now
         self.sessions[session_id] = hosted
         await self.records.set(session_id, worker=self.leases.worker_id, **progress(hosted.engine))
@@ -149,17 +153,23 @@ class Claims:
         await self._replay(session_id)
         log.info("took session %s", session_id)
 
+    async def _no_room(self, session_id: str) -> None:
+        """No room for the session's cache here: back in the queue, for this or another worker."""
+        await self.leases.release(session_id)
+        await self.leases.requeue(session_id)
+        self._no_room_until = time.monotonic() + NO_ROOM_WAIT_S
+
     async def _open(self, session_id: str, record: SessionRecord) -> Hosted:
         """The session's engine and ingest: restored from its snapshot when it has one."""
         snapshot = await self.store.load(session_id)
         if snapshot is None:
             try:
-                hosted = Hosted(record, await self.threads.engine(Session, self.model, self._config(record)))
+                hosted = Hosted(record, await self.threads.engine(Session, self.model, self._config(record), self.capacity.pool))
             except ValueError as err:  # the engine's checks of the options against the model (pins, the opening)
                 raise OptionsDoNotFit(f"the session's options do not fit its model: {err}") from err
         else:
             log.info("session %s: restoring its snapshot of %d bytes", session_id, len(snapshot.engine))
-            hosted = Hosted(record, await self.threads.engine(Session.restore, self.model, snapshot.engine))
+            hosted = Hosted(record, await self.threads.engine(Session.restore, self.model, snapshot.engine, self.capacity.pool))
         await self.intake.reopen(session_id, hosted, snapshot.ingest if snapshot is not None else None)
         return hosted
 

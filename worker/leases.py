@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from redis.asyncio import Redis
 
+from engine.kv_pool import KVPool
 from streamvqa.pending import enqueue, leave
 from streamvqa.protocol import Keys, WorkerInfo, scripts
 from worker.capacity import Capacity, Counters
@@ -22,6 +23,20 @@ from worker.pins import PinCosts
 log = logging.getLogger(__name__)
 
 DEAD_WORKER_FORGET_S = 3600  # workers silent this long leave the registry
+
+
+def pool_fields(pool: KVPool | None, sessions: Mapping[str, Hosted]) -> dict:
+    """The registry's fields of the worker's KV pool: its pages, and those each session leases."""
+    if pool is None:
+        return {}
+    held = {session_id: hosted.engine.cache.lease for session_id, hosted in sessions.items()}
+    return {
+        "pool_pages": pool.total_pages,
+        "pool_free_pages": pool.free_pages,
+        "pool_page_tokens": pool.page_tokens,
+        "pool_bytes": pool.nbytes,
+        "pool_session_pages": {session_id: lease.pages for session_id, lease in held.items() if lease is not None},
+    }
 
 
 class Leases:
@@ -121,6 +136,7 @@ class Leases:
             ram_free_bytes=capacity.host.free_bytes,
             default_sessions=capacity.default_sessions,
             memory_warning=capacity.warning,
+            **pool_fields(capacity.pool, sessions),
             host_bytes=sum(h.host_bytes for h in sessions.values()),
             retrieved_tokens=counters.retrieved_tokens,
             retrieved_pages=counters.retrieved_pages,

@@ -94,6 +94,7 @@ class Worker:
         self._failing_since: float | None = None  # monotonic time the loop's turns began to fail
         self.threads = threads = Threads()
         self.capacity = Capacity(settings, model)
+        self.capacity.make_pool()
         self.counters = counters = Counters()
         self.spool_dir = settings.spool_dir / prefix_folder(settings.redis_prefix)
         self.store = SnapshotStore(
@@ -296,6 +297,7 @@ class Worker:
         hosted = self.sessions.pop(session_id)
         await self.answering.drop(hosted)
         await self.intake.close(hosted, delete=delete_spool)
+        await self.threads.engine(hosted.engine.release)  # its pages back to the pool
         log.info("dropped session %s", session_id)
 
     async def _park(self, session_id: str, hosted: Hosted) -> None:

@@ -30,9 +30,11 @@ MAX_HOST_BUDGET_TOKENS = 4_000_000
 # Host bytes per token beside its keys and values, per layer and KV head: kind (1), time (4), held (1)
 HOST_TOKEN_OVERHEAD_BYTES = 6
 
-# A cache's memory per token over its keys and values: while a prompt or an answer runs, it also
+# A cache's memory per token over its keys and values: it also
 # holds its keys rotated at their positions (engine/kv_cache.py)
 WITH_ROTATED_KEYS = 1.5
+# A worker's KV pool is in pages of this many tokens (engine/kv_pool.py): a session reserves whole pages
+POOL_PAGE_TOKENS = 64
 DEFAULT_BUDGET_TOKENS = 8192  # a bounded session's budget when none is given, unless its model's context leaves less (the engine's: tests/worker/test_session_options.py)
 
 
@@ -53,10 +55,12 @@ def session_peak_tokens(policy: str, budget_tokens: int, retrieval_tokens: int, 
 def reserved_device_bytes(
     peak_tokens: int, host_tokens: int, kv_bytes_per_token: int, index_bytes_per_host_token: float
 ) -> int:
-    """The cache memory a session reserves on its worker: its peak cache's keys and values and,
-    while a prompt or an answer runs, a copy of its keys rotated at their positions (half as
-    much again; engine/kv_cache.py), and with recall its host tier's index."""
-    return math.ceil(peak_tokens * kv_bytes_per_token * WITH_ROTATED_KEYS) + math.ceil(host_tokens * index_bytes_per_host_token)
+    """The cache memory a session reserves on its worker: the whole pages of its worker's KV
+    pool that its peak cache takes (keys and values, and a copy of its keys rotated at their
+    positions, half as much again; engine/kv_cache.py), and with recall its host tier's index."""
+    pages = math.ceil(peak_tokens / POOL_PAGE_TOKENS)
+    cache = math.ceil(pages * POOL_PAGE_TOKENS * kv_bytes_per_token * WITH_ROTATED_KEYS)
+    return cache + math.ceil(host_tokens * index_bytes_per_host_token)
 
 
 class Keys:

@@ -226,6 +226,13 @@ class WorkerInfo(BaseModel):
     ram_free_bytes: int = 0
     default_sessions: int = 0  # sessions of the default budget its cache memory holds
     memory_warning: str | None = None  # set while that is under 2
+    # its KV pool (engine/kv_pool.py): pages of `pool_page_tokens` cache tokens each, allocated once at start
+    # (0 pages: it has none); each session it holds leases a run of them (`pool_session_pages`, by session)
+    pool_pages: int = 0
+    pool_free_pages: int = 0
+    pool_page_tokens: int = 0
+    pool_bytes: int = 0
+    pool_session_pages: dict[str, int] = {}
     # what `pin_turns` pins on its model (SessionOptions.check_pins; 0: unknown)
     opening_tokens: int = 0  # the opening, with the model's default system prompt
     turn_marker_tokens: int = 0  # the markers closing one question and its answer

@@ -5,6 +5,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from tests.support import Client, Stack, delete_prefix
@@ -117,6 +118,10 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
         assert r["message"] == no_room or (r["message"].startswith(no_room + ": ") and r["message"].endswith(reserved)), refused
     admitted = [user for user, reply in zip(users, replies, strict=True) if reply.status_code == 201]
     assert [user.wait_for_state("ready", timeout_s=30)["worker"] for user in admitted] == ["a", "a"]
+    if memory == "cache":  # the worker's KV pool: 10 MB in pages of 64 tokens (49,152 bytes), 80 pages a session
+        pool = _pool_when(stack, lambda pool: len(pool["pool_session_pages"]) == 2)
+        assert (pool["pool_pages"], pool["pool_page_tokens"], pool["pool_bytes"]) == (203, 64, 203 * 49_152)
+        assert (pool["pool_free_pages"], sorted(pool["pool_session_pages"].values())) == (43, [80, 80])
 
     late = Client(stack.url)
     reply = late.create(**options)
@@ -127,3 +132,17 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
         assert reply.json()["code"] == "no_capacity" and time.monotonic() < deadline, reply.text
         time.sleep(0.2)
     assert late.wait_for_state("ready", timeout_s=30)["worker"] == "a"
+    if memory == "cache":  # the deleted session's pages went back, and the new one leased them
+        pool = _pool_when(stack, lambda pool: late.id in pool["pool_session_pages"])
+        assert (pool["pool_free_pages"], len(pool["pool_session_pages"])) == (43, 2)
+
+
+def _pool_when(stack, ready, timeout_s: float = 10.0) -> dict:
+    """The worker's memory in GET /models once `ready(memory)`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (model,) = httpx.get(f"{stack.url}/models").json()["models"]
+        (memory,) = model["memory"]
+        if ready(memory) or time.monotonic() > deadline:
+            return memory
+        time.sleep(0.2)

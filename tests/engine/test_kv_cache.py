@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import load_model
+from engine import kv_buffers
 from engine.kv_buffers import GROWTH, rotate
 from engine.kv_cache import MERGE_EVERY, KVCache
 from engine.policies import make_policy
@@ -129,3 +130,24 @@ def test_a_snapshot_holds_the_tokens_alone_not_the_room_after_them(rope):
         assert stored.shape == (1, HEADS, 100, HEAD_DIM)
         assert stored.untyped_storage().nbytes() == 100 * HEADS * HEAD_DIM * 4
     assert torch.equal(state["keys"][1], cache.hf.layers[1].keys)
+
+
+def test_prompts_that_evict_nothing_rotate_only_their_own_keys_and_one_that_evicts_rotates_again(rope, monkeypatch):
+    """`full` (and a bounded cache under its budget) keeps its rotated keys from one prompt to
+    the next: streaming a long video costs each frame its own tokens, not the whole cache again."""
+    keys, values, queries = _tokens(200, seed=6)
+    cache = KVCache(make_policy("sliding", budget_tokens=150, sinks=4, recent=40), rope, num_layers=1, kv_heads=HEADS)
+    rotated: list[int] = []
+    real = kv_buffers.rotate
+    monkeypatch.setattr(kv_buffers, "rotate", lambda stored, *a, **k: rotated.append(stored.shape[2]) or real(stored, *a, **k))
+    for start in range(0, 140, 20):  # under the budget: every prompt's 20 keys are rotated twice (stored, and the copy)
+        _run(cache, keys, values, queries, start, start + 20)
+        cache.evict()
+    assert sum(rotated) == 2 * 140
+    rotated.clear()
+    _run(cache, keys, values, queries, 140, 160)
+    cache.evict()  # 160 tokens: down to 150, which move to other indices
+    _run(cache, keys, values, queries, 160, 180)
+    assert rotated == [20, 20, 20, 170]  # 140..160 stored and copied; 160..180 stored, then the whole copy made again
+    cos, sin = cache.positions.up_to(170, keys)
+    assert torch.equal(cache.rotated_keys(0), rotate(cache.hf.layers[0].keys, cos, sin, cache.positions.scale)[0])

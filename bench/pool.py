@@ -1,0 +1,92 @@
+"""Memory and time of caches in a worker's KV pool: sessions in turn, and `full` over a long stream.
+
+    python -m bench.pool turns [--model smollm2-135m-instruct] [--sessions 16] [--budgets 512] [--tokens 4000]
+    python -m bench.pool stream [--model streamvqa-demo] [--frames 444] [--policies full,infmllm]
+
+`turns`: sessions one after another on one model, each with recall (a host tier of 16x the
+budget), streaming --tokens of random text in pieces of 600 characters, asked one question, then
+ended; once with their caches in a KV pool (as a worker runs them) and once with buffers of their
+own, each in a process of its own. Prints, per mode, the resident memory after each session, and
+the ratio of the last session's to the second's (`creep`: 1.0 is none).
+
+`stream`: frames (224 x 224, random: the time does not depend on what they show) appended one at
+a time at 2 frames/s; prints ms per frame of the first 50 and the last 50, and their ratio. For
+`full` the cache grows by a frame's tokens at every frame, so only the attention should grow.
+"""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from bench.common import emit, parser, random_text, rss_bytes, split_list
+from engine import Session, SessionConfig, load_model
+from engine.kv_pool import KVPool
+from streamvqa.protocol import POOL_PAGE_TOKENS
+
+EDGE_FRAMES = 50
+
+
+def turns(model_name: str, sessions: int, budget: int, tokens: int, pooled: bool) -> None:
+    model = load_model(model_name, "cpu")
+    config = SessionConfig(policy="infmllm", budget_tokens=budget, recall=True, peak_tokens=budget + budget // 2 + 3072)
+    pool = None
+    if pooled:  # room for one session at a time, as a worker sized for it
+        pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, -(-config.peak_tokens // POOL_PAGE_TOKENS),
+                      POOL_PAGE_TOKENS, model.dtype, model.device)
+    rng = np.random.default_rng(0)
+    after = []
+    for turn in range(sessions):
+        session = Session(model, config, pool)
+        streamed = 0
+        while streamed < tokens:
+            streamed += session.append_text(random_text(600, rng)).tokens
+        "".join(session.ask("What was said first?", max_new_tokens=8))
+        session.release()
+        del session
+        after.append(rss_bytes())
+        emit(mode="pool" if pooled else "own", session=turn + 1, rss_mib=round(after[-1] / 2**20, 1))
+    emit(mode="pool" if pooled else "own", sessions=sessions, rss_after_second_mib=round(after[1] / 2**20, 1),
+         rss_after_last_mib=round(after[-1] / 2**20, 1), creep=round(after[-1] / after[1], 3))
+
+
+def stream(model_name: str, frames: int, policy: str) -> None:
+    model = load_model(model_name, "cpu")
+    session = Session(model, SessionConfig(policy=policy, budget_tokens=1024))
+    picture = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
+    taken = []
+    for i in range(frames):
+        started = time.perf_counter()
+        session.append_frames([picture], [i * 0.5])
+        taken.append(time.perf_counter() - started)
+    first, last = (1000 * float(np.mean(part)) for part in (taken[:EDGE_FRAMES], taken[-EDGE_FRAMES:]))
+    emit(policy=policy, frames=frames, cache_tokens=session.stats().cache_tokens, threads=torch.get_num_threads(),
+         first_ms_per_frame=round(first, 1), last_ms_per_frame=round(last, 1), last_over_first=round(last / first, 2))
+
+
+def main() -> None:
+    args = parser(__doc__, policies="full,infmllm", budgets="512")
+    args.add_argument("what", choices=["turns", "stream"])
+    args.add_argument("--model", default=None)
+    args.add_argument("--sessions", type=int, default=16)
+    args.add_argument("--frames", type=int, default=444)
+    args.add_argument("--pooled", choices=["yes", "no", "both"], default="both")
+    options = args.parse_args()
+    if options.what == "stream":
+        for policy in split_list(options.policies):
+            stream(options.model or "streamvqa-demo", options.frames, policy)
+        return
+    model, budget = options.model or "smollm2-135m-instruct", split_list(options.budgets, int)[0]
+    tokens = options.tokens or 4000
+    if options.pooled != "both":
+        turns(model, options.sessions, budget, tokens, options.pooled == "yes")
+        return
+    for pooled in ("no", "yes"):  # each in a process of its own: resident memory is per process
+        subprocess.run([sys.executable, "-m", "bench.pool", "turns", "--model", model, "--sessions", str(options.sessions),
+                        "--budgets", str(budget), "--tokens", str(tokens), "--pooled", pooled], check=True)
+
+
+if __name__ == "__main__":
+    main()

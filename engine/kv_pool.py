@@ -1,0 +1,142 @@
+"""One worker's memory for every session's cache: allocated once, in pages, leased by sessions.
+
+The pool is one tensor (3, layers, kv_heads, pages * page_tokens, head_dim): keys as stored
+(before the rotary embedding), values, and the keys rotated at their indices (the copy the
+attention reads), for every layer, in pages of `page_tokens` token slots. A session leases a
+run of consecutive pages big enough for the most tokens its cache holds at once (its budget,
+a prompt, an answer and what a question borrows; a `full` session's context), once, when it
+opens: its page table is that run. Each of its layers' keys, values and rotated keys is then a
+view of its pages (1, kv_heads, tokens, head_dim), so that the attention reads them in place;
+appending writes into the next free slots of the run, an eviction gathers the kept tokens to
+its front (the slots after them are free again), and nothing is allocated while it streams.
+The lease goes back when the session ends (`Lease.release`, or when the lease is collected).
+
+Consecutive pages, so that a view needs no page table at each read: a run is found first-fit
+among the free pages, and admission asks for one (`can_lease`). Sessions of one budget take
+runs of one length, which leave no holes another such session cannot fill.
+
+The pool is allocated with `torch.empty`: on a CPU the operating system gives its pages
+memory only when first written, so resident memory grows with the sessions held up to the
+pool's size and stays there (it is reused, never given back and taken again); on a GPU it is
+taken whole at start, as vLLM takes its KV cache.
+"""
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_buffers import outside_inference
+
+KEYS, VALUES, ROTATED = 0, 1, 2  # the pool's first index: what a slot holds
+
+
+class PoolFull(RuntimeError):
+    """No run of free pages is long enough for a session's cache."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A session's run of pages: slots first_page * page_tokens .. + pages * page_tokens - 1."""
+
+    pool: "KVPool"
+    first_page: int
+    pages: int
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.pool.page_tokens
+
+    def rows(self, part: int, layer: int) -> torch.Tensor:
+        """(1, kv_heads, tokens, head_dim) this lease's slots of keys, values or rotated keys of `layer`."""
+        start = self.first_page * self.pool.page_tokens
+        return self.pool.storage[part, layer, :, start : start + self.tokens][None]
+
+    def release(self) -> None:
+        self.pool.release(self)
+
+
+class KVPool:
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, pages: int, page_tokens: int,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    ) -> None:
+        if pages < 1 or page_tokens < 1:
+            raise ValueError(f"a pool needs at least one page of at least one token, got {pages} of {page_tokens}")
+        self.page_tokens = page_tokens
+        self.total_pages = pages
+        self.free = torch.ones(pages, dtype=torch.bool)  # by page
+        self.leases: dict[int, Lease] = {}  # by first page
+        with outside_inference():
+            self.storage = torch.empty(3, layers, kv_heads, pages * page_tokens, head_dim, dtype=dtype, device=device)
+
+    @classmethod
+    def sized(
+        cls, memory_bytes: int, layers: int, kv_heads: int, head_dim: int, page_tokens: int,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    ) -> "KVPool":
+        """As many pages as `memory_bytes` holds (at least one)."""
+        page = page_bytes(layers, kv_heads, head_dim, page_tokens, dtype)
+        return cls(layers, kv_heads, head_dim, max(1, memory_bytes // page), page_tokens, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    @property
+    def page_bytes(self) -> int:
+        return self.nbytes // self.total_pages
+
+    @property
+    def free_pages(self) -> int:
+        return int(self.free.sum())
+
+    def pages_for(self, tokens: int) -> int:
+        return max(1, -(-tokens // self.page_tokens))
+
+    def longest_free_run(self) -> int:
+        """Pages in the longest run of consecutive free pages."""
+        best = run = 0
+        for free in self.free.tolist():
+            run = run + 1 if free else 0
+            best = max(best, run)
+        return best
+
+    def can_lease(self, tokens: int) -> bool:
+        return self._first_fit(self.pages_for(tokens)) is not None
+
+    def lease(self, tokens: int, owner: object | None = None) -> Lease:
+        """A run of pages for `tokens` slots; PoolFull when none is free. With `owner`, the
+        run goes back when the owner is collected, if it was not released before."""
+        pages = self.pages_for(tokens)
+        first = self._first_fit(pages)
+        if first is None:
+            raise PoolFull(
+                f"no {pages} consecutive free pages ({tokens} tokens) in the KV pool: "
+                f"{self.free_pages} of {self.total_pages} pages free, the longest run {self.longest_free_run()}"
+            )
+        self.free[first : first + pages] = False
+        lease = Lease(self, first, pages)
+        self.leases[first] = lease
+        if owner is not None:
+            weakref.finalize(owner, self.release, lease)
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        """Give the run back (again: nothing)."""
+        if self.leases.get(lease.first_page) is lease:
+            del self.leases[lease.first_page]
+            self.free[lease.first_page : lease.first_page + lease.pages] = True
+
+    def _first_fit(self, pages: int) -> int | None:
+        if pages > self.total_pages:
+            return None
+        taken = torch.cat([torch.zeros(1, dtype=torch.int64), (~self.free).long().cumsum(0)])
+        windows = taken[pages:] - taken[:-pages]  # taken pages among pages i .. i + pages - 1
+        fits = (windows == 0).nonzero()
+        return int(fits[0]) if len(fits) else None
+
+
+def page_bytes(layers: int, kv_heads: int, head_dim: int, page_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of one page: keys, values and rotated keys of `page_tokens` slots in every layer."""
+    return 3 * layers * kv_heads * page_tokens * head_dim * torch.empty(0, dtype=dtype).element_size()

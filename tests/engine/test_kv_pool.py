@@ -1,0 +1,144 @@
+"""The worker's KV pool (`engine/kv_pool.py`): sessions lease runs of pages once and give them
+back; a session in the pool holds, attends and answers exactly as one with buffers of its own,
+alone and together, through eviction, borrowing, give-back, a failed forward and a restore."""
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from engine import Session, SessionConfig, load_model
+from engine.kv_pool import KVPool, PoolFull
+from engine.step import Frames, step
+
+PAGE_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return load_model("tiny-random-llava", "cpu")
+
+
+def _pool(model, pages: int) -> KVPool:
+    return KVPool(model.num_layers, model.kv_heads, model.head_dim, pages, PAGE_TOKENS, model.dtype, model.device)
+
+
+def _frames(count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (48, 80, 3), dtype=np.uint8) for _ in range(count)]
+
+
+def _config(**options) -> SessionConfig:
+    return SessionConfig(**{"policy": "infmllm", "budget_tokens": 160, "peak_tokens": 320, **options})
+
+
+def _stream_and_ask(session: Session, seed: int) -> str:
+    for second in range(0, 12, 3):
+        session.append_frames(_frames(3, seed + second), [float(t) for t in range(second, second + 3)])
+    return "".join(session.ask("What is shown?", max_new_tokens=8))
+
+
+def _same(a: Session, b: Session, atol: float = 0.0) -> None:
+    """The same tokens, keys, values and next-token logits: bit for bit, or (a batched forward
+    rounds its last bits differently) within `atol`."""
+    assert a.cache.tokens == b.cache.tokens
+    for layer in range(a.cache.num_layers):
+        assert torch.equal(a.cache.order[layer], b.cache.order[layer])
+        for name in ("keys", "values"):
+            mine, theirs = getattr(a.cache.hf.layers[layer], name), getattr(b.cache.hf.layers[layer], name)
+            assert torch.allclose(mine, theirs, rtol=0, atol=atol)
+    assert torch.allclose(a.logits, b.logits, rtol=0, atol=10 * atol)
+
+
+def test_a_session_leases_its_peak_in_pages_once_and_gives_them_back(llava):
+    pool = _pool(llava, pages=64)
+    session = Session(llava, _config(), pool=pool)  # 320 tokens at its peak: 20 pages of 16
+    assert pool.free_pages == 64 - 20
+    storage = pool.storage.untyped_storage().data_ptr()
+    _stream_and_ask(session, seed=1)
+    for cached in session.cache.hf.layers:  # every buffer is the lease's pages: nothing allocated beside them
+        for rows in (cached._keys, cached._values, cached._rotated):
+            assert rows.buffer.untyped_storage().data_ptr() == storage
+    assert session.cache.evictions > 0 and pool.free_pages == 64 - 20
+    session.release()
+    assert pool.free_pages == 64
+    session.release()  # again: nothing
+    assert pool.free_pages == 64
+
+
+def test_a_full_pool_refuses_a_session_and_a_session_collected_gives_its_pages_back(llava):
+    pool = _pool(llava, pages=50)
+    first = Session(llava, _config(), pool=pool)
+    second = Session(llava, _config(), pool=pool)
+    assert pool.free_pages == 10 and not pool.can_lease(320)
+    with pytest.raises(PoolFull, match="no 20 consecutive free pages"):
+        Session(llava, _config(), pool=pool)
+    assert pool.free_pages == 10  # the refused session took nothing
+    first.release()
+    third = Session(llava, _config(), pool=pool)  # first fit: where the first one was
+    assert third.cache.lease.first_page == 0
+    del second
+    gc.collect()
+    assert pool.free_pages == 30
+    third.release()
+
+
+def test_sessions_in_the_pool_answer_as_sessions_with_buffers_of_their_own(llava):
+    """Through eviction and recall (borrowing, give-back), alone and two in one step."""
+    pool = _pool(llava, pages=128)
+    config = _config(recall=True, retrieval_tokens=48)
+    own, pooled = Session(llava, config), Session(llava, config, pool=pool)
+    assert _stream_and_ask(own, seed=3) == _stream_and_ask(pooled, seed=3)
+    assert pooled.cache.retrievals == 1
+    _same(own, pooled)
+    alone = [Session(llava, config) for _ in range(2)]
+    together = [Session(llava, config, pool=pool) for _ in range(2)]
+    for second in range(0, 12, 3):
+        times = [float(t) for t in range(second, second + 3)]
+        for i, session in enumerate(alone):
+            session.append_frames(_frames(3, 10 * i + second), times)
+        errors = step([Frames(session, _frames(3, 10 * i + second), times) for i, session in enumerate(together)])
+        assert errors == [None, None]
+    for a, b in zip(alone, together, strict=True):
+        _same(a, b, atol=1e-5)
+        assert "".join(a.ask("What is shown?", max_new_tokens=6)) == "".join(b.ask("What is shown?", max_new_tokens=6))
+
+
+def test_a_cache_past_its_lease_holds_its_tokens_beside_the_pool_until_they_fit_again(llava):
+    """A lease smaller than what the cache holds (a peak set too low) costs memory, never tokens."""
+    pool = _pool(llava, pages=64)
+    config = _config(peak_tokens=176)  # 11 pages: less than a prompt of frames after the budget
+    own, pooled = Session(llava, config), Session(llava, config, pool=pool)
+    storage = pool.storage.untyped_storage().data_ptr()
+    for session in (own, pooled):
+        session.append_frames(_frames(6, 5), [float(t) for t in range(6)])
+        session.append_frames(_frames(6, 6), [float(t) for t in range(6, 12)])
+    _same(own, pooled)
+    assert pooled.cache.max_position >= 176  # it held more than its lease
+    assert pooled.cache.tokens <= 176  # evicted back to the budget: home again
+    assert pooled.cache.hf.layers[0]._keys.buffer.untyped_storage().data_ptr() == storage
+    assert pool.free_pages == 64 - 11
+
+
+def test_a_restored_session_and_a_failed_forward_keep_the_pool_right(llava, monkeypatch):
+    pool = _pool(llava, pages=64)
+    session = Session(llava, _config(), pool=pool)
+    _stream_and_ask(session, seed=7)
+    snapshot = session.snapshot()
+    restored = Session.restore(llava, snapshot, pool=pool)
+    assert pool.free_pages == 64 - 40
+    _same(session, restored)
+    original = llava.hf.forward
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a forward that fails")
+
+    monkeypatch.setattr(llava.hf, "forward", failing)
+    with pytest.raises(RuntimeError):
+        restored.append_text("this fails")
+    monkeypatch.setattr(llava.hf, "forward", original)
+    _same(session, restored)  # rolled back, in its own pages
+    assert "".join(session.ask("And now?", max_new_tokens=6)) == "".join(restored.ask("And now?", max_new_tokens=6))
+    session.release(), restored.release()
+    assert pool.free_pages == 64
