@@ -1,7 +1,9 @@
-"""Memory and time of caches in a worker's KV pool: sessions in turn, and `full` over a long stream.
+"""Memory, time and snapshots of caches in a worker's KV pool: sessions in turn, `full` over a
+long stream, and the bytes a recall session's snapshots write.
 
     python -m bench.pool turns [--model smollm2-135m-instruct] [--sessions 16] [--budgets 512] [--tokens 4000]
     python -m bench.pool stream [--model streamvqa-demo] [--frames 444] [--policies full,infmllm]
+    python -m bench.pool snapshots [--model smollm2-135m-instruct] [--budgets 512] [--tokens 2000] [--intervals 5]
 
 `turns`: sessions one after another on one model, each with recall (a host tier of 16x the
 budget), streaming --tokens of random text in pieces of 600 characters, asked one question, then
@@ -12,6 +14,12 @@ the ratio of the last session's to the second's (`creep`: 1.0 is none).
 `stream`: frames (224 x 224, random: the time does not depend on what they show) appended one at
 a time at 2 frames/s; prints ms per frame of the first 50 and the last 50, and their ratio. For
 `full` the cache grows by a frame's tokens at every frame, so only the attention should grow.
+
+`snapshots`: an `infmllm` session with recall (a host tier of 16x the budget) streams random text
+until its tier is full, then --intervals times --tokens more, snapshotted after each: the bytes a
+worker writes with the host pages apart (the snapshot without them, and each page that changed)
+and with the whole tier, each over the bytes of the tokens streamed in the interval (their keys
+and values in every layer).
 """
 
 import subprocess
@@ -66,9 +74,35 @@ def stream(model_name: str, frames: int, policy: str) -> None:
          first_ms_per_frame=round(first, 1), last_ms_per_frame=round(last, 1), last_over_first=round(last / first, 2))
 
 
+def snapshots(model_name: str, budget: int, tokens: int, intervals: int) -> None:
+    model = load_model(model_name, "cpu")
+    session = Session(model, SessionConfig(policy="infmllm", budget_tokens=budget, recall=True))
+    rng = np.random.default_rng(0)
+    host = session.cache.host
+
+    def stream(count: int) -> int:
+        streamed = 0
+        while streamed < count:
+            streamed += session.append_text(random_text(600, rng)).tokens
+        return streamed
+
+    while not host.dropped_pages:  # until the tier is full and lets pages go
+        stream(budget)
+    session.snapshot(host_pages=False), session.changed_host_pages()  # the first: every page
+    for interval in range(intervals):
+        streamed = stream(tokens)
+        apart = len(session.snapshot(host_pages=False)) + sum(len(page) for page in session.changed_host_pages().values())
+        whole = len(session.snapshot())
+        token_bytes = streamed * model.kv_bytes_per_token
+        emit(interval=interval + 1, tokens_streamed=streamed, host_tokens=session.stats().host_tokens,
+             streamed_mib=round(token_bytes / 2**20, 1), apart_mib=round(apart / 2**20, 1), whole_mib=round(whole / 2**20, 1),
+             apart_over_streamed=round(apart / token_bytes, 2), whole_over_streamed=round(whole / token_bytes, 2))
+
+
 def main() -> None:
     args = parser(__doc__, policies="full,infmllm", budgets="512")
-    args.add_argument("what", choices=["turns", "stream"])
+    args.add_argument("what", choices=["turns", "stream", "snapshots"])
+    args.add_argument("--intervals", type=int, default=5)
     args.add_argument("--model", default=None)
     args.add_argument("--sessions", type=int, default=16)
     args.add_argument("--frames", type=int, default=444)
@@ -79,6 +113,9 @@ def main() -> None:
             stream(options.model or "streamvqa-demo", options.frames, policy)
         return
     model, budget = options.model or "smollm2-135m-instruct", split_list(options.budgets, int)[0]
+    if options.what == "snapshots":
+        snapshots(model, budget, options.tokens or 2000, options.intervals)
+        return
     tokens = options.tokens or 4000
     if options.pooled != "both":
         turns(model, options.sessions, budget, tokens, options.pooled == "yes")

@@ -62,6 +62,7 @@ stream go. (Dropping the page borrowed from least often instead freezes the tier
 page held has been borrowed from: each new page is then the one to go.)
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -140,6 +141,7 @@ class HostTier:
         self._pooled: torch.Tensor | None = None
         self._pooled_heads: torch.Tensor | None = None
         self._before = torch.full((self.slots,), -1, dtype=torch.int64)
+        self.changed: set[int] = set()  # page numbers written since `take_changed` (held pages only)
 
     @property
     def pages(self) -> list[int]:
@@ -203,6 +205,7 @@ class HostTier:
         self.kinds.view(-1)[flat] = evicted.kinds.cpu()[kept]
         self.times.view(-1)[flat] = evicted.times.cpu().float()[kept]
         self.present.view(-1)[flat] = True
+        self.changed.update(n for n in page.unique().tolist() if n in self.slot_of)
         device = self.held.device
         self.held.view(-1)[flat.to(device)] = True
         run = (cell * self.page_keys + place // (self.page_tokens // self.page_keys))[kept].to(device)
@@ -279,6 +282,7 @@ class HostTier:
         return 1.0 - similar.view(slots, runs).amin(-1)
 
     def _clear(self, slot: int) -> None:
+        self.changed.discard(int(self.page_of[slot]))
         del self.slot_of[int(self.page_of[slot])]
         self.page_of[slot] = -1
         for tensor in (self.present, self.held, self.key_sums):
@@ -408,22 +412,38 @@ class HostTier:
 
     # -- snapshot ------------------------------------------------------------------------------
 
-    def state(self) -> dict:
+    def state(self, with_pages: bool = True) -> dict:
         """The pages held, in stream order, with their representatives (saved as they are, so a
-        restored tier chooses exactly as this one)."""
+        restored tier chooses exactly as this one). Without `with_pages`, which pages and their
+        order alone: each page's tokens are `page_state`'s, saved apart (a snapshot then
+        writes only the pages that changed since the last: `take_changed`)."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         pages = self.pages
         slots = torch.tensor([self.slot_of[n] for n in pages], dtype=torch.int64)
         saved = {"options": [self.budget_tokens, self.page_tokens, self.page_keys, self.drop], "by_place": True, "pages": pages,
                  "used": self.used[slots], "counters": [self.clock, self.dropped_pages, self.dropped_through]}
-        if self.keys is not None:
+        if self.keys is not None and with_pages:
             for name in self.SAVED:
                 saved[name] = getattr(self, name)[:, :, slots.to(getattr(self, name).device)].cpu()
+        elif self.keys is not None:
+            saved["apart"] = [*self.keys.shape[:2], self.keys.shape[-1], str(self.keys.dtype).removeprefix("torch.")]
         return saved
 
+    def page_state(self, number: int) -> dict[str, torch.Tensor]:
+        """What `state` saves of one page held, per layer and KV head (on the CPU)."""
+        slot = self.slot_of[number]
+        return {name: getattr(self, name)[:, :, slot].cpu() for name in self.SAVED}
+
+    def take_changed(self) -> list[int]:
+        """The pages held that changed since the last call, in stream order (a snapshot's to write)."""
+        changed, self.changed = sorted(n for n in self.changed if n in self.slot_of), set()
+        return changed
+
     @classmethod
-    def load(cls, state: dict, device: torch.device) -> "HostTier":
+    def load(cls, state: dict, device: torch.device, read_page: Callable[[int], dict] | None = None) -> "HostTier":
+        """The tier a `state` was taken of; `read_page(number)`: a page's `page_state`, for a
+        state saved without its pages."""
         tier = cls(*state["options"])
         if not state.get("by_place"):  # snapshot format 2, pages by the order of eviction: each token to its place
             for saved in state["pages"] + ([state["open"]] if state["open"] is not None else []):
@@ -436,6 +456,16 @@ class HostTier:
             for name in cls.SAVED:  # format 3 also saved float32 key counts, now read from `present`
                 getattr(tier, name)[:, :, :count] = state[name].to(getattr(tier, name).device)
             tier.held[:, :, :count] = state["present"].to(device)
+        elif "apart" in state:
+            if read_page is None:
+                raise ValueError("this snapshot was taken without its host pages: restoring it needs them (read_page)")
+            layers, heads, dim, dtype = state["apart"]
+            tier._allocate(layers, heads, dim, getattr(torch, dtype), device)
+            for slot, number in enumerate(state["pages"]):
+                page = read_page(number)
+                for name in cls.SAVED:
+                    getattr(tier, name)[:, :, slot] = page[name].to(getattr(tier, name).device)
+                tier.held[:, :, slot] = page["present"].to(device)
         for slot, number in enumerate(state["pages"]):
             tier.slot_of[number] = slot
             tier.page_of[slot] = number

@@ -45,6 +45,7 @@ back) with each token's kind, time and place, which must move together.
 """
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -460,14 +461,16 @@ class KVCache:
 
     # -- snapshot ------------------------------------------------------------------------------
 
-    def state(self) -> dict:
+    def state(self, host_pages: bool = True) -> dict:
+        """Everything to go on elsewhere; without `host_pages`, the host tier's pages are left
+        out (`HostTier.state`)."""
         return {
             "keys": [None if layer.keys is None else layer.keys.clone() for layer in self.hf.layers],  # not the buffers
             "values": [None if layer.values is None else layer.values.clone() for layer in self.hf.layers],
             "kinds": self.kinds,
             "times": self.times,
             "order": self.order,
-            "host": None if self.host is None else self.host.state(),
+            "host": None if self.host is None else self.host.state(host_pages),
             "scores": self.scores,
             "pins": self.pins,
             "queries": [window.read() for window in self._queries],
@@ -477,8 +480,9 @@ class KVCache:
             "retrieval": [self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages],
         }
 
-    def load(self, state: dict, device: torch.device) -> None:
-        """A `state()` loaded on the CPU: tensors the model reads go to `device`; metadata stays."""
+    def load(self, state: dict, device: torch.device, read_page: Callable[[int], dict] | None = None) -> None:
+        """A `state()` loaded on the CPU: tensors the model reads go to `device`; metadata stays;
+        `read_page`: the host tier's pages, when they were saved apart."""
 
         def here(tensors: list) -> list:
             return [None if t is None else t.to(device) for t in tensors]
@@ -490,7 +494,7 @@ class KVCache:
         # A snapshot of a version without stream order: its tokens are in stream order
         self.order = state.get("order") or [torch.arange(k.shape[1]).expand(self.kv_heads, -1).clone() for k in self.kinds]
         if state.get("host") is not None and self.host is not None:
-            self.host = HostTier.load(state["host"], device)
+            self.host = HostTier.load(state["host"], device, read_page)
         retrieval = state.get("retrieval", [int(self.order[0].max()) + 1 if self.tokens else 0, 0, 0, 0.0])
         self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages = [*retrieval, 0][:5]
         self.scores, self._received = here(state["scores"]), here(state["received"])

@@ -22,7 +22,7 @@ and ends it before anything else enters the cache. Its counters and memory map a
 
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -374,14 +374,17 @@ class Session:
 
     # -- snapshot ------------------------------------------------------------------------------
 
-    def snapshot(self) -> bytes:
-        """Everything needed to go on elsewhere, as bytes: the cache, the counters, the config."""
+    def snapshot(self, host_pages: bool = True) -> bytes:
+        """Everything needed to go on elsewhere, as bytes: the cache, the counters, the config.
+        Without `host_pages`, the host tier's pages are left out, to be saved apart, each once
+        it changed (`changed_host_pages`), and read back by `restore`'s `read_page`: so the
+        bytes written per snapshot follow the tokens streamed, not the tier's size."""
         self._close_answer()
         state = {
             "format": SNAPSHOT_FORMAT,
             "model": self.model.name,
             "config": {**asdict(self.config), "policy_options": dict(self.config.policy_options)},
-            "cache": self.cache.state(),
+            "cache": self.cache.state(host_pages),
             "counters": [self._frames, self._video_time_s, self._tokens_seen],
             "logits": self._logits,
             "seen": self._seen.counts(),
@@ -395,9 +398,40 @@ class Session:
         nothing more (without a pool: nothing)."""
         self.cache.release()
 
+    def changed_host_pages(self) -> dict[int, bytes]:
+        """By page number, the host tier's pages held that changed since the last call (at the
+        first: every page held), as bytes; `unsaved_host_pages` gives back those that could not
+        be saved."""
+        host = self.cache.host
+        if host is None:
+            return {}
+        pages, changed = {}, host.take_changed()
+        try:
+            for number in changed:
+                buffer = io.BytesIO()
+                torch.save(host.page_state(number), buffer)
+                pages[number] = buffer.getvalue()
+        except BaseException:
+            host.changed.update(changed)
+            raise
+        return pages
+
+    def unsaved_host_pages(self, numbers: Iterable[int]) -> None:
+        if self.cache.host is not None:
+            self.cache.host.changed.update(n for n in numbers if n in self.cache.host.slot_of)
+
+    @property
+    def host_pages(self) -> list[int]:
+        """The page numbers the host tier holds (a snapshot without them needs each)."""
+        return [] if self.cache.host is None else self.cache.host.pages
+
     @classmethod
-    def restore(cls, model: Model, data: bytes, pool: KVPool | None = None) -> "Session":
-        """The session a `snapshot` was taken of, on `model` (the same model), in `pool`'s slots if given."""
+    def restore(
+        cls, model: Model, data: bytes, pool: KVPool | None = None, read_page: Callable[[int], bytes] | None = None
+    ) -> "Session":
+        """The session a `snapshot` was taken of, on `model` (the same model), in `pool`'s slots if
+        given; `read_page(number)`: the bytes `changed_host_pages` gave for that page, for a
+        snapshot taken without its host pages."""
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         if state.get("format") not in (1, 2, SNAPSHOT_FORMAT):
             raise ValueError(f"unknown snapshot format {state.get('format')!r}")
@@ -405,7 +439,10 @@ class Session:
             raise ValueError(f"the snapshot is of model {state['model']!r}, not {model.name!r}")
         session = cls.__new__(cls)
         session._setup(model, SessionConfig(**state["config"]), pool)
-        session.cache.load(state["cache"], model.device)
+        def page(number: int) -> dict:
+            return torch.load(io.BytesIO(read_page(number)), map_location="cpu", weights_only=True)
+
+        session.cache.load(state["cache"], model.device, page if read_page is not None else None)
         session._frames, session._video_time_s, session._tokens_seen = state["counters"]
         session._logits = None if state["logits"] is None else state["logits"].to(model.device)
         session._seen = Seen(state["seen"])

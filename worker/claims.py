@@ -3,6 +3,7 @@ each opened from its snapshot when it has one, then what a dead worker had read 
 is replayed (its questions, then its media, in order)."""
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -169,7 +170,13 @@ class Claims:
                 raise OptionsDoNotFit(f"the session's options do not fit its model: {err}") from err
         else:
             log.info("session %s: restoring its snapshot of %d bytes", session_id, len(snapshot.engine))
-            hosted = Hosted(record, await self.threads.engine(Session.restore, self.model, snapshot.engine, self.capacity.pool))
+            read_page = None
+            if snapshot.pages is not None:  # its host pages saved apart
+                read_page = functools.partial(self.store.read_page, session_id, snapshot.pages)
+            hosted = Hosted(
+                record, await self.threads.engine(Session.restore, self.model, snapshot.engine, self.capacity.pool, read_page)
+            )
+            hosted.page_files = snapshot.pages
         await self.intake.reopen(session_id, hosted, snapshot.ingest if snapshot is not None else None)
         return hosted
 

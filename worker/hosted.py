@@ -90,6 +90,7 @@ class Hosted:
     changed: bool = False  # the cache changed since the last snapshot
     lag_s: float = 0.0  # how far behind real time its last live frame was appended
     host_bytes: int = 0  # its host tier's bytes (recall), after its last step
+    page_files: dict[int, str] | None = None  # its host pages' files, once its snapshots save them apart
     memory_at: float = 0.0  # monotonic time of its last memory report
     memory_stale: bool = False  # the cache changed after it
     snapshot_at: float = field(default_factory=time.monotonic)

@@ -95,7 +95,9 @@ class WorkerSettings(CommonSettings):
         description="Where snapshots too large for Redis go; shared by every worker.",
     )
     snapshot_redis_max_bytes: int = Field(
-        32 * 1024 * 1024, ge=0, description="Snapshots up to this size are kept in Redis, larger ones in SNAPSHOT_DIR."
+        32 * 1024 * 1024, ge=0,
+        description="Snapshots up to this size are kept in Redis, larger ones in SNAPSHOT_DIR; a host tier larger than "
+        "this is saved page by page in SNAPSHOT_DIR, each page once it changed.",
     )
     frames_per_step: int = Field(8, ge=1, le=256, description="Frames decoded and appended per turn of a session.")
     batch_sessions: int = Field(

@@ -2,8 +2,17 @@
 
 A snapshot is the engine's `snapshot()` bytes plus the live ingest's state (its sampling clock
 and init segment). It lives in the hash `session:{id}:snapshot` (fields `engine` or `path`,
-`ingest`, `taken_at`) and expires with the session. Files are written whole, then renamed, so
-a reader never sees half a snapshot; on several machines the directory must be shared.
+`ingest`, `taken_at`, and `pages`) and expires with the session. Files are written whole, then
+renamed, so a reader never sees half a snapshot; on several machines the directory must be
+shared.
+
+A session whose host tier (recall) holds more than fits in Redis is snapshotted without its
+host pages, and each page is a file of its own in the folder `<id>.pages`, written when it
+changed since the last snapshot (a page fills over a few evictions, then stays as it is until
+the tier lets it go): `pages` maps each page held to its file. So the bytes written per
+snapshot follow the tokens the session streamed since the last, not the tier's size. A page
+rewritten gets a new file, and files no snapshot names are deleted once the snapshot that
+replaced them is stored, so a reader always finds every file its snapshot names.
 
 `Snapshots` decides when a held session is snapshotted, and acknowledges the live media a
 snapshot covers: until then a crash loses nothing that replaying the media cannot rebuild.
@@ -12,6 +21,7 @@ snapshot covers: until then a crash loses nothing that replaying the media canno
 import asyncio
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +46,16 @@ class Snapshot:
     engine: bytes
     ingest: dict | None  # the live ingest's `state()`, if the session was streaming
     taken_at: float
+    pages: dict[int, str] | None = None  # the host pages saved apart: page number -> file name in `<id>.pages`
+
+
+@dataclass(frozen=True)
+class HostPages:
+    """A snapshot's host pages saved apart: those that changed, and every page it holds."""
+
+    changed: dict[int, bytes]  # page number -> `Session.changed_host_pages` bytes
+    held: list[int]  # every page the snapshot needs
+    files: dict[int, str]  # the files of the last snapshot's pages (page number -> name)
 
 
 class SnapshotStore:
@@ -47,20 +67,27 @@ class SnapshotStore:
         self.redis_max_bytes = redis_max_bytes
         self.ttl_s = ttl_s
 
-    async def save(self, session_id: str, engine: bytes, ingest: dict | None) -> int:
-        """Store a snapshot, replacing the last; returns its size in bytes (0: the session is gone)."""
+    async def save(self, session_id: str, engine: bytes, ingest: dict | None, pages: HostPages | None = None) -> tuple[int, dict[int, str] | None]:
+        """Store a snapshot, replacing the last; returns the bytes written (0: the session is
+        gone) and, with `pages`, the files of its host pages now."""
         fields: dict[str, bytes | str] = {"ingest": json.dumps(ingest), "taken_at": repr(time.time())}
         if len(engine) <= self.redis_max_bytes:
             fields["engine"] = engine
         else:
             fields["path"] = str(await asyncio.to_thread(self._write_file, session_id, engine))
+        files = None
+        if pages is not None:
+            files = await asyncio.to_thread(self._write_pages, session_id, pages)
+            fields["pages"] = json.dumps(files)
         pairs = [item for pair in fields.items() for item in pair]
         keys = [self.keys.session(session_id), self.keys.snapshot(session_id)]
         if not await self._store(keys=keys, args=[self.ttl_s, *pairs]):
-            return 0  # the session is gone (its file goes with the next sweep)
+            return 0, files  # the session is gone (its files go with the next sweep)
         if "engine" in fields:
             await asyncio.to_thread(self._path(session_id).unlink, missing_ok=True)
-        return len(engine)
+        if files is not None:
+            await asyncio.to_thread(self._prune_pages, session_id, files)
+        return len(engine) + sum(len(data) for data in (pages.changed.values() if pages else ())), files
 
     async def load(self, session_id: str) -> Snapshot | None:
         """The session's latest snapshot, or None; OSError when its file is unreachable."""
@@ -70,13 +97,48 @@ class SnapshotStore:
         engine = fields.get(b"engine")
         if engine is None:
             engine = await asyncio.to_thread(Path(fields[b"path"].decode()).read_bytes)
-        return Snapshot(engine, json.loads(fields[b"ingest"]), float(fields[b"taken_at"]))
+        pages = {int(number): name for number, name in json.loads(fields[b"pages"]).items()} if b"pages" in fields else None
+        return Snapshot(engine, json.loads(fields[b"ingest"]), float(fields[b"taken_at"]), pages)
+
+    def read_page(self, session_id: str, files: dict[int, str], number: int) -> bytes:
+        """A host page a snapshot names (OSError when its file is unreachable)."""
+        return (self._pages(session_id) / files[number]).read_bytes()
 
     def delete_file(self, session_id: str) -> None:
         self._path(session_id).unlink(missing_ok=True)
+        shutil.rmtree(self._pages(session_id), ignore_errors=True)
 
     def _path(self, session_id: str) -> Path:
         return self.directory / f"{session_id}.snapshot"
+
+    def _pages(self, session_id: str) -> Path:
+        return self.directory / f"{session_id}.pages"
+
+    def _write_pages(self, session_id: str, pages: HostPages) -> dict[int, str]:
+        """Each page that changed to a new file (written whole, then renamed); the files of
+        every page held."""
+        folder = self._pages(session_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp = time.time_ns()
+        held = set(pages.held)
+        files = {number: name for number, name in pages.files.items() if number in held}
+        for number, data in pages.changed.items():
+            name = f"{number}.{stamp}.page"
+            partial = folder / f"{name}.partial"
+            partial.write_bytes(data)
+            partial.replace(folder / name)
+            files[number] = name
+        missing = held - set(files)
+        if missing:  # a page held that no snapshot saved: a fault, not a snapshot to store
+            raise RuntimeError(f"host pages {sorted(missing)[:5]} held but never saved")
+        return files
+
+    def _prune_pages(self, session_id: str, files: dict[int, str]) -> None:
+        """Delete the page files the stored snapshot does not name."""
+        named = set(files.values())
+        for path in self._pages(session_id).iterdir():
+            if path.name not in named:
+                path.unlink(missing_ok=True)
 
     def _write_file(self, session_id: str, engine: bytes) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -113,12 +175,22 @@ class Snapshots:
             return False
         covered, hosted.unacked = hosted.unacked, []
         changed, hosted.changed, hosted.snapshot_at = hosted.changed, False, time.monotonic()
+        apart = hosted.page_files is not None or hosted.host_bytes > self.store.redis_max_bytes
+        pages = None
         try:
-            engine = await self.threads.engine(hosted.engine.snapshot)
+            if apart:  # its host pages apart, each once it changed
+                engine, changed_pages, held = await self.threads.engine(self._without_pages, hosted.engine)
+                pages = HostPages(changed_pages, held, hosted.page_files or {})
+            else:
+                engine = await self.threads.engine(hosted.engine.snapshot)
             ingest = hosted.ingest.state() if hosted.ingest is not None else None
-            await self.store.save(session_id, engine, ingest)
+            _, files = await self.store.save(session_id, engine, ingest, pages)
+            if files is not None:
+                hosted.page_files = files
         except Exception as err:
             hosted.unacked, hosted.changed = covered + hosted.unacked, changed or hosted.changed
+            if pages is not None:  # to be written at the next
+                await self.threads.engine(hosted.engine.unsaved_host_pages, list(pages.changed))
             if isinstance(err, FAILURES):
                 raise
             log.exception("session %s: snapshot failed", session_id)
@@ -126,6 +198,11 @@ class Snapshots:
         if covered:
             await self.records.consume(self.store.keys.media(session_id), *covered)
         return True
+
+
+    @staticmethod
+    def _without_pages(session) -> tuple[bytes, dict[int, bytes], list[int]]:
+        return session.snapshot(host_pages=False), session.changed_host_pages(), session.host_pages
 
 
 async def sweep(redis: Redis, keys: Keys, folders: list[Path]) -> None:
@@ -137,7 +214,7 @@ async def sweep(redis: Redis, keys: Keys, folders: list[Path]) -> None:
         for folder in folders
         if folder.is_dir()
         for path in folder.iterdir()
-        if path.suffix in (".upload", ".snapshot", ".partial")
+        if path.suffix in (".upload", ".snapshot", ".partial", ".pages")
     ]
     for path in files:
         try:
@@ -146,5 +223,8 @@ async def sweep(redis: Redis, keys: Keys, folders: list[Path]) -> None:
         except FileNotFoundError:
             continue
         if not await redis.exists(keys.session(path.stem)):
-            path.unlink(missing_ok=True)
+            if path.is_dir():  # a session's host pages
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             log.info("deleted %s: its session is gone", path)

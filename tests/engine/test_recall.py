@@ -267,6 +267,29 @@ def test_a_snapshot_keeps_the_host_tier_and_the_next_answer(model):
     assert answer.recalled_s == expected.recalled_s
 
 
+def test_a_snapshot_with_its_host_pages_apart_writes_each_page_once_it_changed_and_restores_the_same(model):
+    session = watched(model, 24, host_budget_tokens=640)
+    saved: dict[int, bytes] = {}
+    first = session.changed_host_pages()  # at the first: every page held
+    assert sorted(first) == session.host_pages and len(first) >= 10
+    saved |= first
+    session.append_frames(frames(4, seed=1), [float(t) for t in range(24, 28)])  # 92 tokens more, evicted
+    second = session.changed_host_pages()
+    assert 0 < len(second) <= 5  # the pages those tokens went to (and one a head's eviction reached again)
+    saved |= second
+    assert session.changed_host_pages() == {}  # nothing changed since
+    restored = Session.restore(model, session.snapshot(host_pages=False), read_page=saved.__getitem__)
+    whole = Session.restore(model, session.snapshot())
+    assert len(session.snapshot(host_pages=False)) < len(session.snapshot()) / 4
+    for other in (restored, whole):
+        assert other.stats() == session.stats() and other.host_pages == session.host_pages
+        for number in session.host_pages:  # keys, values, kinds, times, places held, representatives
+            mine, theirs = session.cache.host.page_state(number), other.cache.host.page_state(number)
+            assert all(torch.equal(mine[name], theirs[name]) for name in HostTier.SAVED)
+    expected = "".join(session.ask("What was first?", max_new_tokens=8))
+    assert "".join(restored.ask("What was first?", max_new_tokens=8)) == expected
+
+
 def test_the_memory_view_tells_device_host_and_dropped_apart(model):
     session = watched(model, 40, host_budget_tokens=320)
     memory = session.memory()

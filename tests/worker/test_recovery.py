@@ -147,8 +147,12 @@ def a_killed_worker_s_stream_goes_on_elsewhere(redis_url: str, directory, **env:
         delete_prefix(redis_url, stack.prefix, stack.cluster)
 
 
-def test_a_takeover_keeps_the_host_tier_and_recalls_from_it(redis_url, tmp_path):
-    stack = _stack(redis_url, tmp_path, MAX_SESSIONS="4")
+@pytest.mark.parametrize("apart", [False, True], ids=["whole", "host-pages-apart"])
+def test_a_takeover_keeps_the_host_tier_and_recalls_from_it(redis_url, tmp_path, apart):
+    """Its snapshot in Redis, or (a host tier larger than SNAPSHOT_REDIS_MAX_BYTES) its host
+    pages each in a file of their own, written once they changed."""
+    env = {"SNAPSHOT_REDIS_MAX_BYTES": "100000"} if apart else {}
+    stack = _stack(redis_url, tmp_path, MAX_SESSIONS="4", **env)
     stack.start("a", "worker", WORKER_ID="a")
     stack.start("gateway", "app")
     try:
@@ -174,6 +178,12 @@ def test_a_takeover_keeps_the_host_tier_and_recalls_from_it(redis_url, tmp_path)
             time.sleep(0.1)
         held = report["host_tokens"]
         assert held > 500
+        pages = store.hget(snapshot_key, "pages")
+        assert (pages is not None) == apart
+        if apart:  # one file per page the tier holds, in the session's folder of pages
+            files = json.loads(pages)
+            folder = next((tmp_path / "snapshots").rglob(f"{user.id}.pages"))
+            assert len(files) >= held // 32 and {path.name for path in folder.iterdir()} == set(files.values())
         os.kill(stack.processes["a"].pid, signal.SIGKILL)
         killed_at = time.monotonic()
         while user.get().json()["worker"] != "b":
