@@ -431,9 +431,10 @@ class HostTier:
         return saved
 
     def page_state(self, number: int) -> dict[str, torch.Tensor]:
-        """What `state` saves of one page held, per layer and KV head (on the CPU)."""
+        """What `state` saves of one page held, per layer and KV head (on the CPU): copies, so
+        that saving one saves that page alone (a view would save the whole tier beneath it)."""
         slot = self.slot_of[number]
-        return {name: getattr(self, name)[:, :, slot].cpu() for name in self.SAVED}
+        return {name: getattr(self, name)[:, :, slot].to("cpu", copy=True) for name in self.SAVED}
 
     def take_changed(self) -> list[int]:
         """The pages held that changed since the last call, in stream order (a snapshot's to write)."""

@@ -272,6 +272,7 @@ def test_a_snapshot_with_its_host_pages_apart_writes_each_page_once_it_changed_a
     saved: dict[int, bytes] = {}
     first = session.changed_host_pages()  # at the first: every page held
     assert sorted(first) == session.host_pages and len(first) >= 10
+    assert sum(len(page) for page in first.values()) < 1.5 * len(session.snapshot())  # each page alone, not the tier beneath it
     saved |= first
     session.append_frames(frames(4, seed=1), [float(t) for t in range(24, 28)])  # 92 tokens more, evicted
     second = session.changed_host_pages()
