@@ -27,6 +27,11 @@ x 128 x 2 (keys, values) x 2 bytes = 57 KiB a token; 235 MB a session at budget 
 112-pixel frames of 17 tokens; budget 512 unless given): the whole script runs on a CPU in a
 minute or two, as a smoke test. Its figures say nothing of a GPU.
 
+Every session's cache lives in one KV pool (`engine/kv_pool.py`), as in a worker: allocated at
+start with room for the most sessions measured (on a GPU, taken whole then), each session's
+pages leased when it opens; the sessions of a step write and attend there together, one call
+per layer (`engine/pool_attention.py`).
+
 One JSON line per figure (`measure` names it), after a `setup` line (device, versions,
 parameters), and a `summary` line last:
 - `memory`: one session streams `--minutes` of video at 1 frame/s (its frames' visual tokens
@@ -72,11 +77,12 @@ from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGener
 
 from bench.common import emit, rss_bytes
 from engine import POLICIES, Answer, Session, SessionConfig
+from engine.kv_pool import KVPool
 from engine.step import Frames
 from engine.step import step as engine_step
 from engine.model import FAMILIES, Model, Vision, chat_format
 from engine.tiny import ascii_tokenizer
-from streamvqa.protocol import peak_cache_tokens
+from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
 from worker.scheduler import DEFAULT_STEP_TOKENS, Scheduler
 
 QWEN2_7B = dict(
@@ -194,9 +200,15 @@ def stream_visual(session: Session, visual: torch.Tensor, times_s: Sequence[floa
             session.appended_frames(times)
 
 
-def filled_session(model: Model, config: SessionConfig, visual: torch.Tensor) -> Session:
+def make_pool(model: Model, config: SessionConfig, sessions: int) -> KVPool:
+    """A worker's KV pool with room for `sessions` caches of `config`'s peak, allocated at once."""
+    pages = sessions * -(-config.peak_tokens // POOL_PAGE_TOKENS)
+    return KVPool(model.num_layers, model.kv_heads, model.head_dim, pages, POOL_PAGE_TOKENS, model.dtype, model.device)
+
+
+def filled_session(model: Model, config: SessionConfig, visual: torch.Tensor, pool: KVPool | None = None) -> Session:
     """A session whose cache is at its budget, as in a long stream."""
-    session = Session(model, config)
+    session = Session(model, config, pool)
     while session.stats().cache_tokens < config.budget_tokens:
         stream_visual(session, visual, next_times(session, 1))
     return session
@@ -205,12 +217,12 @@ def filled_session(model: Model, config: SessionConfig, visual: torch.Tensor) ->
 # -- measures ------------------------------------------------------------------------------------
 
 
-def measure_memory(model: Model, config: SessionConfig, visual: torch.Tensor, minutes: float, clock: Clock) -> dict:
-    """One session streams `minutes` of video at 1 frame/s; memory at checkpoints."""
+def measure_memory(model: Model, config: SessionConfig, visual: torch.Tensor, minutes: float, clock: Clock, pool: KVPool) -> dict:
+    """One session in the pool streams `minutes` of video at 1 frame/s; memory at checkpoints."""
     cuda = model.device.type == "cuda"
     total_s = round(minutes * 60)
     marks = {max(1, round(m * minutes)) for m in MEMORY_MINUTES}  # m minutes of an hour, in seconds of `minutes`
-    session = Session(model, config)
+    session = Session(model, config, pool)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     started, lines = clock(), []
@@ -482,11 +494,10 @@ def main() -> None:
              kv_bytes_per_token=model.kv_bytes_per_token, tokens_per_frame=visual.shape[1], policy=opts.policy,
              budget=budget, cache_bytes_at_budget=budget * model.kv_bytes_per_token)
 
-        memory = measure_memory(model, config, visual, opts.minutes, clock)
-        gc.collect()  # the memory measure's session
-        if model.device.type == "cuda":
-            torch.cuda.empty_cache()
-        sessions = [filled_session(model, config, visual) for _ in range(counts[-1])]
+        pool = make_pool(model, config, counts[-1])  # as a worker holds its sessions' caches
+        memory = measure_memory(model, config, visual, opts.minutes, clock, pool)
+        gc.collect()  # the memory measure's session, whose pages go back
+        sessions = [filled_session(model, config, visual, pool) for _ in range(counts[-1])]
         ingest = measure_ingest(sessions, counts, frames, clock)
         decode_rates(sessions[:2], 4, clock)  # warm-up
         ratios = {count: round(measure_decode(sessions[:count], opts.answer_tokens, clock), 2) for count in counts}

@@ -18,7 +18,7 @@ the cache), `frames`, `dropped`, and the peak RSS of each process in MiB.
                          [--budget 2048]
 
 Concurrent asking instead: two stacks on one Redis, one worker batching sessions
-(BATCH_SESSIONS=16) and one running a session at a time (BATCH_SESSIONS=1), each with the
+(BATCH_SESSIONS=16, or the largest count if more) and one running a session at a time (BATCH_SESSIONS=1), each with the
 largest count of `--together` sessions (of `--budget` tokens) that have taken `--frames` frames; then, for each count
 and round, that many sessions ask at the same moment, in one stack and then the other. Prints
 per count and mode: `asked`, `answered`, `tokens`, `tokens_per_s` (answer tokens over the time
@@ -324,7 +324,7 @@ def together(args: argparse.Namespace) -> None:
     sessions = max(int(c) for c in args.together.split(","))
     processes, bases = {}, {}
     try:
-        for mode, batch in (("batched", 16), ("sequential", 1)):
+        for mode, batch in (("batched", max(16, sessions)), ("sequential", 1)):
             prefix, port = f"svqa-load-{uuid.uuid4().hex[:8]}:", free_port()
             env = {
                 **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "MODEL": args.model,

@@ -4,6 +4,7 @@ long stream, and the bytes a recall session's snapshots write.
     python -m bench.pool turns [--model smollm2-135m-instruct] [--sessions 16] [--budgets 512] [--tokens 4000]
     python -m bench.pool stream [--model streamvqa-demo] [--frames 444] [--policies full,infmllm]
     python -m bench.pool snapshots [--model smollm2-135m-instruct] [--budgets 512] [--tokens 2000] [--intervals 5]
+    python -m bench.pool decode [--model smollm2-135m-instruct] [--counts 1,8,32] [--budgets 512] [--tokens 200]
 
 `turns`: sessions one after another on one model, each with recall (a host tier of 16x the
 budget), streaming --tokens of random text in pieces of 600 characters, asked one question, then
@@ -20,6 +21,11 @@ until its tier is full, then --intervals times --tokens more, snapshotted after 
 worker writes with the host pages apart (the snapshot without them, and each page that changed)
 and with the whole tier, each over the bytes of the tokens streamed in the interval (their keys
 and values in every layer).
+
+`decode`: the most of --counts sessions (`infmllm`, in one KV pool as a worker holds them, leased
+in turn) each stream --tokens of random text and are asked a question; then, for each count,
+that many answer at once, one engine step a token of each: the median ms of a step, tokens/s,
+and tokens/s over one session's (the batch's gain, in one run).
 """
 
 import subprocess
@@ -32,7 +38,8 @@ import torch
 from bench.common import emit, parser, random_text, rss_bytes, split_list
 from engine import Session, SessionConfig, load_model
 from engine.kv_pool import KVPool
-from streamvqa.protocol import POOL_PAGE_TOKENS
+from engine.step import step
+from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
 
 EDGE_FRAMES = 50
 
@@ -99,9 +106,43 @@ def snapshots(model_name: str, budget: int, tokens: int, intervals: int) -> None
              apart_over_streamed=round(apart / token_bytes, 2), whole_over_streamed=round(whole / token_bytes, 2))
 
 
+def decode(model_name: str, counts: list[int], budget: int, tokens: int, answer_tokens: int = 16) -> None:
+    model = load_model(model_name, "cpu")
+    config = SessionConfig(policy="infmllm", budget_tokens=budget, peak_tokens=peak_cache_tokens(budget))
+    pages = max(counts) * -(-config.peak_tokens // POOL_PAGE_TOKENS)
+    pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, pages, POOL_PAGE_TOKENS, model.dtype, model.device)
+    rng = np.random.default_rng(0)
+    sessions = []
+    for _ in range(max(counts)):
+        session = Session(model, config, pool)
+        streamed = 0
+        while streamed < tokens:
+            streamed += session.append_text(random_text(600, rng)).tokens
+        sessions.append(session)
+    one = None
+    for count in counts:
+        answers = [session.ask("What was said first?", max_new_tokens=answer_tokens + 2) for session in sessions[:count]]
+        step(answers)  # the questions, and the first tokens
+        step(answers)  # a first step of tokens, not timed
+        times = []
+        for _ in range(answer_tokens):
+            started = time.perf_counter()
+            step(answers)
+            times.append(time.perf_counter() - started)
+        for answer in answers:  # to the end of their turns
+            for _ in answer:
+                pass
+        step_ms = float(np.median(times)) * 1000
+        rate = count / step_ms * 1000
+        one = one or rate
+        emit(mode="decode", sessions=count, step_ms=round(step_ms, 1), tokens_per_s=round(rate, 1),
+             over_one_session=round(rate / one, 2), threads=torch.get_num_threads())
+
+
 def main() -> None:
     args = parser(__doc__, policies="full,infmllm", budgets="512")
-    args.add_argument("what", choices=["turns", "stream", "snapshots"])
+    args.add_argument("what", choices=["turns", "stream", "snapshots", "decode"])
+    args.add_argument("--counts", default="1,8,32", help="decode: comma-separated session counts, the first the baseline")
     args.add_argument("--intervals", type=int, default=5)
     args.add_argument("--model", default=None)
     args.add_argument("--sessions", type=int, default=16)
@@ -113,6 +154,9 @@ def main() -> None:
             stream(options.model or "streamvqa-demo", options.frames, policy)
         return
     model, budget = options.model or "smollm2-135m-instruct", split_list(options.budgets, int)[0]
+    if options.what == "decode":
+        decode(model, split_list(options.counts, int), budget, options.tokens or 200)
+        return
     if options.what == "snapshots":
         snapshots(model, budget, options.tokens or 2000, options.intervals)
         return

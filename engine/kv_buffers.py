@@ -242,6 +242,24 @@ class PreRopeLayer(DynamicLayer):
             rotate(unrotated, cos, sin, self.table.scale, out=copy.extend(count, unrotated))
         return self.keys, self.values
 
+    def in_pool(self, count: int) -> bool:
+        """Whether a forward may write `count` new tokens straight into this layer's slots in the
+        pool (`engine/pool_attention.py`): keys, values and the rotated copy all there, with room
+        for them, and nothing to borrow first. Brings the rotated copy up to date (what an
+        eviction moved) so that the forward only adds the new tokens to it."""
+        keys, values = self._keys, self._values
+        if self.pending or not self.is_initialized or keys.home is None:
+            return False
+        if keys.buffer is not keys.home or values.buffer is not values.home or keys.length + count > keys.home.shape[2]:
+            return False
+        self.rotated()
+        return self._rotated.buffer is self._rotated.home
+
+    def wrote(self, count: int) -> None:
+        """After a forward wrote `count` new tokens into this layer's slots (`in_pool`): hold them."""
+        for rows in (self._keys, self._values, self._rotated):
+            rows.length += count
+
     def leave_home(self) -> None:
         """Hold nothing, and no more in the pool's slots (`homes`)."""
         self.keys = self.values = None
@@ -281,10 +299,14 @@ class QueryWindow:
     def add(self, queries: torch.Tensor) -> None:
         """Keeps a copy of what it needs: the forward's queries are inference tensors, and
         `KVCache.attend` calls this `outside_inference`."""
+        self.keep(queries[:, -self.size :].clone())
+
+    def keep(self, queries: torch.Tensor) -> None:
+        """`add` for queries that are already the window's own (a copy no one else changes)."""
         if queries.shape[1] >= self.size:
-            self.parts = [queries[:, -self.size :].clone()]
+            self.parts = [queries[:, -self.size :]]
             return
-        self.parts.append(queries.clone())
+        self.parts.append(queries)
         if len(self.parts) > self.size:
             self.read()
 

@@ -144,6 +144,30 @@ class KVCache:
         self.lease = None
 
     @property
+    def window_tokens(self) -> int:
+        """The last queries each layer keeps (for the next eviction and evidence)."""
+        return self._kept_queries
+
+    def in_pool(self, count: int) -> bool:
+        """Whether a forward of `count` new tokens may write them and attend in the worker's
+        pool, together with other sessions' (`engine/pool_attention.py`): every layer held in
+        the cache's slots with room for them, nothing to borrow first, and a policy that does
+        not accumulate each query's attention (which the pool's attention does not return)."""
+        if self.lease is None or self.policy.accumulates:
+            return False
+        with outside_inference():
+            return all(cached.in_pool(count) for cached in self.hf.layers)
+
+    def stored(self, count: int, queries: list[torch.Tensor], scaling: list[float]) -> None:
+        """After a forward wrote `count` new tokens into the cache's slots in the pool and
+        attended them there: hold them, and keep their queries (per layer (q_heads, w,
+        head_dim), the window's own) and each layer's scaling."""
+        for layer, cached in enumerate(self.hf.layers):
+            cached.wrote(count)
+            self._queries[layer].keep(queries[layer])
+            self._scaling[layer] = scaling[layer]
+
+    @property
     def num_layers(self) -> int:
         return len(self.hf.layers)
 

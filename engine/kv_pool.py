@@ -35,13 +35,25 @@ class PoolFull(RuntimeError):
     """No run of free pages is long enough for a session's cache."""
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Lease:
     """A session's run of pages: slots first_page * page_tokens .. + pages * page_tokens - 1."""
 
     pool: "KVPool"
     first_page: int
     pages: int
+    finite_tokens: int = 0  # its first slots known to hold numbers (written, or zeroed by `clean`)
+
+    def clean(self, held: int, tokens: int) -> None:
+        """Make sure the first `tokens` slots hold numbers, of every part and layer: those past
+        the cache's `held` tokens that nothing wrote since the lease began are zeroed. The
+        attention of several sessions at once (`engine/pool_attention.py`) reads past a cache's
+        tokens, masked, and a masked NaN left there by an earlier tensor would still spread."""
+        start = self.first_page * self.pool.page_tokens
+        since = max(self.finite_tokens, held)
+        if tokens > since:
+            self.pool.storage[:, :, :, start + since : start + tokens].zero_()
+        self.finite_tokens = max(self.finite_tokens, tokens)
 
     @property
     def tokens(self) -> int:

@@ -7,7 +7,10 @@ once for all of them, and each attention layer attends each session's tokens to 
 cache alone, through the one attention seam (`engine/attention.py`): their keys stored (turned
 back from their positions), their queries kept for the next eviction, the cache's keys read
 rotated at their positions, borrowed pages brought in. No padding, and no mask over other
-sessions' tokens: caches of any lengths pack together. A session alone is a run of one.
+sessions' tokens: caches of any lengths pack together. A session alone is a run of one. The
+sessions whose caches lease from one KV pool (a worker's) are written and attended there
+together, one call per layer for all of them (`engine/pool_attention.py`); the others (no pool,
+or borrowing from a host tier this forward) each through its own cache, in the same forward.
 
 A prompt longer than its `chunk_tokens` runs in chunks, the same alone and together: each
 forward takes the next chunk of every prompt not yet done. Nothing is evicted here (each session
@@ -24,9 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import attention
+from engine import attention, pool_attention
 from engine.kv_cache import KVCache
 from engine.model import Model
+from engine.pool_attention import CausalMasks, Member, PoolStep
 
 
 @dataclass(frozen=True)
@@ -60,47 +64,29 @@ class _Segment:
 
 
 class _Packed:
-    """The attention of a packed forward: each segment's tokens against its own cache."""
+    """The attention of a packed forward: each segment's tokens against its own cache; those of
+    the caches in one pool (`pooled`) written and attended there together, the others each
+    through its cache's own buffers."""
 
-    def __init__(self, segments: list[_Segment]) -> None:
-        self.segments = segments
-        self._masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (group, new, total) -> mask, the same in every layer
+    def __init__(self, alone: list[_Segment], pooled: PoolStep | None, masks: CausalMasks) -> None:
+        self.alone = alone
+        self.pooled = pooled
+        self.masks = masks
 
     def attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
-        layer, outputs = module.layer_idx, []
-        for segment in self.segments:
+        layer, (_, q_heads, total, dim) = module.layer_idx, query.shape
+        out = query.new_empty(1, total, q_heads, dim)
+        if self.pooled is not None:
+            self.pooled.write(layer, key, value)
+            self.pooled.attend(layer, query, module.scaling, out)
+        for segment in self.alone:
             new = slice(segment.start, segment.end)
             queries = query[:, :, new]  # (1, q_heads, c, head_dim)
             keys, values = segment.cache.hf.layers[layer].update(key[:, :, new], value[:, :, new])
             keys, values = segment.cache.attend(layer, queries, keys, values, module.scaling)  # (1, kv_heads, N, head_dim)
-            outputs.append(self._attend(queries, keys, values, module.scaling))  # (1, c, q_heads, head_dim)
-        return torch.cat(outputs, dim=1)
-
-    def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-        """(1, c, q_heads, head_dim) the c new tokens' queries (1, q_heads, c, head_dim) over the N
-        keys and values (1, kv_heads, N, head_dim), the last c of them their own. The query heads
-        that share a KV head are one longer run of queries over it (transformers' q heads g *
-        group .. (g + 1) * group - 1 read KV head g), so no key or value is copied per query head."""
-        _, q_heads, count, dim = queries.shape
-        kv_heads, total = keys.shape[1], keys.shape[2]
-        group = q_heads // kv_heads
-        grouped = queries.reshape(1, kv_heads, group * count, dim)
-        mask = self._mask(group, count, total, queries)
-        output = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scaling)
-        return output.view(1, q_heads, count, dim).transpose(1, 2)
-
-    def _mask(self, group: int, count: int, total: int, like: torch.Tensor) -> torch.Tensor | None:
-        """(group * c, N) added to the attention's logits: each new token sees the cache and the
-        new tokens up to itself (0), not those after it (-inf), in each of the `group` runs of
-        queries; in `like`'s dtype, made once for every layer (SDPA would turn a boolean mask
-        into this at every call). None for one token."""
-        if count == 1:
-            return None
-        if (group, count, total) not in self._masks:
-            hidden = torch.ones(count, total, dtype=torch.bool, device=like.device).triu(total - count + 1)
-            mask = torch.zeros(count, total, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
-            self._masks[group, count, total] = mask.repeat(group, 1)
-        return self._masks[group, count, total]
+            mask = self.masks.get(q_heads // keys.shape[1], segment.end - segment.start, keys.shape[2], query)
+            out[:, new] = pool_attention.attend(queries, keys, values, module.scaling, mask)
+        return out
 
 
 def run(model: Model, prompts: Sequence[Prompt]) -> list[Ran]:
@@ -150,12 +136,29 @@ def _forward(model: Model, chunks: list[tuple[Prompt, slice]]) -> list[torch.Ten
         keep.append(torch.arange(start, start + count) if prompt.targets is not None else torch.tensor([start + count - 1]))
         start += count
     embeds = torch.cat([prompt.embeds[:, chunk] for prompt, chunk in chunks], dim=1)  # (1, T, hidden)
-    with attention.running(_Packed(segments)), torch.inference_mode():
+    pooled, alone = _in_pool(segments)
+    masks = CausalMasks()
+    step = PoolStep(pooled, model.hf.config.get_text_config().num_attention_heads, embeds, masks) if pooled else None
+    with attention.running(_Packed(alone, step, masks)), torch.inference_mode():
         out = model.hf(
             inputs_embeds=embeds,
             position_ids=torch.cat(positions)[None].to(model.device),
             use_cache=False,
             logits_to_keep=torch.cat(keep).to(model.device),
         )
+    if step is not None:
+        step.stored()
     logits = out.logits[0].split([len(k) for k in keep])
     return [rows if prompt.targets is not None else rows[0] for (prompt, _), rows in zip(chunks, logits, strict=True)]
+
+
+def _in_pool(segments: list[_Segment]) -> tuple[list[Member], list[_Segment]]:
+    """The segments whose caches write and attend in one pool together (those of the pool most
+    of them lease from, that can: `KVCache.in_pool`), and the others."""
+    able = [s for s in segments if s.cache.lease is not None and s.cache.in_pool(s.end - s.start)]
+    if not able:
+        return [], segments
+    pools = [s.cache.lease.pool for s in able]
+    pool = max(pools, key=pools.count)
+    members = [s for s in able if s.cache.lease.pool is pool]
+    return [Member(s.cache, s.start, s.end - s.start) for s in members], [s for s in segments if s not in members]

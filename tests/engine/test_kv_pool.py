@@ -142,3 +142,76 @@ def test_a_restored_session_and_a_failed_forward_keep_the_pool_right(llava, monk
     assert "".join(session.ask("And now?", max_new_tokens=6)) == "".join(restored.ask("And now?", max_new_tokens=6))
     session.release(), restored.release()
     assert pool.free_pages == 64
+
+
+# Sessions of four policies (h2o accumulates each query's attention, so it attends through its
+# own cache in the same forward), streams of different lengths, one with recall.
+POLICIES = [
+    ({"policy": "infmllm"}, 3, "What is it?"),
+    ({"policy": "snapkv"}, 5, "And now, what do you see in the frame?"),
+    ({"policy": "infmllm", "recall": True, "retrieval_tokens": 48}, 8, "What came first?"),
+    ({"policy": "h2o"}, 9, "Colour?"),
+]
+
+
+@pytest.mark.parametrize("layout", ["leases one after another", "a gap between leases", "leases of two lengths", "in place"])
+def test_answers_in_the_pool_together_are_the_answers_alone_with_one_attention_call_per_layer(llava, monkeypatch, layout):
+    """Frames appended together and answers decoded together, with the sessions' leases laid out
+    as the pool makes them: one after another (the batch is a view of the pool), with a gap (an
+    entry of no session between them), of two lengths (their pages gathered), or attended each
+    in place (what a CPU does past `CPU_GATHER_MAX_KEYS`)."""
+    from engine import pool_attention
+
+    if layout == "in place":
+        monkeypatch.setattr(pool_attention, "CPU_GATHER_MAX_KEYS", 0)
+    pool = _pool(llava, pages=200)
+    peaks = [320, 400, 320, 400] if layout in ("leases of two lengths", "in place") else [320] * 4
+
+    def sessions(in_pool: bool) -> list[Session]:
+        made, left = [], None
+        for (options, _, _), peak in zip(POLICIES, peaks, strict=True):
+            if in_pool and layout == "a gap between leases" and len(made) == 1:
+                left = Session(llava, _config(peak_tokens=peak), pool=pool)
+            made.append(Session(llava, _config(peak_tokens=peak, **options), pool=pool if in_pool else None))
+        if left is not None:
+            left.release()  # a session that ended between the others
+        return made
+
+    alone, together = sessions(False), sessions(True)
+    if layout == "a gap between leases":
+        assert [s.cache.lease.first_page for s in together] == [0, 40, 60, 80]
+    for second in range(9):
+        streaming = [i for i, (_, frames, _) in enumerate(POLICIES) if second < frames]
+        for i in streaming:
+            alone[i].append_frames(_frames(1, 10 * i + second), [float(second)])
+        assert step([Frames(together[i], _frames(1, 10 * i + second), [float(second)]) for i in streaming]) == [None] * len(streaming)
+    expected = ["".join(s.ask(question, max_new_tokens=8)) for s, (_, _, question) in zip(alone, POLICIES, strict=True)]
+    answers = [s.ask(question, max_new_tokens=8) for s, (_, _, question) in zip(together, POLICIES, strict=True)]
+    texts = [[piece] for piece in step(answers)]  # the questions, each its own number of tokens: each its own call
+    batched = []  # the batch of each attention call of the forwards of tokens
+
+    def counted(queries, *args, **kwargs):
+        batched.append(queries.shape[0])
+        return torch.nn.functional.scaled_dot_product_attention(queries, *args, **kwargs)
+
+    monkeypatch.setattr(pool_attention, "F", type("F", (), {"scaled_dot_product_attention": staticmethod(counted)}))
+    while True:
+        pieces = step(answers)
+        if all(piece is None for piece in pieces):
+            break
+        for text, piece in zip(texts, pieces, strict=True):
+            text.append(piece or "")
+    monkeypatch.undo()
+    assert ["".join(text) for text in texts] == expected
+    for a, b in zip(alone, together, strict=True):
+        _same(a, b, atol=1e-5)
+    # 7 forwards of one token each, then one that closes the four turns: per layer, the three
+    # sessions in the pool in one call (an entry more for the gap), h2o in its own
+    forwards = 8 * llava.num_layers
+    if layout == "in place":
+        assert batched == [1] * 4 * forwards
+    else:
+        assert batched == [4 if layout == "a gap between leases" else 3, 1] * forwards
+    for session in together:
+        session.release()
+    assert pool.free_pages == 200
