@@ -245,6 +245,10 @@ def test_the_memory_view_shows_evicted_seconds_apart_from_held_ones(page):
     assert page.locator(".budget-text").bounding_box()["width"] > 0
     assert "of a 256-token budget" in page.get_attribute("#budget-bar", "aria-label")
     assert re.search(r"\d+ s evicted", page.get_attribute("#timeline", "aria-label"))
+    gap = page.locator(".timeline-legend span", has_text="Gap")  # the legend says what a gap means
+    assert gap.is_visible() and gap.text_content() == (
+        "Gap: no frames reached the cache (dropped while the model was behind, or none sampled)"
+    )
     assert page.text_content("#setup [data-field='recall']") == "off"
     assert page.locator("#memory [data-recall='with']:visible").count() == 0  # no host tier without recall
     assert page.locator("#timeline .lane-host").first.bounding_box()["height"] == 0
