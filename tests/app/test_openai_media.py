@@ -140,7 +140,12 @@ def test_a_system_message_opens_the_session_made_and_must_not_change_after(stack
     again = chat.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     assert again.model_extra["session_id"] == session_id
     other = [{"role": "system", "content": "Answer in French."}, *messages[1:]]
-    assert chat.chat.completions.create(model=MODEL, messages=other, max_tokens=2).model_extra["session_id"] != session_id
+    french = chat.chat.completions.create(model=MODEL, messages=other, max_tokens=2)
+    assert french.model_extra["session_id"] != session_id
+    # the system message is in the cache, before the image and the question: the same image, question
+    # and answer length, and a system message 5 characters shorter (the tiny model reads a character a token)
+    held = [reply.model_extra["streamvqa"]["cache_tokens"] for reply in (completion, french)]
+    assert held[0] - held[1] == len(system) - len("Answer in French.") == 5, held
     # naming the session, another system message cannot be used: said, not dropped
     with pytest.raises(openai.BadRequestError) as changed:
         chat.chat.completions.create(
