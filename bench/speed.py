@@ -2,7 +2,7 @@
 side with plain transformers on the same model.
 
     python -m bench.speed [--model smollm2-135m-instruct] [--policies ...] [--budgets 1024]
-                          [--tokens 4096] [--chunk 128] [--decode-tokens 64] [--rounds 1]
+                          [--tokens 4096] [--chunk 128] [--decode-tokens 64] [--rounds 1] [--pool]
 
 For each policy: fill the cache past its budget, then stream --tokens of English text in
 chunks of --chunk (phase "prefill"), then generate --decode-tokens (phase "decode", timed from
@@ -11,7 +11,8 @@ its eviction are included). Then `plain`, the same work with transformers alone:
 of `budget` tokens of the same text, each chunk run against it (with every position's logits
 and their loss, as `append_text` computes them) and cut off again, then greedy decoding from a
 cache of as many tokens as a bounded policy's held when it began to decode, and the turn's
-close. Each round runs every policy and `plain` once, one after the other, so that a busy
+close. With --pool, each session's cache leases its pages from a KV pool, as a worker holds
+them (`engine/kv_pool.py`). Each round runs every policy and `plain` once, one after the other, so that a busy
 machine slows them alike; the figures are medians over --rounds.
 
 Prints policy, budget, phase, tokens, ms_per_token, eviction_ms_per_token and eviction_overhead
@@ -28,13 +29,18 @@ from transformers import DynamicCache
 
 from bench.common import emit, english_text, parser, split_list
 from engine import Session, SessionConfig, load_model
+from engine.kv_pool import KVPool
+from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
 
 QUESTION = "Summarise what you just read."
 
 
-def measure(model, policy: str, budget: int, ids: list[int], chunk: int, decode_tokens: int) -> tuple[list[dict], int]:
+def measure(
+    model, policy: str, budget: int, ids: list[int], chunk: int, decode_tokens: int, pool: KVPool | None = None
+) -> tuple[list[dict], int]:
     """The policy's prefill and decode lines, and the tokens its cache held when decoding began."""
-    session = Session(model, SessionConfig(policy=policy, budget_tokens=budget, system_prompt=""))
+    config = SessionConfig(policy=policy, budget_tokens=budget, system_prompt="", peak_tokens=peak_cache_tokens(budget))
+    session = Session(model, config, pool)
     text = model.detokenize
     warm = budget + chunk  # untimed: the cache starts full, as in a long stream
     for start in range(0, warm, chunk):
@@ -54,6 +60,7 @@ def measure(model, policy: str, budget: int, ids: list[int], chunk: int, decode_
         pass
     generated = answer.tokens - 1
     lines.append(_line(policy, budget, "decode", generated, started, session.stats().evict_ms - evict_before))
+    session.release()  # its pages, for the next
     return lines, context_tokens
 
 
@@ -117,8 +124,13 @@ def main() -> None:
     args.add_argument("--chunk", type=int, default=128)
     args.add_argument("--decode-tokens", type=int, default=64)
     args.add_argument("--rounds", type=int, default=1, help="times each policy and plain run, alternating")
+    args.add_argument("--pool", action="store_true", help="sessions lease their caches from a KV pool, as in a worker")
     opts = args.parse_args()
     model = load_model(opts.model, "cpu")
+    pool = None
+    if opts.pool:  # room for one session of the largest budget (each ends before the next)
+        pages = -(-peak_cache_tokens(max(split_list(opts.budgets, int))) // POOL_PAGE_TOKENS)
+        pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, pages, POOL_PAGE_TOKENS, model.dtype, model.device)
     all_ids = model.tokenize(english_text())
     measure(model, "sliding", 256, all_ids[:1024], opts.chunk, 4)  # warm-up, untimed: first calls are slow
     plain(model, 256, all_ids[:1024], opts.chunk, 4, 256)
@@ -128,7 +140,7 @@ def main() -> None:
         for _ in range(opts.rounds):
             contexts = [budget]
             for policy in split_list(opts.policies):
-                lines, context_tokens = measure(model, policy, budget, ids, opts.chunk, opts.decode_tokens)
+                lines, context_tokens = measure(model, policy, budget, ids, opts.chunk, opts.decode_tokens, pool)
                 contexts.append(context_tokens)
                 for line in lines:
                     runs.setdefault((line["policy"], line["phase"]), []).append(line)

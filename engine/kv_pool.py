@@ -49,9 +49,11 @@ class Lease:
         the cache's `held` tokens that nothing wrote since the lease began are zeroed. The
         attention of several sessions at once (`engine/pool_attention.py`) reads past a cache's
         tokens, masked, and a masked NaN left there by an earlier tensor would still spread."""
-        start = self.first_page * self.pool.page_tokens
+        page = self.pool.page_tokens
+        start = self.first_page * page
         since = max(self.finite_tokens, held)
-        if tokens > since:
+        if tokens > since:  # up to a whole page, so that a growing cache zeroes once a page, not at every token
+            tokens = min(-(-tokens // page) * page, self.tokens)
             self.pool.storage[:, :, :, start + since : start + tokens].zero_()
         self.finite_tokens = max(self.finite_tokens, tokens)
 
