@@ -79,9 +79,9 @@ class KVPool:
             raise ValueError(f"a pool needs at least one page of at least one token, got {pages} of {page_tokens}")
         self.page_tokens = page_tokens
         self.total_pages = pages
-        self.free = torch.ones(pages, dtype=torch.bool)  # by page
         self.leases: dict[int, Lease] = {}  # by first page
-        with outside_inference():
+        with outside_inference():  # a pool made in inference mode still takes leases back outside it
+            self.free = torch.ones(pages, dtype=torch.bool)  # by page
             self.storage = torch.empty(3, layers, kv_heads, pages * page_tokens, head_dim, dtype=dtype, device=device)
 
     @classmethod

@@ -84,6 +84,16 @@ def test_a_full_pool_refuses_a_session_and_a_session_collected_gives_its_pages_b
     third.release()
 
 
+def test_a_pool_made_in_inference_mode_takes_a_lease_back_outside_it(llava):
+    """As bench.gpu makes one, and a session collected at exit gives its pages back."""
+    with torch.inference_mode():
+        pool = _pool(llava, pages=8)
+        lease = pool.lease(40)
+    assert pool.free_pages == 5
+    lease.release()
+    assert pool.free_pages == 8
+
+
 def test_sessions_in_the_pool_answer_as_sessions_with_buffers_of_their_own(llava):
     """Through eviction and recall (borrowing, give-back), alone and two in one step."""
     pool = _pool(llava, pages=128)
