@@ -13,13 +13,15 @@ attention reads: token by token the arithmetic of `PreRopeLayer.update`, so the 
 session run alone.
 
 Attend, for the B sessions with c new tokens each: their queries (B, kv_heads, group * c,
-head_dim) (the query heads that share a KV head as one run, as in `attend`) over their pages,
-gathered from the pool (B, kv_heads, pages * page_tokens, head_dim), with an additive mask: each
-query sees its session's keys up to its own, never another session's nor the slots after its
-session's last key. Gathering copies every key and value the batch reads once more: on a CPU
-that costs more than a call per session saves once the batch holds many keys (measured,
-docs/engine.md), so there each session is attended in place, a view of its slots, past
-`CPU_GATHER_MAX_KEYS`.
+head_dim) (the query heads that share a KV head as one run, as in `attend`) over a batch of
+their keys and values (E, kv_heads, N, head_dim), with an additive mask: each query sees its
+session's keys up to its own, never another session's nor the slots after its session's last
+key. The batch is a strided view of the pool when the sessions' leases are of one length and
+lie one after another (as sessions of one budget lease them: no copy; a lease between them that
+is no member's is an entry of no one's queries); else their pages are gathered into it. Gathering
+copies every key and value the batch reads once more: on a CPU that costs more than a call per
+session saves once the batch holds many keys (docs/engine.md), so there, past
+`CPU_GATHER_MAX_KEYS`, each session is attended in place, a view of its slots.
 """
 
 from collections.abc import Callable
