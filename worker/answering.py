@@ -311,6 +311,17 @@ class Answering:
             await self.threads.engine(run.pieces.close)
             del run.text[len(run.text) - len(run.outbox) :]
             run.outbox.clear()
+        # the session's record before the final event, so that a client told the answer is done reads
+        # the cache after it (both idempotent, should the event fail and all this run again)
+        await self.records.set(session_id, **progress(hosted.engine))
+        if hosted.engine.context_full and not hosted.record.context_full:  # answers filled a cache that does not evict
+            hosted.record.context_full = True
+            message = (
+                f"the cache holds {hosted.engine.stats().cache_tokens} of the model's {hosted.engine.context_tokens}-token "
+                f"context after an answer, the rest kept for questions: later frames are not taken; ask about what it "
+                f"holds, or use a policy that evicts"
+            )
+            await self.records.warn(session_id, hosted, "context_full", message, context_full=True)
         if not await self._publish_event(session_id, run.stream, run.done(hosted.engine, cancelled), run.published):  # Redis failing: tried again
             hosted.lost = True  # deleted meanwhile
         hosted.answer = None
@@ -326,15 +337,6 @@ class Answering:
         counters.retrieval_ms += stats.retrieval_ms - run.before.retrieval_ms
         hosted.host_bytes = stats.host_bytes
         await self.records.consume(self.keys.questions(session_id), run.entry_id)
-        await self.records.set(session_id, **progress(hosted.engine))
-        if hosted.engine.context_full and not hosted.record.context_full:  # answers filled a cache that does not evict
-            hosted.record.context_full = True
-            message = (
-                f"the cache holds {stats.cache_tokens} of the model's {hosted.engine.context_tokens}-token context after "
-                f"an answer, the rest kept for questions: later frames are not taken; ask about what it holds, or use a "
-                f"policy that evicts"
-            )
-            await self.records.warn(session_id, hosted, "context_full", message, context_full=True)
         await self.records.report_memory(session_id, hosted, force=True)
 
     async def _refuse(self, session_id: str, entry_id: bytes, stream: str, final: ErrorEvent | DoneEvent) -> None:
