@@ -51,7 +51,7 @@ async def _send_frame(redis: Redis, keys: Keys, session: SessionRecord, image: b
     )
     if claimed in (-2, -3):
         raise UploadRefused(409, "media_exists", "this session already has its media")
-    if claimed in (-1, -4):  # gone, failed: as ADD_STREAM_ENTRY_LUA's -1, -2
+    if claimed in (-1, -4):  # gone, failed: as ADD_MEDIA_ENTRY_LUA's -1, -2
         raise UploadRefused(*ADDED[-1 if claimed == -1 else -2])
     message = frame_message(0.0, image)
     try:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from app import backlog
+from app import backlog, media_stream
 from streamvqa import protocol
 from streamvqa.pending import enqueue, leave, place
 from streamvqa.redis_client import FAILURES
@@ -49,6 +49,12 @@ class NoPlace(Exception):
 
 
 NO_PLACE = {0: "places", -1: "device", -2: "host"}  # scripts.TAKE_PLACE_LUA's refusals
+UPLOAD_REFUSED = {
+    media_stream.GONE: (404, "session_not_found", "the session was deleted during the upload"),
+    media_stream.FAILED: (409, "session_error", "the session failed during the upload"),
+    media_stream.NOT_CLAIMED: (409, "media_exists", "the session's media was taken over during the upload"),
+    media_stream.BYTES_LOST: (503, "redis_unreachable", "Redis lost part of the upload (it restarted); upload it again"),
+}  # media_stream.add's refusals, as an upload's replies
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,6 @@ class SessionStore:
         self._take_place = redis.register_script(scripts.TAKE_PLACE_LUA)
         self._drop_unchanged = redis.register_script(scripts.DROP_UNCHANGED_LUA)
         self._start_upload = redis.register_script(scripts.START_UPLOAD_LUA)
-        self._upload_add = redis.register_script(scripts.ADD_UPLOAD_ENTRY_LUA)
         self._abort_upload = redis.register_script(scripts.ABORT_UPLOAD_LUA)
         self._delete = redis.register_script(scripts.DELETE_SESSION_LUA)
         self._renew_claim = redis.register_script(scripts.RENEW_MEDIA_CLAIM_LUA)
@@ -281,11 +286,11 @@ class SessionStore:
                 if total + len(chunk) > max_bytes:
                     raise UploadRefused(413, "upload_too_large", f"the upload exceeds the limit of {max_bytes} bytes")
                 await self._wait_for_room(session.id, stall_s)
-                await self._add_upload_entry(session, total, MediaEntry(MediaKind.DATA, data=chunk))
+                await self._add_upload_entry(session, connection, total, MediaEntry(MediaKind.DATA, data=chunk))
                 total += len(chunk)
             if total == 0:
                 raise UploadRefused(400, "empty_upload", "the upload is empty")
-            await self._add_upload_entry(session, total, MediaEntry(MediaKind.END, upload_bytes=total))
+            await self._add_upload_entry(session, connection, total, MediaEntry(MediaKind.END, upload_bytes=total))
             finished = True
         finally:
             holding.cancel()
@@ -303,15 +308,11 @@ class SessionStore:
             except FAILURES:
                 pass  # the upload's own next step fails too, and says so
 
-    async def _add_upload_entry(self, session: SessionRecord, offset: int, entry: MediaEntry) -> None:
-        """Add the upload's entry that follows its first `offset` bytes."""
-        pairs = [item for pair in entry.fields().items() for item in pair]
-        keys = [self.keys.session(session.id), self.keys.media(session.id)]
-        added = await self._upload_add(keys=keys, args=[protocol.MEDIA_MAXLEN, offset, len(entry.data), *pairs])
-        if added == -1:
-            raise UploadRefused(404, "session_not_found", "the session was deleted during the upload")
-        if added == -2:
-            raise UploadRefused(503, "redis_unreachable", "Redis lost part of the upload (it restarted); upload it again")
+    async def _add_upload_entry(self, session: SessionRecord, connection: str, offset: int, entry: MediaEntry) -> None:
+        """Add the upload's entry that follows its first `offset` bytes, as the writer `connection`."""
+        added = await media_stream.add(self.redis, self.keys, session, connection, entry, len(entry.data), offset=offset)
+        if isinstance(added, int) and added in UPLOAD_REFUSED:
+            raise UploadRefused(*UPLOAD_REFUSED[added])
 
     async def _wait_for_room(self, session_id: str, stall_s: float) -> None:
         try:

@@ -82,7 +82,7 @@ class SessionRecord(BaseModel):
     upload_bytes: int = 0
     upload_ended: bool = Field(False, description="Every byte of the upload reached the worker.")
     media_duration_s: float | None = Field(None, description="An upload's video duration, once known.")
-    stream_bytes: int = Field(0, description="Bytes received on the session's stream sockets.")
+    stream_bytes: int = Field(0, description="Media bytes received into the session's stream (a stream socket's or an upload's).")
     last_frame_s: float | None = Field(None, description="Video time of the last `frames` message received.")
     frames_dropped: int = Field(0, description="Live frames dropped because the worker fell behind.")
     ingest_lag_s: float = Field(0.0, description="How far behind real time the last live frame was ingested.")

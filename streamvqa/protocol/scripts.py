@@ -130,19 +130,6 @@ redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 wake(KEYS[1], ARGV[1])
 return 1
 """)
-# Adds an upload's entry while the session lives, once: ARGV[2] is the upload's bytes queued
-# before it, ARGV[3] its own (a call retried after its reply was lost finds them counted).
-# KEYS = hash, media stream; ARGV = MAXLEN, offset, bytes, then the entry's field, value pairs.
-# Returns 1, -1 when the session is gone, -2 when bytes before it are missing (Redis lost them).
-ADD_UPLOAD_ENTRY_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local queued = tonumber(redis.call('HGET', KEYS[1], 'upload_queued') or '0')
-if queued > tonumber(ARGV[2]) then return 1 end
-if queued < tonumber(ARGV[2]) then return -2 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 4))
-redis.call('HINCRBY', KEYS[1], 'upload_queued', ARGV[3])
-return 1
-"""
 # Gives up an unfinished upload: tells the worker to drop its bytes (a media.MediaKind.ABORT entry),
 # frees the media slot and puts the session back to ready (pending while no worker ever held it:
 # records.TRANSITIONS). KEYS = hash, media stream; ARGV[1] = the media stream's MAXLEN. Nothing is
@@ -150,7 +137,7 @@ return 1
 ABORT_UPLOAD_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'abort')
-redis.call('HDEL', KEYS[1], 'media', 'upload_queued')
+redis.call('HDEL', KEYS[1], 'media', 'stream_bytes')
 if redis.call('HGET', KEYS[1], 'state') == 'ingesting' then
   redis.call('HSET', KEYS[1], 'state', redis.call('HEXISTS', KEYS[1], 'worker') == 1 and 'ready' or 'pending')
 end
@@ -180,16 +167,20 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[
 return 0
 """
 # Adds a media entry to a live session, once, and marks the session to be brought back to a
-# worker if it left its worker idle. A container stream's bytes carry the stream's byte count
-# before them (ARGV[6]), a frame its time (ARGV[4]): a call retried after its reply was lost, or
-# a frame sent again after a reconnection, is found there and not added twice. KEYS = hash, media
-# stream, streamer key; ARGV = MAXLEN, stream bytes to count, this connection, a frame's time
-# ('' for none), the time, the offset ('' for none), then the entry's field, value pairs.
-# Returns {the new entry's id (a string), 1 when found added, 0 for a frame not after the last
-# one, -1 when the session is gone (nothing outlives a session), -2 when it failed, -3 when
-# another connection took the stream over, -4 when bytes before these are missing (Redis lost
-# them: the client sends on from `bytes_received`); 1 when the session must be queued for a worker}.
-ADD_STREAM_ENTRY_LUA = waking("""
+# worker if it left its worker idle: the one writer of media entries, for every transport (a
+# stream socket, an upload, a chat completion's image). A container's bytes (a stream socket's
+# or an upload's) carry the count of the session's media bytes before them (ARGV[6]), a frame its
+# time (ARGV[4]): a call retried after its reply was lost, or a frame sent again after a
+# reconnection, is found there and not added twice. The bytes are counted in the hash's
+# `stream_bytes`, which an aborted or abandoned upload drops. KEYS = hash, media stream,
+# streamer key (the media claim); ARGV = MAXLEN, media bytes to count, this writer's connection,
+# a frame's time ('' for none), the time, the offset ('' for none), then the entry's field, value
+# pairs. Returns {the new entry's id (a string), 1 when found added, 0 for a frame not after the
+# last one, -1 when the session is gone (nothing outlives a session), -2 when it failed, -3 when
+# another connection took the media over, -4 when bytes before these are missing (Redis lost
+# them: a socket sends on from `bytes_received`, an upload starts again); 1 when the session must
+# be queued for a worker}.
+ADD_MEDIA_ENTRY_LUA = waking("""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'state') == 'error' then return -2 end
 local holder = redis.call('GET', KEYS[3])
@@ -359,7 +350,7 @@ return 1
 ABANDON_UPLOAD_LUA = """
 if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('XLEN', KEYS[3]) > 0 then return 0 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HDEL', KEYS[1], 'media', 'upload_bytes', 'upload_ended', 'media_duration_s', 'upload_queued')
+redis.call('HDEL', KEYS[1], 'media', 'upload_bytes', 'upload_ended', 'media_duration_s', 'stream_bytes')
 if redis.call('HGET', KEYS[1], 'state') == 'ingesting' then redis.call('HSET', KEYS[1], 'state', 'ready') end
 return 1
 """

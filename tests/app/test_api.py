@@ -100,11 +100,14 @@ def test_a_failed_upload_can_be_retried(client):
     # no Content-Length (chunked): the limit is found while streaming, after bytes reached Redis
     too_big = client.upload(iter([b"\0" * (1024 * 1024)] * 5))
     assert (too_big.status_code, too_big.json()["code"]) == (413, "upload_too_large")
-    assert client.get().json()["state"] in ("pending", "ready")
+    aborted = client.get().json()
+    assert (aborted["state"], aborted["media"], aborted["stream_bytes"]) in (("pending", None, 0), ("ready", None, 0))
 
-    assert client.upload(sample_video("carphone_pristine.mp4").read_bytes()).status_code == 202
+    video = sample_video("carphone_pristine.mp4").read_bytes()
+    assert client.upload(video).status_code == 202
     session = client.wait_for_state("ingested", "error")
     assert (session["state"], session["frames_ingested"]) == ("ingested", 4)
+    assert session["stream_bytes"] == len(video)  # counted from 0 again, not after the aborted upload's bytes
 
 
 def test_a_second_upload_is_409(client):
