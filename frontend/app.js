@@ -308,6 +308,7 @@ $("#end-session").addEventListener("click", () => {
   if (!session) return;
   stopCapture(false);
   detach();
+  owned.drop(session.id);
   session.remove().catch((err) => {
     if (err.status !== 404) showError(`The server could not end the session (${err.message}); it expires once idle.`);
   }).finally(() => owned.refresh());
@@ -376,6 +377,7 @@ function detach(message) {
 function lost(problem) {
   stopCapture(false);
   detach(`This session has ended: ${problem.message}. Create a new one to go on.`);
+  owned.refresh();
 }
 
 async function poll(session) {
@@ -459,6 +461,7 @@ function renderRecord(record) {
   }
   renderCache(r);
   if (record) plot.setRecord(r);
+  if (record) owned.follow(r);
   setFields("model", r.model || "–");
   setFields("policy", r.policy ? `${r.policy}` : "–");
   setFields("budget_tokens", none ? "–" : r.policy === "full" ? "none (full cache)" : `${count(r.budget_tokens)} tokens`);

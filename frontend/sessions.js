@@ -2,6 +2,10 @@
 // with the gateway's API key), the demo's and failed ones among them, each with an End button
 // (`DELETE /sessions/{id}` as their owner: no token needed). How a user frees a place once the
 // gateway's MAX_SESSIONS_PER_KEY is reached; failed sessions do not count toward it.
+// The list is fetched every few seconds and at once after the page creates or ends a session;
+// the row of the page's own session follows the state the page knows from its live updates, and a
+// session the page ended leaves the list at once (a listing begun before it ended does not bring
+// it back).
 
 import { ApiError, endOwnSession, ownSessions } from "./api.js";
 import { count, timeOfDay } from "./format.js";
@@ -19,6 +23,8 @@ export class SessionList {
     this.onEnding = onEnding;
     this.onError = onError;
     this.current = null; // the id of the page's own session
+    this.known = null; // {state, error} of the page's own session, as the page last heard
+    this.ended = new Set(); // ids the page ended, left out while a listing still names them
     this.limit = null; // the gateway's MAX_SESSIONS_PER_KEY, once listed
     this.timer = null;
     this.loading = null;
@@ -27,8 +33,25 @@ export class SessionList {
 
   /** Mark the page's own session (null: none). */
   setCurrent(id) {
+    if (id !== this.current) this.known = null;
     this.current = id;
     for (const item of this.list.children) item.dataset.current = String(item.dataset.id === id);
+  }
+
+  /** The page's own session's record, as its live updates bring it: its row shows that state. */
+  follow(record) {
+    if (record.id !== this.current) return;
+    this.known = { state: record.state, error: record.error };
+    const item = [...this.list.children].find((child) => child.dataset.id === record.id);
+    if (item) showState(item, this.known);
+  }
+
+  /** A session the page ended (or found gone): its row goes now, and the list is fetched again. */
+  drop(id) {
+    this.ended.add(id);
+    for (const item of [...this.list.children]) if (item.dataset.id === id) item.remove();
+    if (!this.list.children.length) this.showEmpty("None: a session you create, here or through the API, shows here.");
+    return this.refresh();
   }
 
   /** List the sessions again now (after the listing under way, if any), then every few seconds. */
@@ -59,6 +82,9 @@ export class SessionList {
     this.limit = max_sessions;
     this.note.textContent = `${count(counted)} of ${count(max_sessions)} in use`;
     this.note.title = "Sessions that count toward this address's (or API key's) limit; failed ones do not.";
+    const listed = new Set(sessions.map((session) => session.id));
+    for (const id of this.ended) if (!listed.has(id)) this.ended.delete(id); // gone from the server too
+    sessions = sessions.filter((session) => !this.ended.has(session.id));
     this.list.replaceChildren(...sessions.map((session) => this.item(session)));
     if (sessions.length) this.empty.hidden = true;
     else this.showEmpty("None: a session you create, here or through the API, shows here.");
@@ -75,7 +101,6 @@ export class SessionList {
     const item = document.createElement("li");
     item.className = "owned";
     item.dataset.id = session.id;
-    item.dataset.state = session.state;
     item.dataset.current = String(session.id === this.current);
     const name = document.createElement("span");
     name.className = "owned-id";
@@ -83,8 +108,6 @@ export class SessionList {
     name.title = session.id;
     const state = document.createElement("span");
     state.className = "owned-state";
-    state.textContent = session.state;
-    if (session.error) state.title = session.error;
     const meta = document.createElement("span");
     meta.className = "owned-meta";
     meta.textContent = [session.model, `created ${timeOfDay(session.created_at)}`, session.id === this.current ? "this page" : null]
@@ -96,6 +119,7 @@ export class SessionList {
     end.setAttribute("aria-label", `End session ${short}`);
     end.addEventListener("click", () => this.end(session.id, end));
     item.append(name, state, end, meta);
+    showState(item, session.id === this.current && this.known ? this.known : session);
     return item;
   }
 
@@ -106,8 +130,19 @@ export class SessionList {
     try {
       await endOwnSession(id);
     } catch (err) {
-      if (!(err instanceof ApiError && err.status === 404)) this.onError(`The session could not be ended: ${err.message}.`);
+      if (!(err instanceof ApiError && err.status === 404)) {
+        this.onError(`The session could not be ended: ${err.message}.`);
+        return this.refresh();
+      }
     }
-    await this.refresh();
+    await this.drop(id);
   }
+}
+
+/** A row's state: its text, `data-state`, and why it failed as its title. */
+function showState(item, { state, error }) {
+  item.dataset.state = state;
+  const element = item.querySelector(".owned-state");
+  element.textContent = state;
+  element.title = error || "";
 }

@@ -634,6 +634,46 @@ def test_your_sessions_lists_the_callers_sessions_and_ends_them_demo_and_failed_
     httpx.delete(f"{two_each.url}/sessions/{mine}")
 
 
+# When (ms after it began) the page's own session first showed each state in its status and in
+# its row of "Your sessions", looked at every 20 ms until the row has shown `until` (at most 30 s):
+# a promise kept in `window.ownRow`.
+WATCH_OWN_ROW = """(until) => { window.ownRow = new Promise((resolve) => {
+  const began = performance.now();
+  const first = {};
+  const timer = setInterval(() => {
+    const now = performance.now() - began;
+    const status = document.querySelector("#status [data-field='state']").textContent;
+    const row = document.querySelector("#session-list li[data-current='true'] .owned-state")?.textContent;
+    first[`status ${status}`] ??= now;
+    if (row) first[`row ${row}`] ??= now;
+    if (`row ${until}` in first || now > 30000) {
+      clearInterval(timer);
+      resolve(first);
+    }
+  }, 20);
+}); }"""
+
+
+def test_the_pages_own_row_in_your_sessions_follows_its_state_and_its_end_at_once(page):
+    create_session(page, fps=4)
+    mine = page.get_attribute("#session-line", "title")
+    page.wait_for_selector(f"#session-list li[data-id='{mine}'][data-current='true']", timeout=1000)
+    page.wait_for_selector("#status [data-field='state']:text-is('ready')")
+    page.wait_for_selector("#session-list li[data-current='true'] .owned-state:text-is('ready')", timeout=1000)
+    page.evaluate(WATCH_OWN_ROW, "ingested")
+    upload(page, sample_video("bikes.mp4"))  # 40 frames at 4 frames/s: seconds of ingest
+    first = page.evaluate("() => window.ownRow")
+    for state in ("ingesting", "ingested"):  # the row shows each state within a second of the status
+        assert first.get(f"row {state}", float("inf")) - first[f"status {state}"] < 1000, first
+
+    page.get_by_role("button", name="End session", exact=True).click()
+    page.wait_for_selector(f"#session-list li[data-id='{mine}']", state="detached", timeout=1000)
+    create_session(page)
+    again = page.get_attribute("#session-line", "title")
+    page.wait_for_selector(f"#session-list li[data-id='{again}'][data-current='true']", timeout=1000)
+    assert page.locator(f"#session-list li[data-id='{mine}']").count() == 0
+
+
 def test_the_sample_videos_are_served_by_name_and_nothing_else(stack):
     listed = httpx.get(f"{stack.url}/samples").json()["samples"]
     assert [(s["name"], s["bytes"], s["url"]) for s in listed] == [
