@@ -403,9 +403,13 @@ async function poll(session) {
 /** A status fetched while an ingest event came in may be older than what the page shows. */
 function keepNewerIngest(record, shown) {
   if (!shown || record.frames_ingested >= shown.frames_ingested) return record;
-  const { state: current, frames_ingested, video_time_s, ingest_lag_s, frames_dropped, cache_tokens, ingest_progress, ingest_eta_s } = shown;
+  const {
+    state: current, frames_ingested, video_time_s, ingest_lag_s, frames_dropped, cache_tokens, tokens_seen, ingest_progress,
+    ingest_eta_s,
+  } = shown;
   return {
-    ...record, state: current, frames_ingested, video_time_s, ingest_lag_s, frames_dropped, cache_tokens, ingest_progress, ingest_eta_s,
+    ...record, state: current, frames_ingested, video_time_s, ingest_lag_s, frames_dropped, cache_tokens, tokens_seen,
+    ingest_progress, ingest_eta_s,
   };
 }
 
@@ -414,7 +418,7 @@ function onSessionEvent(name, data) {
   if (name === "ingest") {
     Object.assign(state.record, {
       frames_ingested: data.frames, video_time_s: data.video_time_s, ingest_lag_s: data.lag_s,
-      frames_dropped: data.dropped, cache_tokens: data.cache_tokens,
+      frames_dropped: data.dropped, cache_tokens: data.cache_tokens, tokens_seen: data.tokens_seen,
     });
     if (data.progress !== null && data.progress !== undefined) state.record.ingest_progress = data.progress;
     if (data.eta_s !== null && data.eta_s !== undefined) state.record.ingest_eta_s = data.eta_s;

@@ -1,6 +1,8 @@
 // The cache over video time, drawn as SVG: how many tokens the session's cache held after each
 // step (from the session's record, as it is polled and as `ingest` events update it) and how many
-// it had seen in all (the memory report's spans, added up), with the budget as a dashed line.
+// it had seen in all (the memory report's spans, added up, and on to the record's `tokens_seen`,
+// which the worker writes with `cache_tokens` while the report comes at most once a second), with
+// the budget as a dashed line.
 // A bounded cache fills up to its budget and then stays flat while the seen line goes on rising:
 // the gap between them is what was evicted. The held line starts when the page first saw the
 // session and is kept in the tab's sessionStorage, so that a reload draws the same plot (at most
@@ -129,6 +131,7 @@ export class CachePlot {
   clear() {
     this.held = []; // [video_time_s, cache_tokens], in video order
     this.seen = []; // [video_time_s, tokens seen by then], from the latest memory report
+    this.seenNow = null; // [video_time_s, tokens_seen] of the latest record: the report may lag it
     this.budget = null; // tokens; null: a cache without a budget (`full`)
     this.draw();
   }
@@ -140,6 +143,7 @@ export class CachePlot {
     const point = [record.video_time_s, record.cache_tokens];
     const last = this.held[this.held.length - 1];
     const fresh = !last || point[0] > last[0] || (point[0] === last[0] && point[1] !== last[1]);
+    if (record.frames_ingested) this.seenNow = [record.video_time_s, record.tokens_seen ?? 0];
     if (record.frames_ingested && fresh) {
       this.held.push(point);
       if (this.held.length > MAX_POINTS) this.held = this.held.filter((_, i) => i % 2 === 0 || i === this.held.length - 1);
@@ -160,12 +164,20 @@ export class CachePlot {
     this.draw();
   }
 
+  /** The seen line: the report's, then on to what the record says was seen since. */
+  seenPoints() {
+    const last = this.seen[this.seen.length - 1];
+    if (!this.seenNow || (last && this.seenNow[1] <= last[1])) return this.seen;
+    return [...this.seen, [Math.max(this.seenNow[0], last ? last[0] : 0), this.seenNow[1]]];
+  }
+
   draw() {
     const width = Math.max(this.svg.clientWidth, 200);
     this.svg.setAttribute("viewBox", `0 0 ${width} ${HEIGHT_PX}`);
     this.svg.dataset.points = String(this.held.length);
+    const seen = this.seenPoints();
     const last = this.held[this.held.length - 1];
-    const seenLast = this.seen[this.seen.length - 1];
+    const seenLast = seen[seen.length - 1];
     const seenTotal = seenLast ? seenLast[1] : 0;
     const drawn = Boolean(last || seenLast);
     const bounded = drawn && this.budget !== null;
@@ -178,7 +190,7 @@ export class CachePlot {
     const xy = ([t, tokens]) => `${x(t).toFixed(1)},${y(tokens).toFixed(1)}`;
 
     this.heldLine.setAttribute("points", this.held.map(xy).join(" "));
-    this.seenLine.setAttribute("points", this.seen.map(xy).join(" "));
+    this.seenLine.setAttribute("points", seen.map(xy).join(" "));
     this.area.setAttribute("d", this.held.length > 1
       ? `M${xy([this.held[0][0], 0])} ${this.held.map((point) => `L${xy(point)}`).join(" ")} L${xy([last[0], 0])} Z`
       : "");

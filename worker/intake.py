@@ -264,6 +264,7 @@ class MediaIntake:
                     lag_s=round(batch.lag_s, 3),
                     dropped=ingest.dropped,
                     cache_tokens=stats.cache_tokens,
+                    tokens_seen=stats.tokens_seen,
                     progress=share,
                     eta_s=eta_s,
                 ),

@@ -108,6 +108,7 @@ def progress(engine: Session) -> dict[str, object]:
         "frames_ingested": stats.frames,
         "video_time_s": round(stats.video_time_s, 3),
         "cache_tokens": stats.cache_tokens,
+        "tokens_seen": stats.tokens_seen,
     }
 
 

@@ -111,6 +111,7 @@ class IngestEvent(BaseModel):
     lag_s: float = Field(description="How far behind real time the last frame was appended (live only).")
     dropped: int = Field(description="Live frames dropped so far because the worker fell behind.")
     cache_tokens: int
+    tokens_seen: int = Field(description="Tokens run through the model so far, as the record's `tokens_seen`.")
     progress: float | None = Field(None, description="An upload's share in the cache, 0 to 1 (as `ingest_progress`).")
     eta_s: float | None = Field(None, description="An upload's seconds left to ingest (as `ingest_eta_s`).")
 

@@ -89,6 +89,10 @@ class SessionRecord(BaseModel):
     frames_ingested: int = 0
     video_time_s: float = 0.0
     cache_tokens: int = 0
+    tokens_seen: int = Field(
+        0, description="Tokens run through the model so far (frames and text), written with `cache_tokens`: what the "
+        "cache holds and what it evicted.",
+    )
     ingest_progress: float | None = Field(
         None, description="An upload's share in the cache, 0 to 1: the video time its frames cover over its duration."
     )

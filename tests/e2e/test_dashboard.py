@@ -453,6 +453,39 @@ def test_the_cache_plot_is_drawn_to_the_caches_scale_and_the_same_after_a_reload
     assert page.evaluate("Object.keys(sessionStorage).filter((key) => key.startsWith('streamvqa.plot.'))") == []
 
 
+# The plot's legend and the session's state, every 50 ms, until the session is ingested (at most 90 s).
+SAMPLE_LEGEND = """() => new Promise((resolve) => {
+  const samples = [];
+  const text = (selector) => document.querySelector(selector).textContent;
+  const timer = setInterval(() => {
+    const state = text("#status [data-field='state']");
+    samples.push([state, text("[data-plot=held]"), text("[data-plot=seen]")]);
+    if (state === "ingested" || samples.length >= 1800) {
+      clearInterval(timer);
+      resolve(samples);
+    }
+  }, 50);
+})"""
+
+
+def test_the_plot_legend_never_shows_fewer_tokens_seen_than_held_while_a_file_is_ingested(page, tmp_path):
+    video = tmp_path / "long.mp4"
+    faststart_mp4(90, video)  # at 4 frames/s: 360 frames, seconds of ingest
+    create_session(page, fps=4)
+    upload(page, video)
+    page.wait_for_selector("#status [data-field='state']:has-text('ingesting')")
+    samples = page.evaluate(SAMPLE_LEGEND)
+    assert samples[-1][0] == "ingested"
+
+    def tokens(text: str) -> int | None:
+        return None if text == "–" else int(text.replace(",", ""))
+
+    shown = [(tokens(held), tokens(seen)) for state, held, seen in samples if held != "–"]
+    assert sum(state == "ingesting" for state, _, _ in samples) >= 40  # seconds of ingest, sampled every 50 ms
+    below = [(held, seen) for held, seen in shown if seen is None or seen < held]
+    assert below == [], f"{len(below)} of {len(shown)} samples show fewer tokens seen than held, e.g. {below[:5]}"
+
+
 # Elements that cut what they hold: clipped (overflow other than visible) and wider inside than
 # out, with text of their own; the visually hidden labels are meant to be clipped.
 CUT_LABELS = """() => [...document.querySelectorAll('body *')].filter((e) => {
