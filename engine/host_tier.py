@@ -74,6 +74,7 @@ INDEX_DTYPE = torch.bfloat16  # of the representative keys' sums (at most page_t
 DROP_RULES = ("novel", "oldest")
 EXACT_LAYERS = 1  # layers whose pages are scored by every key held, not by representatives
 SCORED_LAYERS = 4  # layers that score the pages; the last of them chooses for every layer after it at once
+CANDIDATE_PAGES = 4  # a question's places are chosen among the best pages that could lend 4 times what it borrows
 FOLLOWER_SHARE = 0.99  # the page after a matched page scores this share of it, when that is more than its own
 NOVEL_DROP_SHARE = 8  # under "novel", the least novel 1/8 of the pages leave together (amortises the scoring)
 NOVEL_KEEP_SHARE = 4  # ... never one of the 1/4 of the pages used most recently
@@ -101,10 +102,11 @@ class Tokens:
 
 @dataclass
 class Retrieval:
-    """What one question brought back to one layer."""
+    """What one question brought back to one layer, and to the layers after it that borrow what
+    it chose (the last scored layer's choice is every later layer's)."""
 
-    tokens: Tokens  # (1, kv_heads, k, ...) on the cache's device, keys and values, in stream order
-    pages: list[int]  # the page numbers (spans of the stream) any head borrowed from
+    tokens: Tokens  # (layers, kv_heads, k, ...) on the cache's device, from the layer asked for on, in stream order
+    pages: list[int]  # the page numbers (spans of the stream) any head of the layer asked for borrowed from
 
 
 def index_bytes_per_token(layers: int, kv_heads: int, head_dim: int, page_tokens: int, page_keys: int) -> float:
@@ -235,6 +237,8 @@ class HostTier:
                 self._clear(slot)
             free = (self.page_of < 0).nonzero()
         slot = int(free[0])
+        self.keys[:, :, slot] = 0  # its places not yet held read as zeros (a snapshot saves the whole page), never stale
+        self.values[:, :, slot] = 0
         self.slot_of[number] = slot
         self.page_of[slot] = number
         self.clock += 1
@@ -303,13 +307,14 @@ class HostTier:
         """`count` tokens (at most `available()`) of `layer` for the question's keys (kv_heads, c,
         head_dim) (before the rotary embedding): for each KV head, what it holds of the best pages
         by the scores pooled so far, best first, in stream order. The first SCORED_LAYERS layers
-        score the pages; the last of them chooses for every layer after it at once."""
+        score the pages; the last of them chooses for every layer after it at once, and what it
+        retrieves is theirs too (one copy for all of them), from `layer` on."""
         chosen = self._chosen
         if layer < SCORED_LAYERS or chosen is None or not self._chosen_from <= layer < self._chosen_from + chosen[0].shape[0]:
             self._pool(layer, keys)
             layers = self.held.shape[0] if layer >= SCORED_LAYERS - 1 else layer + 1
             self._chosen, self._chosen_from = self._choose(layer, layers, count), layer
-        places, order = (part[layer - self._chosen_from] for part in self._chosen)
+        places, order = (part[layer - self._chosen_from :] for part in self._chosen)
         return self._lend(layer, places, order, keys.device)
 
     def _pool(self, layer: int, keys: torch.Tensor) -> None:
@@ -328,8 +333,17 @@ class HostTier:
         count) on the CPU, in stream order."""
         scores = self._with_followers(self._pooled / self._pooled_heads.clamp_min(1))  # (slots,)
         held = self.held[first:last]  # (layers, kv_heads, slots, page_tokens)
+        # Among the best pages only, when every head holds enough of them: the same choice, in a fraction of the places
+        best = scores.topk(min(self.slots, CANDIDATE_PAGES * -(-count // self.page_tokens))).indices
+        if best.shape[0] < self.slots and int(held[:, :, best].flatten(2).sum(-1).min()) >= count:
+            held, scores = held[:, :, best], scores[best]
+        else:
+            best = None
         wanted = torch.where(held, scores[:, None], float("-inf"))
-        chosen = wanted.flatten(2).topk(count, dim=-1).indices.cpu()  # (layers, kv_heads, count)
+        chosen = wanted.flatten(2).topk(count, dim=-1).indices  # (layers, kv_heads, count) into the pages looked at
+        if best is not None:
+            chosen = best[chosen // self.page_tokens] * self.page_tokens + chosen % self.page_tokens
+        chosen = chosen.cpu()
         order = self.page_of[chosen // self.page_tokens] * self.page_tokens + chosen % self.page_tokens
         order, by_place = order.sort(dim=-1)
         chosen = chosen.gather(-1, by_place)
@@ -337,22 +351,24 @@ class HostTier:
         self.used[(chosen // self.page_tokens).unique()] = self.clock
         return chosen, order
 
-    def _lend(self, layer: int, chosen: torch.Tensor, order: torch.Tensor, device: torch.device) -> Retrieval:
-        """The tokens at `chosen` (kv_heads, count) of `layer`, keys and values on `device`."""
-        heads, count = chosen.shape
+    def _lend(self, first: int, chosen: torch.Tensor, order: torch.Tensor, device: torch.device) -> Retrieval:
+        """The tokens at `chosen` (layers, kv_heads, count) of the layers from `first` on, keys and
+        values on `device`, each in one copy for every layer."""
+        layers, heads, count = chosen.shape
+        last = first + layers
 
         def lend(pool: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(heads * count, pool.shape[-1], dtype=pool.dtype, pin_memory=device.type == "cuda")
-            return take(pool[layer].flatten(1, 2)[None], chosen, out=out).to(device, non_blocking=True)
+            out = torch.empty(layers * heads * count, pool.shape[-1], dtype=pool.dtype, pin_memory=device.type == "cuda")
+            return take(pool[first:last].flatten(2, 3), chosen, out=out).to(device, non_blocking=True)
 
         tokens = Tokens(
             lend(self.keys),
             lend(self.values),
-            self.kinds[layer].flatten(1).gather(1, chosen)[None],
-            self.times[layer].flatten(1).gather(1, chosen)[None],
-            order[None],
+            self.kinds[first:last].flatten(2).gather(2, chosen),
+            self.times[first:last].flatten(2).gather(2, chosen),
+            order,
         )
-        return Retrieval(tokens, sorted(self.page_of[(chosen // self.page_tokens).unique()].tolist()))
+        return Retrieval(tokens, sorted(self.page_of[(chosen[0] // self.page_tokens).unique()].tolist()))
 
     def _with_followers(self, scores: torch.Tensor) -> torch.Tensor:
         """(slots,) each page's score, or FOLLOWER_SHARE of the score of the page just before it
@@ -380,8 +396,8 @@ class HostTier:
         step = max(1, SIMILARITY_CHUNK // (heads * reps.shape[2] * reps.shape[3]))  # slots at a time, in float32
         for start in range(0, slots, step):
             block = reps[:, start : start + step].float()
-            block = block / block.norm(dim=-1, keepdim=True).clamp_min(1e-6)
             near = torch.einsum("hcd,hskd->hcsk", wanted, block)  # (kv_heads, c, step, keys a page)
+            near /= block.norm(dim=-1).clamp_min(1e-6)[:, None]  # cosine, without a normalized copy of the keys
             similarity[:, :, start : start + step] = near.masked_fill(~held[:, None, start : start + step], float("-inf")).amax(-1)
         share = (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).nan_to_num(0.0)
         return share.mean(dim=1).masked_fill(~held.any(-1), float("-inf")).to(keys.device)

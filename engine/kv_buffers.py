@@ -255,6 +255,21 @@ class PreRopeLayer(DynamicLayer):
         self.rotated()
         return self._rotated.buffer is self._rotated.home
 
+    def merge(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
+        """Hold instead, per KV head, the tokens at `rows` (kv_heads, m) of [the tokens held, then
+        `keys` and `values` (1, kv_heads, k, head_dim)], as a borrowing merges tokens among those
+        held; and rotate the keys into the copy now, from the merged keys just made (read once,
+        while they are in the processor's cache)."""
+        self._keys.append(keys)
+        self._values.append(values)
+        merged = take(self.keys, rows)
+        self.keys, self.values = merged, take(self.values, rows)
+        if self._rotated is None:
+            self._rotated = Rows(self.most_tokens, self._rotated_home)
+        count = merged.shape[2]
+        cos, sin, _ = self.table.between(0, count, merged)
+        rotate(merged, cos, sin, self.table.scale, out=self._rotated.extend(count, merged))
+
     def wrote(self, count: int) -> None:
         """After a forward wrote `count` new tokens into this layer's slots (`in_pool`): hold them."""
         for rows in (self._keys, self._values, self._rotated):
@@ -278,13 +293,25 @@ class PreRopeLayer(DynamicLayer):
 
 
 def take(tokens: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """(1, kv_heads, k, head_dim) each KV head's tokens of (1, kv_heads, N, head_dim) at its own
-    indices (kv_heads, k): whole rows copied (index_select), many times faster than a gather
-    with an index expanded over head_dim, and the same values. Written into `out` (kv_heads * k
-    rows of head_dim, e.g. pinned memory) when given."""
-    _, heads, total, dim = tokens.shape
-    rows = (index + torch.arange(heads, device=index.device)[:, None] * total).reshape(-1)
-    return torch.index_select(tokens.reshape(heads * total, dim), 0, rows, out=out).view(1, heads, -1, dim)
+    """(..., kv_heads, k, head_dim) each KV head's tokens of (..., kv_heads, N, head_dim) at its
+    own indices (..., kv_heads, k) (the leading dimensions of `index` may be dropped where the
+    tokens' are 1, as with one layer (1, kv_heads, N, head_dim)): whole rows copied
+    (index_select), many times faster than a gather with an index expanded over head_dim, and
+    the same values. Written into `out` (as many rows of head_dim, e.g. pinned memory) when given."""
+    *lead, total, dim = tokens.shape
+    rows = index.reshape(-1, index.shape[-1])
+    base, step = 0, total
+    if (
+        not tokens.is_contiguous() and tokens.dim() == 4 and tokens.shape[0] == 1 and tokens.stride()[2:] == (dim, 1)
+        and tokens.stride(1) % dim == 0 and tokens.storage_offset() % dim == 0
+    ):  # a view of a buffer or of the pool: its rows read where they lie, without copying the view whole first
+        rows_held = tokens.untyped_storage().nbytes() // (dim * tokens.element_size())
+        source = tokens.as_strided((rows_held, dim), (dim, 1), 0)
+        base, step = tokens.storage_offset() // dim, tokens.stride(1) // dim
+    else:
+        source = tokens.reshape(-1, dim)
+    rows = (rows + base + torch.arange(rows.shape[0], device=index.device)[:, None] * step).reshape(-1)
+    return torch.index_select(source, 0, rows, out=out).view(*lead, -1, dim)
 
 
 class QueryWindow:

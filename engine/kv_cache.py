@@ -46,6 +46,7 @@ back) with each token's kind, time and place, which must move together.
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -57,6 +58,27 @@ from engine.policies import Observation, Policy
 
 TEXT, FRAME = 0, 1
 MERGE_EVERY = 64  # forwards whose tokens' kinds and times may wait before every layer gets them
+
+
+@dataclass
+class MergePlan:
+    """How the layers first, first + 1, ... merge what one retrieval brought them with what they
+    cache: per layer, the borrowed keys and values (kv_heads, k, head_dim), the rows into [held,
+    new, borrowed] that merge them, and the merged tokens' kinds, times, places and which are
+    borrowed (kv_heads, held + k)."""
+
+    first: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    rows: torch.Tensor
+    merge: torch.Tensor  # (layers, kv_heads, held + k) the merged tokens' indices into [held, borrowed]
+    kinds: tuple[torch.Tensor, ...]
+    times: tuple[torch.Tensor, ...]
+    order: tuple[torch.Tensor, ...]
+    borrowed: tuple[torch.Tensor, ...]
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
 
 
 def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -108,6 +130,7 @@ class KVCache:
         self.borrowed: list[torch.Tensor | None] = [None] * num_layers
         self._question_tokens = 0  # the next run's first tokens whose keys choose them
         self._borrowed_at: int | None = None  # the stream place of the question that borrows, until given back
+        self._merging: MergePlan | None = None  # how the layers of the question's last retrieval merge it
         self.retrievals = 0
         self.retrieved_tokens = 0  # per layer, over every question
         self.retrieved_pages = 0  # pages the first layer's KV heads borrowed from, over every question
@@ -308,6 +331,7 @@ class KVCache:
         count = min(retrieval_tokens, self.host.available())
         self._question_tokens = max(1, question_tokens)
         self._borrowed_at = self.appended
+        self._merging = None
         self.host.begin_question()
         if count:
             for cached in self.hf.layers:
@@ -320,41 +344,53 @@ class KVCache:
     def _borrow(self, layer: int, queries: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring in the pages of `layer` that the question's keys match, into the places reserved:
         merged among the cached tokens in stream order, before the c new ones (whose queries
-        (q_heads, c, head_dim) are given)."""
+        (q_heads, c, head_dim) are given). Where a layer's choice is also the layers' after it
+        (`HostTier.retrieve`), their merges are planned here too, in one pass for all of them."""
         started = time.perf_counter()
         cached = self.hf.layers[layer]
-        count, new = cached.pending, queries.shape[1]
+        new = queries.shape[1]
         held = cached.keys.shape[2] - new  # cached before these tokens
-        question = cached.keys[0, :, held : held + min(self._question_tokens, new)]  # (kv_heads, q, head_dim)
-        retrieval = self.host.retrieve(layer, question, count)
-        got = retrieval.tokens
-        if layer == 0:
-            self.retrieved_pages += len(retrieval.pages)
-        order = torch.cat([self.order[layer], got.order[0]], dim=1)  # (kv_heads, held + count)
-        merge = order.argsort(dim=1, stable=True)
-        # into [held, new, borrowed] as they are joined below: the held and the borrowed merged
-        # in stream order, then the new tokens
-        rows = torch.cat([merge + (merge >= held) * new, torch.arange(held, held + new).expand(self.kv_heads, new)], dim=1)
-        rows = rows.to(cached.keys.device)
-        for name in ("keys", "values"):
-            setattr(cached, name, take(torch.cat([getattr(cached, name), getattr(got, name)], dim=2), rows))
-        self.kinds[layer] = torch.cat([self.kinds[layer], got.kinds[0]], dim=1).gather(1, merge)
-        self.times[layer] = torch.cat([self.times[layer], got.times[0]], dim=1).gather(1, merge)
-        self.order[layer] = order.gather(1, merge)
-        self.borrowed[layer] = merge >= held
+        plan = self._merging
+        if plan is None or not plan.first <= layer < plan.first + len(plan):
+            question = cached.keys[0, :, held : held + min(self._question_tokens, new)]  # (kv_heads, q, head_dim)
+            retrieval = self.host.retrieve(layer, question, cached.pending)
+            if layer == 0:
+                self.retrieved_pages += len(retrieval.pages)
+            plan = self._merging = self._merge_plan(layer, retrieval.tokens, held, new)
+        at = layer - plan.first
+        cached.merge(plan.keys[at][None], plan.values[at][None], plan.rows[at])
+        self.kinds[layer], self.times[layer], self.order[layer] = plan.kinds[at], plan.times[at], plan.order[at]
+        self.borrowed[layer] = plan.borrowed[at]
         received = self._received[layer]
         if received is not None:
-            padded = torch.cat([received[:, :held], received.new_zeros(self.kv_heads, count)], dim=1)
-            self._received[layer] = padded.gather(1, merge.to(received.device))
+            padded = torch.cat([received[:, :held], received.new_zeros(self.kv_heads, cached.pending)], dim=1)
+            self._received[layer] = padded.gather(1, plan.merge[at].to(received.device))
         self._queries[layer].set(None)  # from here on, only queries of tokens after every borrowed one
         cached.pending = 0
-        self.recalled_seconds.update(got.times.floor().long().unique().tolist())
         self.retrieve_s += time.perf_counter() - started
         return cached.keys, cached.values
 
+    def _merge_plan(self, first: int, got: Tokens, held: int, new: int) -> MergePlan:
+        """How the layers from `first` on merge what they borrow (`got`, (layers, kv_heads, k, ...))
+        with the `held` tokens they cache, in stream order, before the `new` ones: for all of
+        those layers at once."""
+        layers, heads, count = got.kinds.shape
+        mine = range(first, first + layers)
+        order = torch.cat([torch.stack([self.order[layer] for layer in mine]), got.order], dim=2)  # (layers, kv_heads, held + count)
+        merge = order.argsort(dim=2, stable=True)
+        # into [held, new, borrowed] as each layer joins them: the held and the borrowed merged in
+        # stream order, then the new tokens
+        rows = torch.cat([merge + (merge >= held) * new, torch.arange(held, held + new).expand(layers, heads, new)], dim=2)
+        kinds = torch.cat([torch.stack([self.kinds[layer] for layer in mine]), got.kinds], dim=2).gather(2, merge)
+        times = torch.cat([torch.stack([self.times[layer] for layer in mine]), got.times], dim=2).gather(2, merge)
+        self.recalled_seconds.update(got.times.floor().long().unique().tolist())
+        device = self.hf.layers[first].keys.device
+        return MergePlan(first, got.keys, got.values, rows.to(device), merge, kinds.unbind(), times.unbind(),
+                         order.gather(2, merge).unbind(), (merge >= held).unbind())
+
     def give_back(self) -> None:
         """Remove every borrowed token (they are still in the host tier)."""
-        self._borrowed_at = None
+        self._borrowed_at, self._merging = None, None
         for layer, borrowed in enumerate(self.borrowed):
             if borrowed is None:
                 continue
