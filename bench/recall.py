@@ -23,6 +23,10 @@ tests/engine/test_recall.py). `full` keeps everything and streams each length th
 model's context (8192, with room for the question and answer); past it, `full` streams the
 longest length that fits (or --full-tokens) and is the reference for the longer ones.
 
+The bounded sessions are asked as a worker holds them: each restored copy leases its slots in
+a KV pool (for its peak: the budget, a prompt, an answer and what a question borrows), and
+gives them back after its answer.
+
 An answer (greedy, --answer-tokens) is right when it contains the planted number; it names a
 wrong fact when it contains another planted number instead. While it begins, the cache's
 share of the asked fact's tokens (over every layer and KV head, borrowed ones included) is
@@ -38,11 +42,13 @@ evicted) can matter; a line per cell as above, with pin_turns and sequential.
 
 Prints one JSON line per cell: policy, recall, budget, ratio, stream_tokens, questions,
 accuracy, wrong_fact and fact_held (means over the questions), ttft_ms (mean time from the question to its first answer piece, after the restore),
-retrieval_ms (mean time scoring pages and bringing them in), retrieved_tokens (per question
-and layer), host_tokens, host_bytes and stream_s (of the streamed session: its tier and the
-seconds the stream took); then one line per budget and ratio comparing each policy (and
-drop rule) with recall to `full`'s accuracy (`vs_full`, with `full_tokens`, the length `full`
-streamed).
+ttft_p50_ms (their median), retrieval_ms (mean time scoring pages and bringing them in),
+retrieved_tokens (per question and layer), host_tokens, host_bytes and stream_s (of the
+streamed session: its tier and the seconds the stream took); then per budget and ratio a line
+of each policy's median time to the first token with recall over the one without, asked of
+the same snapshots in the same run (`ttft_recall_vs_without`), and one comparing each policy
+(and drop rule) with recall to `full`'s accuracy (`vs_full`, with `full_tokens`, the length
+`full` streamed).
 """
 
 import time
@@ -54,7 +60,9 @@ import torch
 from bench.common import PROSE, emit, parser, prose_text, split_list
 from engine import Session, SessionConfig, load_model
 from engine.host_tier import DROP_RULES
+from engine.kv_pool import KVPool
 from engine.session import HOST_BUDGET_MULTIPLE
+from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
 
 SYSTEM = "You are a helpful assistant."
 QUICK = {"policies": "infmllm,sliding", "budgets": "512", "ratios": "2,8", "facts": 4}
@@ -171,9 +179,10 @@ def stream_once(model, config: SessionConfig, stream: Stream) -> tuple[bytes, di
                                 "cache_tokens": stats.cache_tokens, "stream_s": round(stream_s, 1)}, opening
 
 
-def restored(model, snapshot: bytes, recall: bool) -> Session:
-    """A fresh copy of the streamed session; without recall it borrows nothing (the same cache)."""
-    session = Session.restore(model, snapshot)
+def restored(model, snapshot: bytes, recall: bool, pool: KVPool | None = None) -> Session:
+    """A fresh copy of the streamed session (in `pool`'s slots, as a worker holds it, if given);
+    without recall it borrows nothing (the same cache)."""
+    session = Session.restore(model, snapshot, pool)
     if not recall:
         session.config = replace(session.config, retrieval_tokens=0)
     return session
@@ -201,16 +210,24 @@ def asked(session: Session, fact: Fact, answer_tokens: int, others: list[Fact] =
     }
 
 
-def ask(model, snapshot: bytes, stream: Stream, places: list[range], recall: bool, answer_tokens: int) -> list[dict]:
+def ask(model, snapshot: bytes, stream: Stream, places: list[range], recall: bool, answer_tokens: int,
+        pool: KVPool | None = None) -> list[dict]:
     """Each question from a fresh copy of the streamed session."""
-    return [asked(restored(model, snapshot, recall), fact, answer_tokens, stream.facts, where)
-            for fact, where in zip(stream.facts, places, strict=True)]
+    results = []
+    for fact, where in zip(stream.facts, places, strict=True):
+        session = restored(model, snapshot, recall, pool)
+        results.append(asked(session, fact, answer_tokens, stream.facts, where))
+        session.release()
+    return results
 
 
-def ask_in_turn(model, snapshot: bytes, stream: Stream, places: list[range], recall: bool, answer_tokens: int) -> list[dict]:
+def ask_in_turn(model, snapshot: bytes, stream: Stream, places: list[range], recall: bool, answer_tokens: int,
+                pool: KVPool | None = None) -> list[dict]:
     """Every question, one after another, in one copy of the streamed session."""
-    session = restored(model, snapshot, recall)
-    return [asked(session, fact, answer_tokens, stream.facts, where) for fact, where in zip(stream.facts, places, strict=True)]
+    session = restored(model, snapshot, recall, pool)
+    results = [asked(session, fact, answer_tokens, stream.facts, where) for fact, where in zip(stream.facts, places, strict=True)]
+    session.release()
+    return results
 
 
 def cell(policy: str, recall: bool, budget: int | None, ratio: float | None, stream_tokens: int, results: list[dict],
@@ -220,6 +237,7 @@ def cell(policy: str, recall: bool, budget: int | None, ratio: float | None, str
     return {"policy": policy, "recall": recall, "budget": budget, "ratio": ratio, "stream_tokens": stream_tokens,
             "questions": len(results), "accuracy": mean("right"), "wrong_fact": mean("wrong_fact"),
             "fact_held": round(sum(shares) / len(shares), 3) if shares else None, "ttft_ms": round(mean("ttft_ms"), 1),
+            "ttft_p50_ms": round(float(np.median([r["ttft_ms"] for r in results])), 1),
             "retrieval_ms": round(mean("retrieval_ms"), 1), "retrieved_tokens": mean("retrieved_tokens"), **held}
 
 
@@ -282,29 +300,36 @@ def main() -> None:
                     full[n] = line
 
     for budget in budgets:
+        peak = peak_cache_tokens(budget, SessionConfig(budget_tokens=budget, recall=True).borrowed_tokens)
+        # one session's lease at a time, as a worker holds a session (its peak: what admission counts)
+        pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, -(-peak // POOL_PAGE_TOKENS), POOL_PAGE_TOKENS,
+                      model.dtype, model.device)
         for ratio in ratios:
             length = int(ratio * budget)
-            by_policy = {}
+            by_policy, ttft_ratio = {}, {}
             for policy, drop in [(p, d) for p in policies for d in drops]:
                 results = {True: [], False: []}
                 for trial in range(opts.trials):
                     stream = build_stream(model, prose, length, opts.facts, trial, opts.chunk, depths)
                     config = SessionConfig(policy=policy, budget_tokens=budget, system_prompt=SYSTEM, recall=True,
                                            page_keys=opts.page_keys, pin_turns=opts.pin_turns,
-                                           host_budget_tokens=opts.host_multiple * budget, host_drop=drop)
+                                           host_budget_tokens=opts.host_multiple * budget, host_drop=drop, peak_tokens=peak)
                     snapshot, held, opening = stream_once(model, config, stream)
                     places = fact_places(model, stream, opening)
                     for recall in (True, False):
                         asking = ask_in_turn if opts.sequential else ask
-                        asked = asking(model, snapshot, stream, places, recall, opts.answer_tokens)
+                        asked = asking(model, snapshot, stream, places, recall, opts.answer_tokens, pool)
                         results[recall] += asked
                         _verbose(opts.verbose, policy, recall, stream, asked)
+                lines = {}
                 for recall in (False, True):
                     kept = held if recall else {"cache_tokens": held["cache_tokens"]}
-                    line = cell(policy, recall, budget, ratio, stream.tokens, results[recall], kept)
-                    emit(**line, host_multiple=opts.host_multiple, host_drop=drop, pin_turns=opts.pin_turns,
+                    lines[recall] = cell(policy, recall, budget, ratio, stream.tokens, results[recall], kept)
+                    emit(**lines[recall], host_multiple=opts.host_multiple, host_drop=drop, pin_turns=opts.pin_turns,
                          sequential=opts.sequential)
-                by_policy[f"{policy}/{drop}"] = line["accuracy"]
+                by_policy[f"{policy}/{drop}"] = lines[True]["accuracy"]
+                ttft_ratio[f"{policy}/{drop}"] = round(lines[True]["ttft_p50_ms"] / lines[False]["ttft_p50_ms"], 3)
+            emit(budget=budget, ratio=ratio, ttft_recall_vs_without=ttft_ratio)
             if length in full:
                 reference = full[length]["accuracy"]
                 emit(budget=budget, ratio=ratio, full_accuracy=reference, full_tokens=full[length]["stream_tokens"],
