@@ -99,7 +99,7 @@ class Worker:
         self.spool_dir = settings.spool_dir / prefix_folder(settings.redis_prefix)
         self.store = SnapshotStore(
             redis, keys, settings.snapshot_dir / prefix_folder(settings.redis_prefix),
-            settings.snapshot_redis_max_bytes, settings.session_ttl_s,
+            settings.snapshot_redis_max_bytes, settings.session_ttl_s, self.id,
         )
         self.leases = Leases(
             redis, keys, self.id, model.name, settings.lease_ttl_s, settings.max_sessions, self.capacity, counters,

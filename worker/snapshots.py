@@ -4,7 +4,10 @@ A snapshot is the engine's `snapshot()` bytes plus the live ingest's state (its 
 and init segment). It lives in the hash `session:{id}:snapshot` (fields `engine` or `path`,
 `ingest`, `taken_at`, and `pages`) and expires with the session. Files are written whole, then
 renamed, so a reader never sees half a snapshot; on several machines the directory must be
-shared.
+shared. Only the worker that holds the session stores its snapshot, and each snapshot's file
+has a name of its own (`<id>.<stamp>.snapshot`), deleted once another is stored: a worker that
+lost the session while it wrote cannot overwrite the new holder's file, nor delete a page file
+the new holder's snapshot names.
 
 A session whose host tier (recall) holds more than fits in Redis is snapshotted without its
 host pages, and each page is a file of its own in the folder `<id>.pages`, written when it
@@ -59,8 +62,9 @@ class HostPages:
 
 
 class SnapshotStore:
-    def __init__(self, redis: Redis, keys: Keys, directory: Path, redis_max_bytes: int, ttl_s: int) -> None:
+    def __init__(self, redis: Redis, keys: Keys, directory: Path, redis_max_bytes: int, ttl_s: int, worker_id: str) -> None:
         self.redis = redis
+        self.worker_id = worker_id
         self._store = redis.register_script(scripts.STORE_SNAPSHOT_LUA)
         self.keys = keys
         self.directory = directory
@@ -69,7 +73,7 @@ class SnapshotStore:
 
     async def save(self, session_id: str, engine: bytes, ingest: dict | None, pages: HostPages | None = None) -> tuple[int, dict[int, str] | None]:
         """Store a snapshot, replacing the last; returns the bytes written (0: the session is
-        gone) and, with `pages`, the files of its host pages now."""
+        gone, or another worker holds it now) and, with `pages`, the files of its host pages now."""
         fields: dict[str, bytes | str] = {"ingest": json.dumps(ingest), "taken_at": repr(time.time())}
         if len(engine) <= self.redis_max_bytes:
             fields["engine"] = engine
@@ -80,11 +84,13 @@ class SnapshotStore:
             files = await asyncio.to_thread(self._write_pages, session_id, pages)
             fields["pages"] = json.dumps(files)
         pairs = [item for pair in fields.items() for item in pair]
-        keys = [self.keys.session(session_id), self.keys.snapshot(session_id)]
-        if not await self._store(keys=keys, args=[self.ttl_s, *pairs]):
-            return 0, files  # the session is gone (its files go with the next sweep)
-        if "engine" in fields:
-            await asyncio.to_thread(self._path(session_id).unlink, missing_ok=True)
+        keys = [self.keys.session(session_id), self.keys.snapshot(session_id), self.keys.lease(session_id)]
+        stored = await self._store(keys=keys, args=[self.ttl_s, self.worker_id, *pairs])
+        if stored != 1:  # the session is gone (its files go with the next sweep), or is another worker's
+            if stored == -1:
+                await asyncio.to_thread(self._forget, session_id, fields.get("path"), pages, files)
+            return 0, files
+        await asyncio.to_thread(self._prune_files, session_id, fields.get("path"))
         if files is not None:
             await asyncio.to_thread(self._prune_pages, session_id, files)
         return len(engine) + sum(len(data) for data in (pages.changed.values() if pages else ())), files
@@ -105,11 +111,29 @@ class SnapshotStore:
         return (self._pages(session_id) / files[number]).read_bytes()
 
     def delete_file(self, session_id: str) -> None:
-        self._path(session_id).unlink(missing_ok=True)
+        self._prune_files(session_id, None)
         shutil.rmtree(self._pages(session_id), ignore_errors=True)
 
-    def _path(self, session_id: str) -> Path:
-        return self.directory / f"{session_id}.snapshot"
+    def _files(self, session_id: str) -> list[Path]:
+        """The session's snapshot files (one, or more while a newer one is being stored)."""
+        if not self.directory.is_dir():
+            return []
+        return [*self.directory.glob(f"{session_id}.*.snapshot"), *self.directory.glob(f"{session_id}.snapshot")]
+
+    def _prune_files(self, session_id: str, kept: str | None) -> None:
+        """Delete the session's snapshot files but `kept` (the stored snapshot's)."""
+        for path in self._files(session_id):
+            if str(path) != kept:
+                path.unlink(missing_ok=True)
+
+    def _forget(self, session_id: str, path: str | None, pages: HostPages | None, files: dict[int, str] | None) -> None:
+        """Delete what this worker wrote for a snapshot it could not store (another worker holds
+        the session): its file, and the page files it wrote (named by no stored snapshot)."""
+        if path is not None:
+            Path(path).unlink(missing_ok=True)
+        if pages is not None and files is not None:
+            for number in pages.changed:
+                (self._pages(session_id) / files[number]).unlink(missing_ok=True)
 
     def _pages(self, session_id: str) -> Path:
         return self.directory / f"{session_id}.pages"
@@ -142,7 +166,7 @@ class SnapshotStore:
 
     def _write_file(self, session_id: str, engine: bytes) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self._path(session_id)
+        path = self.directory / f"{session_id}.{time.time_ns()}.snapshot"
         partial = path.with_suffix(".partial")
         partial.write_bytes(engine)
         partial.replace(path)
@@ -222,7 +246,7 @@ async def sweep(redis: Redis, keys: Keys, folders: list[Path]) -> None:
                 continue
         except FileNotFoundError:
             continue
-        if not await redis.exists(keys.session(path.stem)):
+        if not await redis.exists(keys.session(path.name.split(".")[0])):
             if path.is_dir():  # a session's host pages
                 shutil.rmtree(path, ignore_errors=True)
             else:

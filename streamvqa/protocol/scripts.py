@@ -368,11 +368,17 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
 """
 # Replaces a session's snapshot while the session lives (a deleted session's is not brought
-# back). KEYS = the session's hash, its snapshot; ARGV = TTL (s), then field, value pairs.
+# back) and the worker ARGV[2] holds it (its lease, or no lease and the hash names it, as
+# RENEW_LEASE_LUA takes it back): a worker that lost the session must not overwrite what the
+# new holder stored. KEYS = the session's hash, its snapshot, its lease; ARGV = TTL (s), the
+# worker id, then field, value pairs. Returns 1 when stored, 0 when the session is gone, -1 when
+# another worker holds it.
 STORE_SNAPSHOT_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local holder = redis.call('GET', KEYS[3])
+if holder ~= ARGV[2] and (holder or redis.call('HGET', KEYS[1], 'worker') ~= ARGV[2]) then return -1 end
 redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], unpack(ARGV, 2))
+redis.call('HSET', KEYS[2], unpack(ARGV, 3))
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 return 1
 """
