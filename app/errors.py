@@ -89,6 +89,11 @@ class ApiError(Exception):
         self.type = type
 
 
+# The headers of an answer given before the request's body was read whole: the connection closes
+# after it, so that the rest of the body (a byte arriving after the answer) cannot hold it open.
+CLOSE = {"Connection": "close"}
+
+
 def openai_error(status: int, code: str, message: str, param: str | None = None, type: str | None = None) -> dict:
     """An error body in OpenAI's shape."""
     return {"error": {"message": message, "type": type or OPENAI_TYPES.get(status, "server_error"), "param": param, "code": code}}

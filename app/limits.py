@@ -113,6 +113,6 @@ class BodyLimit:
 async def _refuse(send: Send, path: str, status: int, code: str, message: str) -> None:
     error = openai_error(status, code, message) if path.startswith(OPENAI_PREFIX) else {"code": code, "message": message}
     body = json.dumps(error).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from app import sse
 from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, OwnedSession, RedisDep, Settings, Store
-from app.errors import ApiError, ErrorBody
+from app.errors import CLOSE, ApiError, ErrorBody
 from app.sessions import NoPlace, Room, TooManySessions, UploadRefused
 from app.settings import GatewaySettings
 from app.tail import tail
@@ -221,7 +221,7 @@ async def upload(
     try:
         total = await store.upload(session, chunks, settings.max_upload_bytes, settings.upload_stall_s)
     except UploadRefused as err:
-        raise ApiError(err.status, err.code, str(err)) from err
+        raise ApiError(err.status, err.code, str(err), headers=CLOSE) from err
     metrics.upload_bytes.inc(total)
     return UploadReceipt(bytes=total)
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
-from app.errors import ApiError
+from app.errors import CLOSE, ApiError
 from streamvqa.protocol import MEDIA_CHUNK_BYTES
 
 
@@ -54,6 +54,7 @@ async def _paced(body: AsyncIterator[bytes], min_bytes_per_s: int) -> AsyncItera
                     raise ApiError(
                         408, "upload_too_slow",
                         f"the upload sent {received} bytes in {waited_s:.0f} s; at least {min_bytes_per_s} bytes a second are needed",
+                        headers=CLOSE,
                     )
                 waited_s, received = 0.0, 0
     finally:
