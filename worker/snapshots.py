@@ -85,12 +85,14 @@ class SnapshotStore:
             fields["pages"] = json.dumps(files)
         pairs = [item for pair in fields.items() for item in pair]
         keys = [self.keys.session(session_id), self.keys.snapshot(session_id), self.keys.lease(session_id)]
-        stored = await self._store(keys=keys, args=[self.ttl_s, self.worker_id, *pairs])
+        stored, replaced = await self._store(keys=keys, args=[self.ttl_s, self.worker_id, *pairs])
         if stored != 1:  # the session is gone (its files go with the next sweep), or is another worker's
             if stored == -1:
                 await asyncio.to_thread(self._forget, session_id, fields.get("path"), pages, files)
             return 0, files
-        await asyncio.to_thread(self._prune_files, session_id, fields.get("path"))
+        last = replaced.decode() if replaced is not None else None  # the file of the snapshot replaced
+        if last not in (None, fields.get("path")):
+            await asyncio.to_thread(Path(last).unlink, missing_ok=True)
         if files is not None:
             await asyncio.to_thread(self._prune_pages, session_id, files)
         return len(engine) + sum(len(data) for data in (pages.changed.values() if pages else ())), files
@@ -111,20 +113,16 @@ class SnapshotStore:
         return (self._pages(session_id) / files[number]).read_bytes()
 
     def delete_file(self, session_id: str) -> None:
-        self._prune_files(session_id, None)
+        for path in self._files(session_id):
+            path.unlink(missing_ok=True)
         shutil.rmtree(self._pages(session_id), ignore_errors=True)
 
     def _files(self, session_id: str) -> list[Path]:
-        """The session's snapshot files (one, or more while a newer one is being stored)."""
+        """The session's snapshot files (one, or more while a newer one is being stored, or when a
+        worker died between writing one and storing it)."""
         if not self.directory.is_dir():
             return []
         return [*self.directory.glob(f"{session_id}.*.snapshot"), *self.directory.glob(f"{session_id}.snapshot")]
-
-    def _prune_files(self, session_id: str, kept: str | None) -> None:
-        """Delete the session's snapshot files but `kept` (the stored snapshot's)."""
-        for path in self._files(session_id):
-            if str(path) != kept:
-                path.unlink(missing_ok=True)
 
     def _forget(self, session_id: str, path: str | None, pages: HostPages | None, files: dict[int, str] | None) -> None:
         """Delete what this worker wrote for a snapshot it could not store (another worker holds

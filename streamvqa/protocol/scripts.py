@@ -371,14 +371,16 @@ return 1
 # back) and the worker ARGV[2] holds it (its lease, or no lease and the hash names it, as
 # RENEW_LEASE_LUA takes it back): a worker that lost the session must not overwrite what the
 # new holder stored. KEYS = the session's hash, its snapshot, its lease; ARGV = TTL (s), the
-# worker id, then field, value pairs. Returns 1 when stored, 0 when the session is gone, -1 when
+# worker id, then field, value pairs. Returns {1, the replaced snapshot's `path` or nil} when
+# stored (the caller deletes that file), {0, nil} when the session is gone, {-1, nil} when
 # another worker holds it.
 STORE_SNAPSHOT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, false} end
 local holder = redis.call('GET', KEYS[3])
-if holder ~= ARGV[2] and (holder or redis.call('HGET', KEYS[1], 'worker') ~= ARGV[2]) then return -1 end
+if holder ~= ARGV[2] and (holder or redis.call('HGET', KEYS[1], 'worker') ~= ARGV[2]) then return {-1, false} end
+local replaced = redis.call('HGET', KEYS[2], 'path')
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], unpack(ARGV, 3))
 redis.call('EXPIRE', KEYS[2], ARGV[1])
-return 1
+return {1, replaced}
 """

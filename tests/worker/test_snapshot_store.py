@@ -51,3 +51,38 @@ def test_a_worker_that_lost_a_session_stores_no_snapshot_and_deletes_none_of_the
         asyncio.run(run())
     finally:
         delete_prefix(redis_url, prefix)
+
+
+def test_each_stored_snapshot_deletes_the_file_of_the_one_it_replaced_and_no_other_sessions(redis_url, tmp_path):
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    keys, session, other = Keys(prefix), uuid.uuid4().hex, uuid.uuid4().hex
+
+    async def run() -> None:
+        redis = connect(redis_url)
+        store = SnapshotStore(redis, keys, tmp_path, 1024, 60, "worker-a")
+        try:
+            for held in (session, other):
+                await redis.hset(keys.session(held), mapping={"state": "ready", "worker": "worker-a"})
+                await redis.set(keys.lease(held), "worker-a")
+            assert (await store.save(other, b"o" * BIG, None))[0] == BIG
+            others = sorted(path.name for path in tmp_path.iterdir())
+            assert len(others) == 1 and others[0].startswith(f"{other}.")
+            # to a file, a file, into Redis (the file before it goes), and a file again
+            for engine in (b"a" * BIG, b"b" * (BIG + 1), b"c" * 10, b"d" * (BIG + 2)):
+                assert (await store.save(session, engine, None))[0] == len(engine)
+            stored = (await redis.hget(keys.snapshot(session), "path")).decode()
+            mine = sorted(path.name for path in tmp_path.glob(f"{session}.*"))
+            assert mine == [stored.rsplit("/", 1)[1]]
+            assert (tmp_path / mine[0]).read_bytes() == b"d" * (BIG + 2)
+            assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*others, *mine])
+            assert (tmp_path / others[0]).read_bytes() == b"o" * BIG
+            # the session ends: its file goes, the other's stays
+            store.delete_file(session)
+            assert [path.name for path in tmp_path.iterdir()] == others
+        finally:
+            await redis.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        delete_prefix(redis_url, prefix)
