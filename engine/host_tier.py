@@ -335,8 +335,8 @@ class HostTier:
         held = self.held[first:last]  # (layers, kv_heads, slots, page_tokens)
         # Among the best pages only, when every head holds enough of them: the same choice, in a fraction of the places
         best = scores.topk(min(self.slots, CANDIDATE_PAGES * -(-count // self.page_tokens))).indices
-        if best.shape[0] < self.slots and int(held[:, :, best].flatten(2).sum(-1).min()) >= count:
-            held, scores = held[:, :, best], scores[best]
+        if best.shape[0] < self.slots and int((among := held[:, :, best]).flatten(2).sum(-1).min()) >= count:
+            held, scores = among, scores[best]
         else:
             best = None
         wanted = torch.where(held, scores[:, None], float("-inf"))
