@@ -24,12 +24,12 @@ key by the cosine similarity of its closest representative (in the first EXACT_L
 of its closest key held: there keys are the words' own, and a mean of 8 words hides one);
 per question key, a softmax over the pages (sharpened by SIMILARITY_SHARPNESS); a page's score
 is that share averaged over the question's keys. A page is the same span of the stream in
-every layer and head, so the scores pool: the first SCORED_LAYERS layers run in turn, and each
-borrows by the mean score, over the heads of it and of the layers before it that hold something
-of the page (the first layer by its own alone; a head that holds the page's tokens on the device
-has no say); the last of them chooses for every layer after it at once, which borrow without
-scoring (on bench.recall's streams, 52 of 60 answers against 51 when every layer scored, and a
-third less time to the first token: docs/benchmarks.md).
+every layer and head, so the scores pool: the first SCORED_LAYERS layers score in turn, each
+adding the mean score over its heads that hold something of the page (a head that holds the
+page's tokens on the device has no say). The first layer chooses by its own scores for itself and
+the other scoring layers; the last of them chooses by all of theirs for every layer after it at
+once, which borrow without scoring (on bench.recall's streams, 52 of 60 answers against 51 when
+every layer scored, and a third less time to the first token: docs/benchmarks.md).
 The page after a page ranks at least FOLLOWER_SHARE of it: a sentence cut by a page's end goes
 on there. Every KV head then borrows
 the tokens it holds of the best pages, best first, up to the retrieval budget (the same
@@ -299,23 +299,27 @@ class HostTier:
         self._pooled = self._pooled_heads = None
         self._chosen = None  # what the layers from `_chosen_from` on borrow: places (layers, kv_heads, count) and their order
         self._chosen_from = 0
-        self._before = torch.full((self.slots,), -1, dtype=torch.int64)  # slot -> the slot of the page before, -1: not held
-        for page, slot in self.slot_of.items():
-            self._before[slot] = self.slot_of.get(page - 1, -1)
+        # slot -> the slot of the page before, -1: not held
+        slots, before = zip(*((slot, self.slot_of.get(page - 1, -1)) for page, slot in self.slot_of.items())) if self.slot_of else ((), ())
+        self._before = torch.full((self.slots,), -1, dtype=torch.int64)
+        self._before[list(slots)] = torch.tensor(before, dtype=torch.int64)
 
-    def retrieve(self, layer: int, keys: torch.Tensor, count: int) -> Retrieval:
+    def retrieve(self, layer: int, keys: torch.Tensor, count: int) -> Retrieval | None:
         """`count` tokens (at most `available()`) of `layer` for the question's keys (kv_heads, c,
         head_dim) (before the rotary embedding): for each KV head, what it holds of the best pages
         by the scores pooled so far, best first, in stream order. The first SCORED_LAYERS layers
-        score the pages; the last of them chooses for every layer after it at once, and what it
-        retrieves is theirs too (one copy for all of them), from `layer` on."""
+        score the pages. The first layer chooses for itself and the other scoring layers, the
+        last of them for every layer after it, and what it retrieves is theirs too (one copy for
+        all of them), from `layer` on. None: the layer borrows what an earlier one's retrieval
+        brought it (its keys still scored the pages, if it is a scoring layer)."""
         chosen = self._chosen
-        if layer < SCORED_LAYERS or chosen is None or not self._chosen_from <= layer < self._chosen_from + chosen[0].shape[0]:
+        if layer < SCORED_LAYERS or chosen is None:
             self._pool(layer, keys)
-            layers = self.held.shape[0] if layer >= SCORED_LAYERS - 1 else layer + 1
-            self._chosen, self._chosen_from = self._choose(layer, layers, count), layer
-        places, order = (part[layer - self._chosen_from :] for part in self._chosen)
-        return self._lend(layer, places, order, keys.device)
+        if chosen is not None and self._chosen_from <= layer < self._chosen_from + chosen[0].shape[0]:
+            return None
+        last = self.held.shape[0] if layer >= SCORED_LAYERS - 1 else SCORED_LAYERS - 1
+        self._chosen, self._chosen_from = self._choose(layer, last, count), layer
+        return self._lend(layer, *self._chosen, keys.device)
 
     def _pool(self, layer: int, keys: torch.Tensor) -> None:
         """Add the layer's page scores (over the heads that hold something of a page) to the pool."""
@@ -348,7 +352,7 @@ class HostTier:
         order, by_place = order.sort(dim=-1)
         chosen = chosen.gather(-1, by_place)
         self.clock += 1
-        self.used[(chosen // self.page_tokens).unique()] = self.clock
+        self.used[chosen // self.page_tokens] = self.clock  # a page named twice takes the same clock
         return chosen, order
 
     def _lend(self, first: int, chosen: torch.Tensor, order: torch.Tensor, device: torch.device) -> Retrieval:
@@ -398,7 +402,7 @@ class HostTier:
             block = reps[:, start : start + step].float()
             near = torch.einsum("hcd,hskd->hcsk", wanted, block)  # (kv_heads, c, step, keys a page)
             near /= block.norm(dim=-1).clamp_min(1e-6)[:, None]  # cosine, without a normalized copy of the keys
-            similarity[:, :, start : start + step] = near.masked_fill(~held[:, None, start : start + step], float("-inf")).amax(-1)
+            similarity[:, :, start : start + step] = near.masked_fill_(~held[:, None, start : start + step], float("-inf")).amax(-1)
         share = (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).nan_to_num(0.0)
         return share.mean(dim=1).masked_fill(~held.any(-1), float("-inf")).to(keys.device)
 

@@ -270,6 +270,24 @@ class PreRopeLayer(DynamicLayer):
         cos, sin, _ = self.table.between(0, count, merged)
         rotate(merged, cos, sin, self.table.scale, out=self._rotated.extend(count, merged))
 
+    def at_home(self, tokens: int) -> bool:
+        """Whether keys, values and the rotated copy are all in this layer's slots in the pool,
+        with room for `tokens`: then the pool may move them for it (`Lease.merge`)."""
+        keys, values, copy = self._keys, self._values, self._rotated
+        return (
+            keys.home is not None and keys.buffer is keys.home and values.buffer is values.home
+            and self._rotated_home is not None and (copy is None or copy.buffer in (None, copy.home))
+            and tokens <= keys.home.shape[2]
+        )
+
+    def merged(self, count: int) -> None:
+        """After the pool merged tokens into this layer's slots and rotated them into the copy
+        (`Lease.merge`): hold the first `count`."""
+        if self._rotated is None:
+            self._rotated = Rows(self.most_tokens, self._rotated_home)
+        for rows in (self._keys, self._values, self._rotated):
+            rows.buffer, rows.length = rows.home, count
+
     def wrote(self, count: int) -> None:
         """After a forward wrote `count` new tokens into this layer's slots (`in_pool`): hold them."""
         for rows in (self._keys, self._values, self._rotated):

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.host_tier import HostTier, Tokens
+from engine.host_tier import SCORED_LAYERS, HostTier, Tokens
 from engine.kv_buffers import LayerStore, PositionTable, PreRopeLayer, QueryWindow, outside_inference, rotate, take
 from engine.kv_pool import KEYS, ROTATED, VALUES, Lease
 from engine.policies import Observation, Policy
@@ -345,20 +345,55 @@ class KVCache:
         """Bring in the pages of `layer` that the question's keys match, into the places reserved:
         merged among the cached tokens in stream order, before the c new ones (whose queries
         (q_heads, c, head_dim) are given). Where a layer's choice is also the layers' after it
-        (`HostTier.retrieve`), their merges are planned here too, in one pass for all of them."""
+        (`HostTier.retrieve`), their merges are planned here too, in one pass for all of them,
+        and those that do not score the pages merge now (`_merge_ahead`)."""
         started = time.perf_counter()
         cached = self.hf.layers[layer]
         new = queries.shape[1]
         held = cached.keys.shape[2] - new  # cached before these tokens
-        plan = self._merging
-        if plan is None or not plan.first <= layer < plan.first + len(plan):
-            question = cached.keys[0, :, held : held + min(self._question_tokens, new)]  # (kv_heads, q, head_dim)
-            retrieval = self.host.retrieve(layer, question, cached.pending)
+        question = cached.keys[0, :, held : held + min(self._question_tokens, new)]  # (kv_heads, q, head_dim)
+        retrieval = self.host.retrieve(layer, question, cached.pending)
+        if retrieval is not None:
             if layer == 0:
                 self.retrieved_pages += len(retrieval.pages)
-            plan = self._merging = self._merge_plan(layer, retrieval.tokens, held, new)
+            self._merging = self._merge_plan(layer, retrieval.tokens, held, new)
+        plan = self._merging
         at = layer - plan.first
         cached.merge(plan.keys[at][None], plan.values[at][None], plan.rows[at])
+        self._merged(layer, plan, held)
+        if retrieval is not None:
+            self._merge_ahead(plan, held)
+        self.retrieve_s += time.perf_counter() - started
+        return cached.keys, cached.values
+
+    def _merge_ahead(self, plan: MergePlan, held: int) -> None:
+        """Merge now what the plan's layers after the scoring ones borrow, before the forward
+        reaches them (they hold `held` tokens, none of its own yet): in the pool, for all of them
+        at once (`Lease.merge`); elsewhere, a layer at a time."""
+        ahead = range(max(plan.first + 1, SCORED_LAYERS), plan.first + len(plan))
+        if not ahead:
+            return
+        layers = [self.hf.layers[layer] for layer in ahead]
+        count = held + plan.keys.shape[2]
+        first = ahead.start - plan.first
+        device = layers[0].keys.device
+        if self.lease is not None and all(cached.keys.shape[2] == held and cached.at_home(count) for cached in layers):
+            cos, sin, _ = self.positions.between(0, count, layers[0].keys)
+            self.lease.merge(ahead, held, plan.merge[first:].to(device), plan.keys[first:], plan.values[first:], cos, sin,
+                             self.positions.scale)
+            for cached in layers:
+                cached.merged(count)
+        else:
+            for at, cached in enumerate(layers, start=first):
+                cached.merge(plan.keys[at][None], plan.values[at][None], plan.merge[at].to(device))
+        for layer in ahead:
+            self._merged(layer, plan, held)
+
+    def _merged(self, layer: int, plan: MergePlan, held: int) -> None:
+        """After `layer` merged what it borrows (`plan`'s) among its `held` tokens: their kinds,
+        times, places, and what they received; the queries of the tokens before them are gone."""
+        at = layer - plan.first
+        cached = self.hf.layers[layer]
         self.kinds[layer], self.times[layer], self.order[layer] = plan.kinds[at], plan.times[at], plan.order[at]
         self.borrowed[layer] = plan.borrowed[at]
         received = self._received[layer]
@@ -367,8 +402,6 @@ class KVCache:
             self._received[layer] = padded.gather(1, plan.merge[at].to(received.device))
         self._queries[layer].set(None)  # from here on, only queries of tokens after every borrowed one
         cached.pending = 0
-        self.retrieve_s += time.perf_counter() - started
-        return cached.keys, cached.values
 
     def _merge_plan(self, first: int, got: Tokens, held: int, new: int) -> MergePlan:
         """How the layers from `first` on merge what they borrow (`got`, (layers, kv_heads, k, ...))

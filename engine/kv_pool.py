@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_buffers import outside_inference
+from engine.kv_buffers import outside_inference, rotate
 
 KEYS, VALUES, ROTATED = 0, 1, 2  # the pool's first index: what a slot holds
+MERGE_WORKSPACE_BYTES = 8 << 20  # `Lease.merge` moves as many layers at a time as this holds (at least one)
 
 
 class PoolFull(RuntimeError):
@@ -66,6 +67,35 @@ class Lease:
         start = self.first_page * self.pool.page_tokens
         return self.pool.storage[part, layer, :, start : start + self.tokens][None]
 
+    def merge(
+        self, layers: range, held: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor, scale: float,
+    ) -> None:
+        """Layers `layers` hold instead, per KV head, the tokens at `rows` (layers, kv_heads, n) of
+        [the `held` tokens in their slots, then `keys` and `values` (layers, kv_heads, k,
+        head_dim)], and the merged keys rotated at their indices into the copy (by `cos` and
+        `sin` (n, head_dim) and `scale`, as `rotate` takes them): what a borrowing does to the
+        layers it reaches before the forward does, for many layers in a few copies instead of a
+        few dozen small ones per layer. (The callers' `PreRopeLayer.merged` then hold them.)"""
+        storage = self.pool.storage
+        _, depth, heads, total, dim = storage.shape
+        start, count, borrowed = self.first_page * self.pool.page_tokens, rows.shape[-1], keys.shape[2]
+        per_layer = 2 * heads * count  # rows of keys and values a layer merges
+        group = max(1, MERGE_WORKSPACE_BYTES // (per_layer * dim * storage.element_size()))
+        workspace = self.pool.workspace(min(group, len(layers)) * per_layer)
+        flat = storage.view(-1, dim)
+        for first in range(layers.start, layers.stop, group):
+            span = slice(first, min(first + group, layers.stop))
+            at = slice(span.start - layers.start, span.stop - layers.start)
+            storage[KEYS, span, :, start + held : start + held + borrowed] = keys[at]
+            storage[VALUES, span, :, start + held : start + held + borrowed] = values[at]
+            # each (part, layer, head)'s first slot in the flat storage, then the rows it takes
+            part = torch.tensor([KEYS, VALUES], device=rows.device)[:, None] * depth + torch.arange(span.start, span.stop, device=rows.device)
+            base = ((part[:, :, None] * heads + torch.arange(heads, device=rows.device)) * total + start)[..., None]  # (2, layers, heads, 1)
+            merged = torch.index_select(flat, 0, (base + rows[at]).flatten(), out=workspace[: (span.stop - span.start) * per_layer])
+            storage[KEYS : VALUES + 1, span, :, start : start + count] = merged.view(2, -1, heads, count, dim)
+            rotate(storage[KEYS, span, :, start : start + count], cos, sin, scale, out=storage[ROTATED, span, :, start : start + count])
+
     def release(self) -> None:
         self.pool.release(self)
 
@@ -83,6 +113,7 @@ class KVPool:
         with outside_inference():  # a pool made in inference mode still takes leases back outside it
             self.free = torch.ones(pages, dtype=torch.bool)  # by page
             self.storage = torch.empty(3, layers, kv_heads, pages * page_tokens, head_dim, dtype=dtype, device=device)
+            self._workspace = self.storage.new_empty(0, head_dim)  # `Lease.merge`'s, kept: no allocation at each question
 
     @classmethod
     def sized(
@@ -92,6 +123,15 @@ class KVPool:
         """As many pages as `memory_bytes` holds (at least one)."""
         page = page_bytes(layers, kv_heads, head_dim, page_tokens, dtype)
         return cls(layers, kv_heads, head_dim, max(1, memory_bytes // page), page_tokens, dtype, device)
+
+    def workspace(self, rows: int) -> torch.Tensor:
+        """At least `rows` rows of head_dim, the same for every call (its contents are the caller's
+        until the next call): grown to the most asked for, at most MERGE_WORKSPACE_BYTES or one
+        layer's merge."""
+        if self._workspace.shape[0] < rows:
+            with outside_inference():
+                self._workspace = self.storage.new_empty(rows, self.storage.shape[-1])
+        return self._workspace
 
     @property
     def nbytes(self) -> int:

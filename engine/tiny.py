@@ -49,12 +49,12 @@ def ascii_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def _text_config(cls: type, tokenizer: PreTrainedTokenizerFast, **extra: object):
+def _text_config(cls: type, tokenizer: PreTrainedTokenizerFast, layers: int = 2, **extra: object):
     return cls(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32768,
@@ -81,12 +81,12 @@ def _seeded(build: Callable[[], PreTrainedModel], seed: int) -> PreTrainedModel:
         return build().eval()
 
 
-def tiny_llava(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """LLaVA: CLIP vision tower, Llama language model."""
+def tiny_llava(seed: int = 0, layers: int = 2) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """LLaVA: CLIP vision tower, Llama language model (of `layers` layers)."""
     tokenizer = ascii_tokenizer()
     config = LlavaConfig(
         vision_config=_vision_config(CLIPVisionConfig, patch_size=16),
-        text_config=_text_config(LlamaConfig, tokenizer),
+        text_config=_text_config(LlamaConfig, tokenizer, layers),
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",

@@ -3,13 +3,16 @@ back; a session in the pool holds, attends and answers exactly as one with buffe
 alone and together, through eviction, borrowing, give-back, a failed forward and a restore."""
 
 import gc
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 
-from engine import Session, SessionConfig, load_model
-from engine.kv_pool import KVPool, PoolFull
+from engine import Session, SessionConfig, load_model, tiny
+from engine.host_tier import SCORED_LAYERS
+from engine.kv_pool import KVPool, Lease, PoolFull
+from engine.model import _tiny
 from engine.step import Frames, step
 
 PAGE_TOKENS = 16
@@ -225,3 +228,51 @@ def test_answers_in_the_pool_together_are_the_answers_alone_with_one_attention_c
     for session in together:
         session.release()
     assert pool.free_pages == 200
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """tiny-random-llava with more layers than score a question's pages: the layers after those
+    merge what they borrow before the forward reaches them (in the pool, all at once)."""
+    return _tiny(partial(tiny.tiny_llava, layers=SCORED_LAYERS + 3), "tiny-random-llava", "llava")("cpu", None)
+
+
+@pytest.fixture
+def pool_merges(monkeypatch) -> list[range]:
+    """The layers each borrowing merged in the pool at once (`Lease.merge`), as they happen."""
+    merges, merge = [], Lease.merge
+
+    def merge_and_note(lease, layers, *args):
+        merges.append(layers)
+        return merge(lease, layers, *args)
+
+    monkeypatch.setattr(Lease, "merge", merge_and_note)
+    return merges
+
+
+def test_layers_merged_ahead_in_the_pool_are_bit_for_bit_those_merged_alone(deep, pool_merges):
+    pool = _pool(deep, pages=128)
+    config = _config(recall=True, retrieval_tokens=48)
+    own, pooled = Session(deep, config), Session(deep, config, pool=pool)
+    assert _stream_and_ask(own, seed=5) == _stream_and_ask(pooled, seed=5)
+    assert pool_merges == [range(SCORED_LAYERS, SCORED_LAYERS + 3)]  # the pooled session's, once
+    assert pooled.cache.retrievals == own.cache.retrievals == 1
+    _same(own, pooled)
+
+
+def test_borrowing_everything_in_the_pool_answers_as_the_full_cache(deep, pool_merges):
+    """With room for all the host tier holds, the question sees every token at the places the
+    full cache gives them, the later layers merged ahead in the pool: the same answer, and the
+    same attention over the video (its evidence)."""
+    full = Session(deep, SessionConfig(policy="full", evidence_top_k=12))
+    options = {"recall": True, "retrieval_tokens": 4096, "peak_tokens": 640, "evidence_top_k": 12}
+    pooled = Session(deep, _config(**options), pool=_pool(deep, pages=128))
+    for session in (full, pooled):
+        session.append_frames(_frames(12, 7), [float(t) for t in range(12)])
+    assert pooled.stats().host_tokens == full.stats().cache_tokens - 160
+    expected, answer = full.ask("What was first?", max_new_tokens=10), pooled.ask("What was first?", max_new_tokens=10)
+    assert "".join(answer) == "".join(expected)
+    weights = {e.time_s: e.weight for e in expected.evidence}
+    assert len(weights) == 12
+    assert {e.time_s: e.weight for e in answer.evidence} == pytest.approx(weights, abs=2e-4)  # weights of 4 decimals
+    assert len(pool_merges) == 1

@@ -212,16 +212,28 @@ def test_a_question_brings_back_the_pages_whose_keys_match_its_own():
     assert torch.equal(more[0], more[1])  # every head borrows from the same pages
 
 
-def test_later_layers_borrow_by_the_scores_of_the_layers_before_them_too():
+def pages_of(retrieval, layer: int) -> set[int]:
+    """The pages (of 8 places) that `layer` of a retrieval borrows from, its first layer 0."""
+    return set((retrieval.tokens.order[layer] // 8).flatten().tolist())
+
+
+def test_the_last_scoring_layer_chooses_by_the_scores_of_the_layers_before_it_too():
+    """The first layer chooses for the scoring layers; they score the pages all the same, and
+    the last of them chooses by every scoring layer's scores."""
     tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
     torch.manual_seed(0)
-    first, second = tokens(0, 64, heads=2, dim=16), tokens(0, 64, heads=2, dim=16)
-    tier.add(Tokens(*(torch.cat([getattr(first, name), getattr(second, name)]) for name in Tokens.FIELDS)))
+    layers = [tokens(0, 64, heads=2, dim=16) for _ in range(SCORED_LAYERS)]
+    tier.add(Tokens(*(torch.cat([getattr(layer, name) for layer in layers]) for name in Tokens.FIELDS)))
     tier.begin_question()
-    assert tier.retrieve(0, first.keys[0, :, 40:48], count=8).pages == [5]  # the first layer's keys match page 5
-    vague = second.keys[0, :, 0:64].mean(dim=1, keepdim=True)  # like every page of the second layer a little
-    assert tier.retrieve(1, vague, count=8).pages == [5]
-    assert asked(tier, 1, vague, count=8).pages != [5]  # alone, the second layer would choose otherwise
+    first = tier.retrieve(0, layers[0].keys[0, :, 40:48], count=8)  # the first layer's keys match page 5
+    assert first.pages == [5]
+    assert [pages_of(first, layer) for layer in range(SCORED_LAYERS - 1)] == [{5}] * (SCORED_LAYERS - 1)
+    vague = [layer.keys[0, :, 0:64].mean(dim=1, keepdim=True) for layer in layers]  # like every page a little
+    for layer in range(1, SCORED_LAYERS - 1):
+        assert tier.retrieve(layer, vague[layer], count=8) is None  # it borrows the first layer's choice
+    last = SCORED_LAYERS - 1
+    assert tier.retrieve(last, vague[last], count=8).pages == [5]
+    assert asked(tier, last, vague[last], count=8).pages != [5]  # alone, it would choose otherwise
 
 
 def test_the_page_after_a_matched_page_comes_with_it():
@@ -250,9 +262,9 @@ def test_a_page_held_on_the_device_in_some_layers_keeps_the_score_of_the_layers_
     assert tier.retrieve(0, layers[0].keys[0, :, 40:48], count=8).pages == [5]  # the fact's words, in layer 0
     for layer in (1, 2, 3):  # there, one of the question's words is like one of page 2's
         vague = layers[layer].keys[0, :, 0:64].mean(dim=1, keepdim=True)
-        assert 5 not in tier.retrieve(layer, torch.cat([layers[layer].keys[0, :, 16:17], vague, vague], dim=1), count=8).pages
-    vague = layers[4].keys[0, :, 0:64].mean(dim=1, keepdim=True)
-    assert tier.retrieve(4, vague, count=8).pages == [5]
+        got = tier.retrieve(layer, torch.cat([layers[layer].keys[0, :, 16:17], vague, vague], dim=1), count=8)
+    assert 5 not in pages_of(got, 0)  # layer 3 has nothing of page 5 to borrow
+    assert pages_of(got, 1) == {5}  # layer 4 borrows it: layers 1-3 did not pull its score down
 
 
 def test_a_snapshot_keeps_the_host_tier_and_the_next_answer(model):
@@ -369,8 +381,13 @@ def test_layers_after_the_scored_ones_borrow_what_the_last_scored_layer_chose():
     tier.begin_question()
     for layer in range(SCORED_LAYERS):  # one word of page 5 among vague ones
         vague = layers[layer].keys[0, :, 0:64].mean(dim=1, keepdim=True)
-        assert tier.retrieve(layer, torch.cat([layers[layer].keys[0, :, 44:45], vague, vague], dim=1), count=8).pages == [5]
+        got = tier.retrieve(layer, torch.cat([layers[layer].keys[0, :, 44:45], vague, vague], dim=1), count=8)
+        assert (got is None) == (0 < layer < SCORED_LAYERS - 1)
+        if got is not None:
+            assert got.pages == [5]
+    assert got.tokens.order.shape[0] == SCORED_LAYERS + 1  # its own and every layer's after it
+    assert all(pages_of(got, at) == {5} for at in range(SCORED_LAYERS + 1))
     for layer in range(SCORED_LAYERS, 2 * SCORED_LAYERS):  # their own keys match page 1, all of them
-        assert tier.retrieve(layer, layers[layer].keys[0, :, 8:16], count=8).pages == [5]
+        assert tier.retrieve(layer, layers[layer].keys[0, :, 8:16], count=8) is None
     last = 2 * SCORED_LAYERS - 1
     assert asked(tier, last, layers[last].keys[0, :, 8:16], count=8).pages == [1]  # as a question's first layer they would
