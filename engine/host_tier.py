@@ -299,10 +299,10 @@ class HostTier:
         self._pooled = self._pooled_heads = None
         self._chosen = None  # what the layers from `_chosen_from` on borrow: places (layers, kv_heads, count) and their order
         self._chosen_from = 0
-        # slot -> the slot of the page before, -1: not held
-        slots, before = zip(*((slot, self.slot_of.get(page - 1, -1)) for page, slot in self.slot_of.items())) if self.slot_of else ((), ())
-        self._before = torch.full((self.slots,), -1, dtype=torch.int64)
-        self._before[list(slots)] = torch.tensor(before, dtype=torch.int64)
+        self._before = torch.full((self.slots,), -1, dtype=torch.int64)  # slot -> the slot of the page before, -1: not held
+        held = list(self.slot_of.items())
+        if held:
+            self._before[[slot for _, slot in held]] = torch.tensor([self.slot_of.get(page - 1, -1) for page, _ in held])
 
     def retrieve(self, layer: int, keys: torch.Tensor, count: int) -> Retrieval | None:
         """`count` tokens (at most `available()`) of `layer` for the question's keys (kv_heads, c,

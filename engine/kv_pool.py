@@ -83,18 +83,20 @@ class Lease:
         per_layer = 2 * heads * count  # rows of keys and values a layer merges
         group = max(1, MERGE_WORKSPACE_BYTES // (per_layer * dim * storage.element_size()))
         workspace = self.pool.workspace(min(group, len(layers)) * per_layer)
-        flat = storage.view(-1, dim)
+        flat, device = storage.view(-1, dim), rows.device
         for first in range(layers.start, layers.stop, group):
             span = slice(first, min(first + group, layers.stop))
             at = slice(span.start - layers.start, span.stop - layers.start)
-            storage[KEYS, span, :, start + held : start + held + borrowed] = keys[at]
-            storage[VALUES, span, :, start + held : start + held + borrowed] = values[at]
-            # each (part, layer, head)'s first slot in the flat storage, then the rows it takes
-            part = torch.tensor([KEYS, VALUES], device=rows.device)[:, None] * depth + torch.arange(span.start, span.stop, device=rows.device)
-            base = ((part[:, :, None] * heads + torch.arange(heads, device=rows.device)) * total + start)[..., None]  # (2, layers, heads, 1)
-            merged = torch.index_select(flat, 0, (base + rows[at]).flatten(), out=workspace[: (span.stop - span.start) * per_layer])
-            storage[KEYS : VALUES + 1, span, :, start : start + count] = merged.view(2, -1, heads, count, dim)
-            rotate(storage[KEYS, span, :, start : start + count], cos, sin, scale, out=storage[ROTATED, span, :, start : start + count])
+            tail, slots = slice(start + held, start + held + borrowed), slice(start, start + count)
+            storage[KEYS, span, :, tail] = keys[at]
+            storage[VALUES, span, :, tail] = values[at]
+            # each (part, layer, head)'s first slot in the flat storage, (2, layers, heads, 1); then the rows it takes
+            part = torch.tensor([KEYS, VALUES], device=device)[:, None] * depth + torch.arange(span.start, span.stop, device=device)
+            base = ((part[:, :, None] * heads + torch.arange(heads, device=device)) * total + start)[..., None]
+            taken = workspace[: (span.stop - span.start) * per_layer]
+            merged = torch.index_select(flat, 0, (base + rows[at]).flatten(), out=taken)
+            storage[KEYS : VALUES + 1, span, :, slots] = merged.view(2, -1, heads, count, dim)
+            rotate(storage[KEYS, span, :, slots], cos, sin, scale, out=storage[ROTATED, span, :, slots])
 
     def release(self) -> None:
         self.pool.release(self)
