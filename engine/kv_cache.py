@@ -369,7 +369,7 @@ class KVCache:
     def _merge_ahead(self, plan: MergePlan, held: int) -> None:
         """Merge now what the plan's layers after the scoring ones borrow, before the forward
         reaches them (they hold `held` tokens, none of its own yet): in the pool, for all of them
-        at once (`Lease.merge`); elsewhere, a layer at a time."""
+        at once (`Lease.merge`, when a layer's merge fits its workspace); else a layer at a time."""
         ahead = range(max(plan.first + 1, SCORED_LAYERS), plan.first + len(plan))
         if not ahead:
             return
@@ -377,10 +377,11 @@ class KVCache:
         count = held + plan.keys.shape[2]
         first = ahead.start - plan.first
         device = layers[0].keys.device
-        if self.lease is not None and all(cached.keys.shape[2] == held and cached.at_home(count) for cached in layers):
+        lease = self.lease
+        if lease is not None and lease.can_merge(count) and all(c.keys.shape[2] == held and c.at_home(count) for c in layers):
             cos, sin, _ = self.positions.between(0, count, layers[0].keys)
-            self.lease.merge(ahead, held, plan.merge[first:].to(device), plan.keys[first:], plan.values[first:], cos, sin,
-                             self.positions.scale)
+            lease.merge(ahead, held, plan.merge[first:].to(device), plan.keys[first:], plan.values[first:], cos, sin,
+                        self.positions.scale)
             for cached in layers:
                 cached.merged(count)
         else:

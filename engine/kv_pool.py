@@ -29,7 +29,7 @@ import torch
 from engine.kv_buffers import outside_inference, rotate
 
 KEYS, VALUES, ROTATED = 0, 1, 2  # the pool's first index: what a slot holds
-MERGE_WORKSPACE_BYTES = 8 << 20  # `Lease.merge` moves as many layers at a time as this holds (at least one)
+MERGE_WORKSPACE_BYTES = 8 << 20  # `Lease.merge` moves as many layers at a time as this holds (`can_merge`: one at least)
 
 
 class PoolFull(RuntimeError):
@@ -67,6 +67,11 @@ class Lease:
         start = self.first_page * self.pool.page_tokens
         return self.pool.storage[part, layer, :, start : start + self.tokens][None]
 
+    def can_merge(self, count: int) -> bool:
+        """Whether `merge` can move a layer's `count` tokens through its workspace at once."""
+        _, _, heads, _, dim = self.pool.storage.shape
+        return 2 * heads * count * dim * self.pool.storage.element_size() <= MERGE_WORKSPACE_BYTES
+
     def merge(
         self, layers: range, held: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         cos: torch.Tensor, sin: torch.Tensor, scale: float,
@@ -81,7 +86,7 @@ class Lease:
         _, depth, heads, total, dim = storage.shape
         start, count, borrowed = self.first_page * self.pool.page_tokens, rows.shape[-1], keys.shape[2]
         per_layer = 2 * heads * count  # rows of keys and values a layer merges
-        group = max(1, MERGE_WORKSPACE_BYTES // (per_layer * dim * storage.element_size()))
+        group = MERGE_WORKSPACE_BYTES // (per_layer * dim * storage.element_size())  # at least 1: `can_merge`
         workspace = self.pool.workspace(min(group, len(layers)) * per_layer)
         flat, device = storage.view(-1, dim), rows.device
         for first in range(layers.start, layers.stop, group):
@@ -128,8 +133,8 @@ class KVPool:
 
     def workspace(self, rows: int) -> torch.Tensor:
         """At least `rows` rows of head_dim, the same for every call (its contents are the caller's
-        until the next call): grown to the most asked for, at most MERGE_WORKSPACE_BYTES or one
-        layer's merge."""
+        until the next call): grown to the most asked for, at most MERGE_WORKSPACE_BYTES (memory
+        beside the pool's pages)."""
         if self._workspace.shape[0] < rows:
             with outside_inference():
                 self._workspace = self.storage.new_empty(rows, self.storage.shape[-1])

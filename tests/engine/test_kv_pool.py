@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Session, SessionConfig, load_model, tiny
+from engine import Session, SessionConfig, kv_pool, load_model, tiny
 from engine.host_tier import SCORED_LAYERS
 from engine.kv_pool import KVPool, Lease, PoolFull
 from engine.model import _tiny
@@ -257,6 +257,16 @@ def test_layers_merged_ahead_in_the_pool_are_bit_for_bit_those_merged_alone(deep
     assert _stream_and_ask(own, seed=5) == _stream_and_ask(pooled, seed=5)
     assert pool_merges == [range(SCORED_LAYERS, SCORED_LAYERS + 3)]  # the pooled session's, once
     assert pooled.cache.retrievals == own.cache.retrievals == 1
+    _same(own, pooled)
+
+
+def test_a_merge_too_big_for_the_pools_workspace_goes_a_layer_at_a_time_with_the_same_result(deep, pool_merges, monkeypatch):
+    monkeypatch.setattr(kv_pool, "MERGE_WORKSPACE_BYTES", 1024)  # less than a layer's merge here
+    config = _config(recall=True, retrieval_tokens=48)
+    own, pooled = Session(deep, config), Session(deep, config, pool=_pool(deep, pages=128))
+    assert _stream_and_ask(own, seed=5) == _stream_and_ask(pooled, seed=5)
+    assert pool_merges == [] and pooled.cache.retrievals == 1
+    assert pooled.cache.lease.pool.workspace(0).numel() == 0  # never grown
     _same(own, pooled)
 
 
