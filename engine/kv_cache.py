@@ -63,14 +63,13 @@ MERGE_EVERY = 64  # forwards whose tokens' kinds and times may wait before every
 @dataclass
 class MergePlan:
     """How the layers first, first + 1, ... merge what one retrieval brought them with what they
-    cache: per layer, the borrowed keys and values (kv_heads, k, head_dim), the rows into [held,
-    new, borrowed] that merge them, and the merged tokens' kinds, times, places and which are
-    borrowed (kv_heads, held + k)."""
+    cache: per layer, the borrowed keys and values (kv_heads, k, head_dim), and the merged
+    tokens' indices into [held, borrowed], kinds, times, places and which are borrowed
+    (kv_heads, held + k)."""
 
     first: int
     keys: torch.Tensor
     values: torch.Tensor
-    rows: torch.Tensor
     merge: torch.Tensor  # (layers, kv_heads, held + k) the merged tokens' indices into [held, borrowed]
     kinds: tuple[torch.Tensor, ...]
     times: tuple[torch.Tensor, ...]
@@ -78,7 +77,7 @@ class MergePlan:
     borrowed: tuple[torch.Tensor, ...]
 
     def __len__(self) -> int:
-        return self.rows.shape[0]
+        return self.merge.shape[0]
 
 
 def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -356,10 +355,14 @@ class KVCache:
         if retrieval is not None:
             if layer == 0:
                 self.retrieved_pages += len(retrieval.pages)
-            self._merging = self._merge_plan(layer, retrieval.tokens, held, new)
+            self._merging = self._merge_plan(layer, retrieval.tokens, held)
         plan = self._merging
         at = layer - plan.first
-        cached.merge(plan.keys[at][None], plan.values[at][None], plan.rows[at])
+        merge = plan.merge[at]
+        # into [held, new, borrowed] as the layer joins them: the held and the borrowed merged in
+        # stream order, then the new tokens
+        rows = torch.cat([merge + (merge >= held) * new, torch.arange(held, held + new).expand(self.kv_heads, new)], dim=1)
+        cached.merge(plan.keys[at][None], plan.values[at][None], rows.to(cached.keys.device))
         self._merged(layer, plan, held)
         if retrieval is not None:
             self._merge_ahead(plan, held)
@@ -404,22 +407,16 @@ class KVCache:
         self._queries[layer].set(None)  # from here on, only queries of tokens after every borrowed one
         cached.pending = 0
 
-    def _merge_plan(self, first: int, got: Tokens, held: int, new: int) -> MergePlan:
+    def _merge_plan(self, first: int, got: Tokens, held: int) -> MergePlan:
         """How the layers from `first` on merge what they borrow (`got`, (layers, kv_heads, k, ...))
-        with the `held` tokens they cache, in stream order, before the `new` ones: for all of
-        those layers at once."""
-        layers, heads, count = got.kinds.shape
-        mine = range(first, first + layers)
-        order = torch.cat([torch.stack([self.order[layer] for layer in mine]), got.order], dim=2)  # (layers, kv_heads, held + count)
+        with the `held` tokens they cache, in stream order: for all of those layers at once."""
+        mine = range(first, first + got.kinds.shape[0])
+        order = torch.cat([torch.stack([self.order[layer] for layer in mine]), got.order], dim=2)  # (layers, kv_heads, held + k)
         merge = order.argsort(dim=2, stable=True)
-        # into [held, new, borrowed] as each layer joins them: the held and the borrowed merged in
-        # stream order, then the new tokens
-        rows = torch.cat([merge + (merge >= held) * new, torch.arange(held, held + new).expand(layers, heads, new)], dim=2)
         kinds = torch.cat([torch.stack([self.kinds[layer] for layer in mine]), got.kinds], dim=2).gather(2, merge)
         times = torch.cat([torch.stack([self.times[layer] for layer in mine]), got.times], dim=2).gather(2, merge)
         self.recalled_seconds.update(got.times.floor().long().unique().tolist())
-        device = self.hf.layers[first].keys.device
-        return MergePlan(first, got.keys, got.values, rows.to(device), merge, kinds.unbind(), times.unbind(),
+        return MergePlan(first, got.keys, got.values, merge, kinds.unbind(), times.unbind(),
                          order.gather(2, merge).unbind(), (merge >= held).unbind())
 
     def give_back(self) -> None:
