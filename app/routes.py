@@ -56,6 +56,11 @@ class WorkerMemory(BaseModel):
     pool_page_tokens: int = Field(0, description="Cache tokens a page holds (keys, values and rotated keys, in every layer).")
     pool_bytes: int = Field(0, description="Bytes of the whole pool.")
     pool_session_pages: dict[str, int] = Field({}, description="Pages each session it holds leases, by session id.")
+    host_pool_pages: int = Field(0, description="Pages of its host pool, allocated once at start: every host tier (recall) is a run of them.")
+    host_pool_free_pages: int = Field(0, description="Of those, the pages no session leases.")
+    host_pool_page_tokens: int = Field(0, description="Stream places a host page holds (keys, values, kinds and times, in every layer).")
+    host_pool_bytes: int = Field(0, description="Bytes of the whole host pool, in host memory (pinned on CUDA).")
+    host_pool_session_pages: dict[str, int] = Field({}, description="Host pages each session with recall leases, by session id.")
 
 
 class ServedModel(BaseModel):
@@ -161,6 +166,9 @@ async def list_models(store: Store, settings: Settings) -> ModelList:
             default_sessions=worker.default_sessions, warning=worker.memory_warning,
             pool_pages=worker.pool_pages, pool_free_pages=worker.pool_free_pages, pool_page_tokens=worker.pool_page_tokens,
             pool_bytes=worker.pool_bytes, pool_session_pages=worker.pool_session_pages,
+            host_pool_pages=worker.host_pool_pages, host_pool_free_pages=worker.host_pool_free_pages,
+            host_pool_page_tokens=worker.host_pool_page_tokens, host_pool_bytes=worker.host_pool_bytes,
+            host_pool_session_pages=worker.host_pool_session_pages,
         ))
     return ModelList(default=settings.model, models=sorted(served.values(), key=lambda m: m.name))
 

@@ -8,8 +8,8 @@ long stream, and the bytes a recall session's snapshots write.
 
 `turns`: sessions one after another on one model, each with recall (a host tier of 16x the
 budget), streaming --tokens of random text in pieces of 600 characters, asked one question, then
-ended; once with their caches in a KV pool (as a worker runs them) and once with buffers of their
-own, each in a process of its own. Prints, per mode, the resident memory after each session, and
+ended; once with their caches in a KV pool and their host tiers in a host pool (as a worker runs
+them) and once with buffers and tiers of their own, each in a process of its own. Prints, per mode, the resident memory after each session, and
 the ratio of the last session's to the second's (`creep`: 1.0 is none).
 
 `stream`: frames (224 x 224, random: the time does not depend on what they show) appended one at
@@ -37,6 +37,7 @@ import torch
 
 from bench.common import emit, parser, random_text, rss_bytes, split_list
 from engine import Session, SessionConfig, load_model
+from engine.host_pool import HostPool
 from engine.kv_pool import KVPool
 from engine.step import step
 from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
@@ -48,9 +49,10 @@ def turns(model_name: str, sessions: int, budget: int, tokens: int, pooled: bool
     model = load_model(model_name, "cpu")
     config = SessionConfig(policy="infmllm", budget_tokens=budget, recall=True, peak_tokens=budget + budget // 2 + 3072)
     pool = None
-    if pooled:  # room for one session at a time, as a worker sized for it
-        pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, -(-config.peak_tokens // POOL_PAGE_TOKENS),
-                      POOL_PAGE_TOKENS, model.dtype, model.device)
+    if pooled:  # room for one session at a time, its cache and its host tier, as a worker sized for it
+        shape = (model.num_layers, model.kv_heads, model.head_dim)
+        host = HostPool(*shape, config.host_tokens // config.page_tokens, config.page_tokens, model.dtype, model.device)
+        pool = KVPool(*shape, -(-config.peak_tokens // POOL_PAGE_TOKENS), POOL_PAGE_TOKENS, model.dtype, model.device, host)
     rng = np.random.default_rng(0)
     after = []
     for turn in range(sessions):

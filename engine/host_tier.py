@@ -12,9 +12,10 @@ eviction instead scatter a fact over many pages under such a policy (measured in
 docs/benchmarks.md: with them, `infmllm` and `snapkv` got back a fraction of what `sliding`
 did).
 
-Keys and values live in one preallocated pool in host memory (pinned on CUDA, so that what a
-question borrows is copied to the device without blocking). Each page keeps, where scoring is
-cheap (on the device), `page_keys` representative keys per layer and KV head: the sums (which
+Keys and values live in host memory (pinned on CUDA, so that what a question borrows is copied
+to the device without blocking), in a run of pages of a host pool (`engine/host_pool.py`): the
+worker's, shared by its sessions' tiers, or one of the tier's own; each slot is a page of the
+run. Each page keeps, where scoring is cheap (on the device), `page_keys` representative keys per layer and KV head: the sums (which
 point where the means do) of the keys held of equal runs of its places, in bfloat16, so that
 4 of them cost the device what 2 in float32 did.
 
@@ -67,7 +68,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_pool import HostPool
 from engine.kv_buffers import take
+from engine.page_runs import Run
 
 SIMILARITY_SHARPNESS = 20.0  # a question key's softmax over pages is of 20 x cosine similarity
 INDEX_DTYPE = torch.bfloat16  # of the representative keys' sums (at most page_tokens keys each)
@@ -118,13 +121,20 @@ def index_bytes_per_token(layers: int, kv_heads: int, head_dim: int, page_tokens
 class HostTier:
     SAVED = ("keys", "values", "kinds", "times", "present", "key_sums")  # per slot, in a snapshot
 
-    def __init__(self, budget_tokens: int, page_tokens: int = 32, page_keys: int = 2, drop: str = "novel") -> None:
+    def __init__(
+        self, budget_tokens: int, page_tokens: int = 32, page_keys: int = 2, drop: str = "novel", pool: HostPool | None = None
+    ) -> None:
+        """With `pool` (the worker's), the tier leases its pages there now (PoolFull when no run
+        of them is free), until `release()`; without, it makes a pool of its own at its first
+        eviction."""
         if drop not in DROP_RULES:
             raise ValueError(f"host_drop must be one of {', '.join(DROP_RULES)}, got {drop!r}")
         if page_tokens < 1 or page_keys < 1 or page_tokens % page_keys:
             raise ValueError(f"page_tokens ({page_tokens}) must be a positive multiple of page_keys ({page_keys})")
         if budget_tokens < page_tokens:
             raise ValueError(f"host_budget_tokens ({budget_tokens}) must be at least page_tokens ({page_tokens})")
+        if pool is not None and pool.page_tokens != page_tokens:
+            raise ValueError(f"page_tokens ({page_tokens}) must be the host pool's ({pool.page_tokens})")
         self.budget_tokens, self.page_tokens, self.page_keys, self.drop = budget_tokens, page_tokens, page_keys, drop
         self.slots = budget_tokens // page_tokens
         self.slot_of: dict[int, int] = {}  # page number -> slot
@@ -133,7 +143,10 @@ class HostTier:
         self.clock = 0  # counts openings and borrowings
         self.dropped_pages = 0  # pages that left
         self.dropped_through = -1  # the newest page that left: tokens of older pages not held are dropped
-        # Allocated at the first add, when the model's shapes are known:
+        # Views of the run of the pool's pages, and the index on the device: at the lease (at the
+        # first add without a pool, when the model's shapes are known)
+        self.pool, self.shared_pool = pool, pool  # shared_pool: the worker's (None: the tier's own, once made)
+        self.run: Run | None = None
         self.keys = self.values = None  # (layers, kv_heads, slots, page_tokens, head_dim), host memory
         self.kinds = self.times = self.present = None  # (layers, kv_heads, slots, page_tokens), CPU
         self.held = None  # `present` on the device, for choosing
@@ -144,6 +157,8 @@ class HostTier:
         self._pooled_heads: torch.Tensor | None = None
         self._before = torch.full((self.slots,), -1, dtype=torch.int64)
         self.changed: set[int] = set()  # page numbers written since `take_changed` (held pages only)
+        if pool is not None:
+            self._lease()
 
     @property
     def pages(self) -> list[int]:
@@ -190,7 +205,7 @@ class HostTier:
         if self.keys is None:
             self._allocate(*evicted.keys.shape[:2], evicted.keys.shape[-1], evicted.keys.dtype, evicted.keys.device)
         layers, heads, count, dim = evicted.keys.shape
-        order = evicted.order.cpu()
+        pool, order = self.pool, evicted.order.cpu()
         page = order // self.page_tokens
         for number in page.unique().tolist():  # ascending: older pages first
             if number not in self.slot_of:
@@ -199,14 +214,15 @@ class HostTier:
         slot = slot[page - int(page.min())]  # (layers, heads, count)
         kept = slot >= 0
         place = order % self.page_tokens
-        grid = (torch.arange(layers)[:, None, None] * heads + torch.arange(heads)[None, :, None]) * self.slots
-        cell = grid + slot  # into (layers * heads * slots)
-        flat = (cell * self.page_tokens + place)[kept]  # into (layers * heads * slots * page_tokens)
-        self.keys.view(-1, dim)[flat] = evicted.keys.cpu()[kept]
-        self.values.view(-1, dim)[flat] = evicted.values.cpu()[kept]
-        self.kinds.view(-1)[flat] = evicted.kinds.cpu()[kept]
-        self.times.view(-1)[flat] = evicted.times.cpu().float()[kept]
-        self.present.view(-1)[flat] = True
+        grid = torch.arange(layers)[:, None, None] * heads + torch.arange(heads)[None, :, None]  # (layers, heads, 1)
+        cell = grid * self.slots + slot  # into the tier's (layers * heads * slots)
+        flat = (cell * self.page_tokens + place)[kept]  # into the tier's (layers * heads * slots * page_tokens)
+        home = ((grid * pool.total_pages + self.run.first_page + slot) * self.page_tokens + place)[kept]  # into the pool's
+        pool.keys.view(-1, dim)[home] = evicted.keys.cpu()[kept]
+        pool.values.view(-1, dim)[home] = evicted.values.cpu()[kept]
+        pool.kinds.view(-1)[home] = evicted.kinds.cpu()[kept]
+        pool.times.view(-1)[home] = evicted.times.cpu().float()[kept]
+        pool.present.view(-1)[home] = True
         self.changed.update(n for n in page.unique().tolist() if n in self.slot_of)
         device = self.held.device
         self.held.view(-1)[flat.to(device)] = True
@@ -214,15 +230,31 @@ class HostTier:
         self.key_sums.view(-1, dim).index_add_(0, run, evicted.keys.to(device, INDEX_DTYPE)[kept.to(device)])
 
     def _allocate(self, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (layers, heads, self.slots, self.page_tokens)
-        pinned = device.type == "cuda"
-        self.keys = torch.empty(*shape, dim, dtype=dtype, pin_memory=pinned)
-        self.values = torch.empty(*shape, dim, dtype=dtype, pin_memory=pinned)
-        self.kinds = torch.zeros(shape, dtype=torch.int8)
-        self.times = torch.zeros(shape)
-        self.present = torch.zeros(shape, dtype=torch.bool)
-        self.held = torch.zeros(shape, dtype=torch.bool, device=device)
-        self.key_sums = torch.zeros(layers, heads, self.slots, self.page_keys, dim, dtype=INDEX_DTYPE, device=device)
+        """Pages for the model's shapes: a pool of the tier's own when it has none."""
+        if self.pool is None:
+            self.pool = HostPool(layers, heads, dim, self.slots, self.page_tokens, dtype, device)
+        if self.run is None:
+            self._lease()
+
+    def _lease(self) -> None:
+        """Its run of the pool's pages, and its index of them on the caches' device."""
+        pool = self.pool
+        self.run = pool.lease(self.slots * self.page_tokens, owner=self)
+        pages = slice(self.run.first_page, self.run.first_page + self.slots)
+        self.keys, self.values = pool.keys[:, :, pages], pool.values[:, :, pages]
+        self.kinds, self.times, self.present = pool.kinds[:, :, pages], pool.times[:, :, pages], pool.present[:, :, pages]
+        layers, heads, _, _, dim = pool.keys.shape
+        self.held = torch.zeros(self.present.shape, dtype=torch.bool, device=pool.device)
+        self.key_sums = torch.zeros(layers, heads, self.slots, self.page_keys, dim, dtype=INDEX_DTYPE, device=pool.device)
+
+    def release(self) -> None:
+        """The session is over: its pages go back to the pool, and the tier holds nothing."""
+        if self.run is not None:
+            self.run.release()
+        self.run = self.keys = self.values = self.kinds = self.times = self.present = self.held = self.key_sums = None
+        self.slot_of.clear()
+        self.page_of.fill_(-1)
+        self.changed.clear()
 
     def _open(self, number: int) -> None:
         """A slot for page `number`, after pages leave by the drop rule when none is free. None for
@@ -237,8 +269,8 @@ class HostTier:
                 self._clear(slot)
             free = (self.page_of < 0).nonzero()
         slot = int(free[0])
-        self.keys[:, :, slot] = 0  # its places not yet held read as zeros (a snapshot saves the whole page), never stale
-        self.values[:, :, slot] = 0
+        for tensor in (self.keys, self.values, self.kinds, self.times):  # a snapshot saves the whole page: zeros, never stale
+            tensor[:, :, slot] = 0
         self.slot_of[number] = slot
         self.page_of[slot] = number
         self.clock += 1
@@ -462,10 +494,12 @@ class HostTier:
         return changed
 
     @classmethod
-    def load(cls, state: dict, device: torch.device, read_page: Callable[[int], dict] | None = None) -> "HostTier":
-        """The tier a `state` was taken of; `read_page(number)`: a page's `page_state`, for a
-        state saved without its pages."""
-        tier = cls(*state["options"])
+    def load(
+        cls, state: dict, device: torch.device, read_page: Callable[[int], dict] | None = None, pool: HostPool | None = None
+    ) -> "HostTier":
+        """The tier a `state` was taken of, in `pool`'s pages if given; `read_page(number)`: a
+        page's `page_state`, for a state saved without its pages."""
+        tier = cls(*state["options"], pool=pool)
         if not state.get("by_place"):  # snapshot format 2, pages by the order of eviction: each token to its place
             for saved in state["pages"] + ([state["open"]] if state["open"] is not None else []):
                 tier.add(Tokens(*(saved[name].to(device) if name in ("keys", "values") else saved[name] for name in Tokens.FIELDS)))

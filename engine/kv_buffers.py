@@ -318,17 +318,17 @@ def take(tokens: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = N
     the same values. Written into `out` (as many rows of head_dim, e.g. pinned memory) when given."""
     *lead, total, dim = tokens.shape
     rows = index.reshape(-1, index.shape[-1])
-    base, step = 0, total
-    if (
-        not tokens.is_contiguous() and tokens.dim() == 4 and tokens.shape[0] == 1 and tokens.stride()[2:] == (dim, 1)
-        and tokens.stride(1) % dim == 0 and tokens.storage_offset() % dim == 0
-    ):  # a view of a buffer or of the pool: its rows read where they lie, without copying the view whole first
-        rows_held = tokens.untyped_storage().nbytes() // (dim * tokens.element_size())
-        source = tokens.as_strided((rows_held, dim), (dim, 1), 0)
-        base, step = tokens.storage_offset() // dim, tokens.stride(1) // dim
-    else:
+    strides = [stride for size, stride in zip(lead, tokens.stride()[:-2]) if size > 1]
+    if tokens.is_contiguous() or tokens.stride()[-2:] != (dim, 1) or any(s % dim for s in strides) or tokens.storage_offset() % dim:
         source = tokens.reshape(-1, dim)
-    rows = (rows + base + torch.arange(rows.shape[0], device=index.device)[:, None] * step).reshape(-1)
+        starts = torch.arange(rows.shape[0], device=index.device) * total
+    else:  # a view of a buffer, the KV pool or a host pool: its rows read where they lie, without copying the view whole first
+        source = tokens.as_strided((tokens.untyped_storage().nbytes() // (dim * tokens.element_size()), dim), (dim, 1), 0)
+        starts = torch.full((), tokens.storage_offset() // dim, device=index.device)
+        for size, stride in zip(lead, tokens.stride()[:-2]):  # each leading index's first row, in order
+            starts = starts[..., None] + torch.arange(size, device=index.device) * (stride // dim)
+        starts = starts.reshape(-1)
+    rows = (rows + starts[:, None]).reshape(-1)
     return torch.index_select(source, 0, rows, out=out).view(*lead, -1, dim)
 
 

@@ -155,9 +155,11 @@ class KVCache:
         return tuple(self.lease.rows(part, layer) for part in (KEYS, VALUES, ROTATED))
 
     def release(self) -> None:
-        """Give the cache's slots back to the pool, and hold nothing: the cache is done with. (A
-        later forward would hold its tokens in buffers of its own, never in the pool's pages,
-        which another session may lease now.)"""
+        """Give the cache's slots back to the pool and its host tier's pages to theirs, and hold
+        nothing: the cache is done with. (A later forward would hold its tokens in buffers of its
+        own, never in the pool's pages, which another session may lease now.)"""
+        if self.host is not None:
+            self.host.release()
         if self.lease is None:
             return
         for cached in self.hf.layers:
@@ -585,7 +587,9 @@ class KVCache:
         # A snapshot of a version without stream order: its tokens are in stream order
         self.order = state.get("order") or [torch.arange(k.shape[1]).expand(self.kv_heads, -1).clone() for k in self.kinds]
         if state.get("host") is not None and self.host is not None:
-            self.host = HostTier.load(state["host"], device, read_page)
+            pool = self.host.shared_pool
+            self.host.release()  # its pages, for the restored tier's
+            self.host = HostTier.load(state["host"], device, read_page, pool)
         retrieval = state.get("retrieval", [int(self.order[0].max()) + 1 if self.tokens else 0, 0, 0, 0.0])
         self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages = [*retrieval, 0][:5]
         self.scores, self._received = here(state["scores"]), here(state["received"])

@@ -12,37 +12,39 @@ its front (the slots after them are free again), and nothing is allocated while 
 The lease goes back when the session ends (`Lease.release`, or when the lease is collected).
 
 Consecutive pages, so that a view needs no page table at each read: a run is found first-fit
-among the free pages, and admission asks for one (`can_lease`). Sessions of one budget take
+among the free pages (`engine/page_runs.py`), and admission asks for one (`can_lease`). Sessions of one budget take
 runs of one length, which leave no holes another such session cannot fill.
 
 The pool is allocated with `torch.empty`: on a CPU the operating system gives its pages
 memory only when first written, so resident memory grows with the sessions held up to the
 pool's size and stays there (it is reused, never given back and taken again); on a GPU it is
-taken whole at start, as vLLM takes its KV cache.
+taken whole at start, as vLLM takes its KV cache. The host tiers' pages are in a pool of their
+own beside it, in host memory (`host`, `engine/host_pool.py`).
 """
 
-import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.kv_buffers import outside_inference, rotate
+from engine.page_runs import PageRuns, PoolFull, Run
+
+if TYPE_CHECKING:
+    from engine.host_pool import HostPool
 
 KEYS, VALUES, ROTATED = 0, 1, 2  # the pool's first index: what a slot holds
 MERGE_WORKSPACE_BYTES = 8 << 20  # `Lease.merge` moves as many layers at a time as this holds (`can_merge`: one at least)
 
 
-class PoolFull(RuntimeError):
-    """No run of free pages is long enough for a session's cache."""
+__all__ = ["KEYS", "MERGE_WORKSPACE_BYTES", "ROTATED", "VALUES", "KVPool", "Lease", "PoolFull", "page_bytes"]
 
 
 @dataclass(eq=False)
-class Lease:
+class Lease(Run):
     """A session's run of pages: slots first_page * page_tokens .. + pages * page_tokens - 1."""
 
     pool: "KVPool"
-    first_page: int
-    pages: int
     finite_tokens: int = 0  # its first slots known to hold numbers (written, or zeroed by `clean`)
 
     def clean(self, held: int, tokens: int) -> None:
@@ -103,33 +105,29 @@ class Lease:
             storage[KEYS : VALUES + 1, span, :, slots] = merged.view(2, -1, heads, count, dim)
             rotate(storage[KEYS, span, :, slots], cos, sin, scale, out=storage[ROTATED, span, :, slots])
 
-    def release(self) -> None:
-        self.pool.release(self)
 
+class KVPool(PageRuns):
+    what = "KV pool"
 
-class KVPool:
     def __init__(
         self, layers: int, kv_heads: int, head_dim: int, pages: int, page_tokens: int,
-        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", host: "HostPool | None" = None,
     ) -> None:
-        if pages < 1 or page_tokens < 1:
-            raise ValueError(f"a pool needs at least one page of at least one token, got {pages} of {page_tokens}")
-        self.page_tokens = page_tokens
-        self.total_pages = pages
-        self.leases: dict[int, Lease] = {}  # by first page
-        with outside_inference():  # a pool made in inference mode still takes leases back outside it
-            self.free = torch.ones(pages, dtype=torch.bool)  # by page
+        """`host`: the worker's host pool beside it, where its sessions' host tiers lease their pages."""
+        super().__init__(pages, page_tokens)
+        self.host = host
+        with outside_inference():
             self.storage = torch.empty(3, layers, kv_heads, pages * page_tokens, head_dim, dtype=dtype, device=device)
             self._workspace = self.storage.new_empty(0, head_dim)  # `Lease.merge`'s, kept: no allocation at each question
 
     @classmethod
     def sized(
         cls, memory_bytes: int, layers: int, kv_heads: int, head_dim: int, page_tokens: int,
-        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", host: "HostPool | None" = None,
     ) -> "KVPool":
         """As many pages as `memory_bytes` holds (at least one)."""
         page = page_bytes(layers, kv_heads, head_dim, page_tokens, dtype)
-        return cls(layers, kv_heads, head_dim, max(1, memory_bytes // page), page_tokens, dtype, device)
+        return cls(layers, kv_heads, head_dim, max(1, memory_bytes // page), page_tokens, dtype, device, host)
 
     def workspace(self, rows: int) -> torch.Tensor:
         """At least `rows` rows of head_dim, the same for every call (its contents are the caller's
@@ -148,54 +146,10 @@ class KVPool:
     def page_bytes(self) -> int:
         return self.nbytes // self.total_pages
 
-    @property
-    def free_pages(self) -> int:
-        return int(self.free.sum())
-
-    def pages_for(self, tokens: int) -> int:
-        return max(1, -(-tokens // self.page_tokens))
-
-    def longest_free_run(self) -> int:
-        """Pages in the longest run of consecutive free pages."""
-        best = run = 0
-        for free in self.free.tolist():
-            run = run + 1 if free else 0
-            best = max(best, run)
-        return best
-
-    def can_lease(self, tokens: int) -> bool:
-        return self._first_fit(self.pages_for(tokens)) is not None
-
     def lease(self, tokens: int, owner: object | None = None) -> Lease:
         """A run of pages for `tokens` slots; PoolFull when none is free. With `owner`, the
         run goes back when the owner is collected, if it was not released before."""
-        pages = self.pages_for(tokens)
-        first = self._first_fit(pages)
-        if first is None:
-            raise PoolFull(
-                f"no {pages} consecutive free pages ({tokens} tokens) in the KV pool: "
-                f"{self.free_pages} of {self.total_pages} pages free, the longest run {self.longest_free_run()}"
-            )
-        self.free[first : first + pages] = False
-        lease = Lease(self, first, pages)
-        self.leases[first] = lease
-        if owner is not None:
-            weakref.finalize(owner, self.release, lease)
-        return lease
-
-    def release(self, lease: Lease) -> None:
-        """Give the run back (again: nothing)."""
-        if self.leases.get(lease.first_page) is lease:
-            del self.leases[lease.first_page]
-            self.free[lease.first_page : lease.first_page + lease.pages] = True
-
-    def _first_fit(self, pages: int) -> int | None:
-        if pages > self.total_pages:
-            return None
-        taken = torch.cat([torch.zeros(1, dtype=torch.int64), (~self.free).long().cumsum(0)])
-        windows = taken[pages:] - taken[:-pages]  # taken pages among pages i .. i + pages - 1
-        fits = (windows == 0).nonzero()
-        return int(fits[0]) if len(fits) else None
+        return self._take(tokens, owner, Lease)
 
 
 def page_bytes(layers: int, kv_heads: int, head_dim: int, page_tokens: int, dtype: torch.dtype) -> int:

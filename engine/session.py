@@ -30,10 +30,11 @@ import torch
 
 from engine import runner
 from engine.answer import Answer
+from engine.host_pool import HostPool
 from engine.host_tier import HostTier
 from engine.kv_buffers import outside_inference
 from engine.kv_cache import FRAME, TEXT, KVCache
-from engine.kv_pool import KVPool
+from engine.kv_pool import KVPool, PoolFull
 from engine.memory_map import Memory, Seen, SessionStats, cache_stats, memory_map
 from engine.model import Model
 from engine.policies import Policy, make_policy
@@ -145,8 +146,9 @@ class SessionConfig:
             return 0
         return self.budget_tokens // 2 if self.retrieval_tokens is None else self.retrieval_tokens
 
-    def make_host_tier(self) -> HostTier | None:
-        return HostTier(self.host_tokens, self.page_tokens, self.page_keys, self.host_drop) if self.recall else None
+    def make_host_tier(self, pool: HostPool | None = None) -> HostTier | None:
+        """With recall, its host tier: in `pool`'s pages if given (the worker's; PoolFull when they are taken)."""
+        return HostTier(self.host_tokens, self.page_tokens, self.page_keys, self.host_drop, pool) if self.recall else None
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,8 @@ def turn_marker_tokens(model: Model) -> int:
 class Session:
     def __init__(self, model: Model, config: SessionConfig | None = None, pool: KVPool | None = None) -> None:
         """With `pool` (the worker's, of this model), the cache leases its slots there, for the
-        most it holds at once (`peak_tokens`, or the context), until `release()`; PoolFull when
-        no run of pages is free."""
+        most it holds at once (`peak_tokens`, or the context), and its host tier its pages in the
+        pool's `host` pool when it has one, until `release()`; PoolFull when no run of pages is free."""
         self._setup(model, config or SessionConfig(), pool)
         opening = self._text(model.chat.open(self.config.system_prompt))
         if self.config.pin_turns and self.policy.evicts:
@@ -186,10 +188,15 @@ class Session:
         self.policy = config.make_policy()
         self.context_tokens = min(model.context_tokens, config.context_tokens or model.context_tokens)
         most_tokens = min(config.peak_tokens or self.context_tokens, self.context_tokens)
-        lease = None if pool is None else pool.lease(most_tokens, owner=self)
+        host = config.make_host_tier(None if pool is None else pool.host)
+        try:
+            lease = None if pool is None else pool.lease(most_tokens, owner=self)
+        except PoolFull:
+            if host is not None:
+                host.release()  # now: a refused session takes nothing
+            raise
         self.cache = KVCache(
-            self.policy, model.rotary, model.num_layers, model.kv_heads, EVIDENCE_WINDOW, config.make_host_tier(),
-            most_tokens=most_tokens, lease=lease,
+            self.policy, model.rotary, model.num_layers, model.kv_heads, EVIDENCE_WINDOW, host, most_tokens=most_tokens, lease=lease,
         )
         self._frames = 0
         self._video_time_s = 0.0
@@ -394,8 +401,8 @@ class Session:
         return buffer.getvalue()
 
     def release(self) -> None:
-        """The session is over: its cache's slots go back to the worker's pool, and it holds
-        nothing more (without a pool: nothing)."""
+        """The session is over: its cache's slots and its host tier's pages go back to the
+        worker's pools, and it holds nothing more."""
         self.cache.release()
 
     def changed_host_pages(self) -> dict[int, bytes]:

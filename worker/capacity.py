@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from engine import Model, SessionConfig
+from engine.host_pool import HostPool
 from engine.host_tier import index_bytes_per_token
 from engine.kv_pool import KVPool
 from streamvqa import protocol
@@ -97,9 +98,9 @@ def _mib(n: int) -> str:
 class Capacity:
     """Each session reserves its peak cache (and its index of the host tier) on the device, and
     its host tier's bound in host memory; `refresh` sizes both memories again. The caches
-    themselves live in the worker's KV pool (`make_pool`), allocated once from the cache
-    memory offered at start: a session is taken only when its bytes fit what is offered now
-    and a run of the pool's pages is free for its peak."""
+    themselves live in the worker's KV pool and the host tiers in its host pool (`make_pool`),
+    both allocated once from the memory offered at start: a session is taken only when its
+    bytes fit what is offered now and a run of each pool's pages is free for it."""
 
     def __init__(self, settings: WorkerSettings, model: Model, read: ReadMemory = read_memory) -> None:
         self.kv_bytes_per_token = model.kv_bytes_per_token
@@ -130,15 +131,17 @@ class Capacity:
         self.refresh([])
 
     def make_pool(self) -> KVPool:
-        """The worker's KV pool: as many pages as the cache memory offered now holds."""
+        """The worker's KV pool, as many pages as the cache memory offered now holds, with its
+        host pool beside it, as many host tier pages as the host memory offered now holds."""
         model = self._model
-        self.pool = KVPool.sized(
-            self.kv.offered_bytes, model.num_layers, model.kv_heads, model.head_dim, protocol.POOL_PAGE_TOKENS, model.dtype, model.device
-        )
-        log.info(
-            "KV pool: %d pages of %d tokens, %s (%s)", self.pool.total_pages, self.pool.page_tokens,
-            _mib(self.pool.nbytes), "taken now" if model.device.type == "cuda" else "RAM taken as sessions first use it",
-        )
+        shape = (model.num_layers, model.kv_heads, model.head_dim)
+        host = HostPool.sized(self.host.offered_bytes, *shape, SessionConfig.page_tokens, model.dtype, model.device)
+        self.pool = KVPool.sized(self.kv.offered_bytes, *shape, protocol.POOL_PAGE_TOKENS, model.dtype, model.device, host)
+        for name, pool, taken in (
+            ("KV pool", self.pool, "taken now" if model.device.type == "cuda" else "RAM taken as sessions first use it"),
+            ("host pool", host, "pinned now" if model.device.type == "cuda" else "RAM taken as sessions first use it"),
+        ):
+            log.info("%s: %d pages of %d tokens, %s (%s)", name, pool.total_pages, pool.page_tokens, _mib(pool.nbytes), taken)
         return self.pool
 
     @property
@@ -206,11 +209,13 @@ class Capacity:
 
     def fits(self, record: SessionRecord, held: list[SessionRecord]) -> bool:
         """Whether the session's peak cache and its host tier fit in the memory not reserved yet,
-        and its cache in a run of the pool's free pages."""
+        its cache in a run of the KV pool's free pages and its host tier in one of the host pool's."""
+        host = None if self.pool is None or not record.recall else self.pool.host
         return (
             self.device_bytes(record) <= self.kv_free_bytes(held)
             and record.host_budget_tokens * self.host_bytes_per_token <= self.host_free_bytes(held)
             and (self.pool is None or self.pool.can_lease(self.peak_tokens(record)))
+            and (host is None or host.can_lease(record.host_budget_tokens))
         )
 
 

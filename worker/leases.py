@@ -26,16 +26,28 @@ DEAD_WORKER_FORGET_S = 3600  # workers silent this long leave the registry
 
 
 def pool_fields(pool: KVPool | None, sessions: Mapping[str, Hosted]) -> dict:
-    """The registry's fields of the worker's KV pool: its pages, and those each session leases."""
+    """The registry's fields of the worker's KV pool and its host pool: their pages, and those
+    each session leases."""
     if pool is None:
         return {}
     held = {session_id: hosted.engine.cache.lease for session_id, hosted in sessions.items()}
+    tiers = {session_id: hosted.engine.cache.host for session_id, hosted in sessions.items()}
+    host = pool.host
     return {
         "pool_pages": pool.total_pages,
         "pool_free_pages": pool.free_pages,
         "pool_page_tokens": pool.page_tokens,
         "pool_bytes": pool.nbytes,
         "pool_session_pages": {session_id: lease.pages for session_id, lease in held.items() if lease is not None},
+        **({} if host is None else {
+            "host_pool_pages": host.total_pages,
+            "host_pool_free_pages": host.free_pages,
+            "host_pool_page_tokens": host.page_tokens,
+            "host_pool_bytes": host.nbytes,
+            "host_pool_session_pages": {
+                session_id: tier.run.pages for session_id, tier in tiers.items() if tier is not None and tier.run is not None
+            },
+        }),
     }
 
 

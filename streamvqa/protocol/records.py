@@ -237,6 +237,13 @@ class WorkerInfo(BaseModel):
     pool_page_tokens: int = 0
     pool_bytes: int = 0
     pool_session_pages: dict[str, int] = {}
+    # its host pool (engine/host_pool.py): pages of `host_pool_page_tokens` stream places each, for its sessions'
+    # host tiers (recall), allocated once at start; each such session leases a run of them
+    host_pool_pages: int = 0
+    host_pool_free_pages: int = 0
+    host_pool_page_tokens: int = 0
+    host_pool_bytes: int = 0
+    host_pool_session_pages: dict[str, int] = {}
     # what `pin_turns` pins on its model (SessionOptions.check_pins; 0: unknown)
     opening_tokens: int = 0  # the opening, with the model's default system prompt
     turn_marker_tokens: int = 0  # the markers closing one question and its answer

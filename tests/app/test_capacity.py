@@ -122,6 +122,10 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
         pool = _pool_when(stack, lambda pool: len(pool["pool_session_pages"]) == 2)
         assert (pool["pool_pages"], pool["pool_page_tokens"], pool["pool_bytes"]) == (203, 64, 203 * 49_152)
         assert (pool["pool_free_pages"], sorted(pool["pool_session_pages"].values())) == (43, [80, 80])
+    else:  # the worker's host pool: 250 MB in pages of 32 places (17,152 bytes), 6,250 pages a tier
+        pool = _pool_when(stack, lambda pool: len(pool["host_pool_session_pages"]) == 2)
+        assert (pool["host_pool_pages"], pool["host_pool_page_tokens"], pool["host_pool_bytes"]) == (14_575, 32, 14_575 * 17_152)
+        assert (pool["host_pool_free_pages"], sorted(pool["host_pool_session_pages"].values())) == (2_075, [6_250, 6_250])
 
     late = Client(stack.url)
     reply = late.create(**options)
@@ -135,6 +139,9 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
     if memory == "cache":  # the deleted session's pages went back, and the new one leased them
         pool = _pool_when(stack, lambda pool: late.id in pool["pool_session_pages"])
         assert (pool["pool_free_pages"], len(pool["pool_session_pages"])) == (43, 2)
+    else:
+        pool = _pool_when(stack, lambda pool: late.id in pool["host_pool_session_pages"])
+        assert (pool["host_pool_free_pages"], len(pool["host_pool_session_pages"])) == (2_075, 2)
 
 
 def _pool_when(stack, ready, timeout_s: float = 10.0) -> dict:

@@ -1,0 +1,70 @@
+"""One worker's host memory for every session's host tier: allocated once, in pages, leased by sessions.
+
+A page here is a host tier's page (`engine/host_tier.py`): `page_tokens` consecutive places of
+a stream, in every layer and KV head, with each place's key (before the rotary embedding),
+value, kind, video time and whether it is held. The pool holds `pages` of them in five tensors
+(layers, kv_heads, pages, page_tokens[, head_dim]), pinned on CUDA (so that what a question
+borrows is copied to the device without blocking). A session with recall leases a run of
+consecutive pages, as many as its tier's bound, when it opens (`engine/page_runs.py`): its
+tier is then views of that run, a page's slot is a page of the run, and moving a page in or
+out is a copy of that page. The run goes back when the session ends.
+
+So a worker's host memory is what it states at start, whatever sessions come and go: on a CPU
+the pool is allocated with `torch.empty`, and the operating system gives its pages memory only
+when first written, so resident memory grows with the pages used up to the pool's size and is
+then reused, never given back and taken again. A tier made without a pool (a session alone)
+makes one of its own, of exactly its bound, at its first eviction.
+"""
+
+import torch
+
+from engine.kv_buffers import outside_inference
+from engine.page_runs import PageRuns, Run
+
+PLACE_BYTES = 1 + 4 + 1  # per place, layer and KV head beside its key and value: kind (int8), time (float32), held (bool)
+
+
+class HostPool(PageRuns):
+    what = "host pool"
+
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, pages: int, page_tokens: int,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    ) -> None:
+        """`device`: the caches' (each tier keeps its index of its pages there); the pages
+        themselves are in host memory."""
+        super().__init__(pages, page_tokens)
+        self.device = torch.device(device)
+        pinned = self.device.type == "cuda"
+        shape = (layers, kv_heads, pages, page_tokens)
+        with outside_inference():
+            self.keys = torch.empty(*shape, head_dim, dtype=dtype, pin_memory=pinned)
+            self.values = torch.empty(*shape, head_dim, dtype=dtype, pin_memory=pinned)
+            self.kinds = torch.empty(shape, dtype=torch.int8)
+            self.times = torch.empty(shape)
+            self.present = torch.empty(shape, dtype=torch.bool)
+
+    @classmethod
+    def sized(
+        cls, memory_bytes: int, layers: int, kv_heads: int, head_dim: int, page_tokens: int,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    ) -> "HostPool":
+        """As many pages as `memory_bytes` holds (at least one)."""
+        page = host_page_bytes(layers, kv_heads, head_dim, page_tokens, dtype)
+        return cls(layers, kv_heads, head_dim, max(1, memory_bytes // page), page_tokens, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.kinds, self.times, self.present))
+
+    def lease(self, tokens: int, owner: object | None = None) -> Run:
+        """A run of pages for `tokens` places, none of them held yet; PoolFull when none is
+        free. With `owner`, the run goes back when the owner is collected, if not released before."""
+        run = self._take(tokens, owner)
+        self.present[:, :, run.first_page : run.first_page + run.pages] = False
+        return run
+
+
+def host_page_bytes(layers: int, kv_heads: int, head_dim: int, page_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of one page of a host pool: keys, values, kinds, times and which places are held, in every layer."""
+    return layers * kv_heads * page_tokens * (2 * head_dim * torch.empty(0, dtype=dtype).element_size() + PLACE_BYTES)
