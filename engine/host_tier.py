@@ -15,9 +15,9 @@ did).
 Keys and values live in host memory (pinned on CUDA, so that what a question borrows is copied
 to the device without blocking), in a run of pages of a host pool (`engine/host_pool.py`): the
 worker's, shared by its sessions' tiers, or one of the tier's own; each slot is a page of the
-run. Each page keeps, where scoring is cheap (on the device), `page_keys` representative keys per layer and KV head: the sums (which
-point where the means do) of the keys held of equal runs of its places, in bfloat16, so that
-4 of them cost the device what 2 in float32 did.
+run. Each page keeps, where scoring is cheap (on the device), `page_keys` representative keys
+per layer and KV head: the sums (which point where the means do) of the keys held of equal runs
+of its places, in bfloat16, so that 4 of them cost the device what 2 in float32 did.
 
 A question scores the pages in each layer's KV heads by its own keys there (its tokens' keys,
 as stored, of the question's words only, not the chat template's): a page matches a question
