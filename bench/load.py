@@ -28,6 +28,16 @@ over the time from the first answer's first token to the last answer's end), `tt
 frames each stack's sessions took and dropped (the same frames, so the same answers). A
 text-only model (`--model smollm2-135m-instruct --frames 0`) takes no frames; its answers run
 to `--answer-tokens`.
+
+    python -m bench.load --turns 16 [--model streamvqa-demo] [--frames 300] [--budget 256] [--host-budget 4096]
+
+Sessions in turn instead: one stack, and `--turns` sessions one after another, each with recall
+(a host tier of `--host-budget` tokens) taking `--frames` frames over its stream socket, asked one
+question, then deleted; after each is gone from the worker (its pages back in both pools), the
+worker's resident memory. Prints per session `rss_mib`, the tokens it held on the device and in
+its host tier, and the pools' free pages; then the worker's pools as it states them at start
+(`kv_pool_mib`, `host_pool_mib`), the resident memory after the 2nd and the last session, and
+their ratio (`creep`: 1.0 is none).
 """
 
 import argparse
@@ -141,9 +151,9 @@ async def _load(bases: list[str], args: argparse.Namespace) -> Results:
     return results
 
 
-async def _prepare(http: httpx.AsyncClient, base: str, frames: int, budget: int) -> tuple[str, str]:
-    """A session of `budget` tokens that has taken `frames` frames: (id, token)."""
-    reply = await http.post(f"{base}/sessions", json={"fps": 1, "budget_tokens": budget})
+async def _prepare(http: httpx.AsyncClient, base: str, frames: int, budget: int, **options: object) -> tuple[str, str]:
+    """A session of `budget` tokens (and `options`) that has taken `frames` frames: (id, token)."""
+    reply = await http.post(f"{base}/sessions", json={"fps": 1, "budget_tokens": budget, **options})
     if reply.status_code != 201:
         raise SystemExit(f"could not create a session: {reply.status_code} {reply.text}")
     sid, token = reply.json()["id"], reply.json()["token"]
@@ -237,6 +247,76 @@ async def _together(bases: dict[str, str], args: argparse.Namespace) -> list[dic
     return lines
 
 
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) * 1024
+
+
+async def _worker_memory(http: httpx.AsyncClient, base: str) -> dict:
+    (model,) = (await http.get(f"{base}/models")).json()["models"]
+    (memory,) = model["memory"]
+    return memory
+
+
+async def _turns(base: str, worker_pid: int, args: argparse.Namespace) -> list[dict]:
+    lines, after = [], []
+    async with httpx.AsyncClient(timeout=900) as http:
+        for turn in range(args.turns):
+            sid, token = await _prepare(
+                http, base, args.frames, args.budget, recall=True, host_budget_tokens=args.host_budget,
+            )
+            auth = {"Authorization": f"Bearer {token}"}
+            reply = await http.post(f"{base}/sessions/{sid}/ask", headers=auth,
+                                    json={"question": QUESTIONS[turn % len(QUESTIONS)], "max_new_tokens": 8})
+            memory = (await http.get(f"{base}/sessions/{sid}/memory", headers=auth)).json()
+            await http.delete(f"{base}/sessions/{sid}", headers=auth)
+            deadline = time.monotonic() + 60
+            while sid in (pools := await _worker_memory(http, base))["pool_session_pages"] or sid in pools["host_pool_session_pages"]:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the worker still holds session {sid} 60 s after it was deleted")
+                await asyncio.sleep(0.1)
+            after.append(_rss_bytes(worker_pid))
+            lines.append({
+                "session": turn + 1, "answered": reply.status_code == 200, "rss_mib": round(after[-1] / 2**20, 1),
+                "cache_tokens": memory["cache_tokens"], "host_tokens": memory["host_tokens"],
+                "host_mib": round(memory["host_bytes"] / 2**20, 1), "evictions": memory["evictions"],
+                "pool_free_pages": pools["pool_free_pages"], "host_pool_free_pages": pools["host_pool_free_pages"],
+            })
+            print(json.dumps(lines[-1]), flush=True)
+        lines.append({
+            "model": args.model, "sessions": args.turns, "frames": args.frames, "budget_tokens": args.budget,
+            "host_budget_tokens": args.host_budget, "kv_pool_mib": round(pools["pool_bytes"] / 2**20, 1),
+            "host_pool_mib": round(pools["host_pool_bytes"] / 2**20, 1),
+            "rss_after_second_mib": round(after[min(1, len(after) - 1)] / 2**20, 1),
+            "rss_after_last_mib": round(after[-1] / 2**20, 1), "creep": round(after[-1] / after[min(1, len(after) - 1)], 3),
+        })
+    return lines[-1:]
+
+
+def turns(args: argparse.Namespace) -> None:
+    """Sessions in turn through one stack: the worker's resident memory after each."""
+    folder = Path(tempfile.mkdtemp(prefix="streamvqa-load-"))
+    embedded = None if os.environ.get("REDIS_URL") else EmbeddedRedis(folder / "redis")
+    redis_url = os.environ.get("REDIS_URL") or embedded.start()
+    prefix, port = f"svqa-load-{uuid.uuid4().hex[:8]}:", free_port()
+    env = {
+        **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "MODEL": args.model,
+        "SPOOL_DIR": str(folder / "spool"), "SNAPSHOT_DIR": str(folder / "snapshots"), "LOG_LEVEL": "WARNING",
+    }
+    processes = {"worker": children.spawn([sys.executable, "-m", "worker"], env)}
+    processes["gateway"] = children.spawn([sys.executable, "-m", "app"], {**env, "PORT": str(port)})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until_serving(f"{base}/healthz", redis_url, prefix, list(processes.values()), 300, 1)
+        for line in asyncio.run(_turns(base, processes["worker"].pid, args)):
+            print(json.dumps(line), flush=True)
+    finally:
+        for process in processes.values():
+            children.stop(process)
+        if embedded is not None:
+            embedded.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=20)
@@ -251,10 +331,15 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=8, help="with --together: frames each session takes first")
     parser.add_argument("--rounds", type=int, default=3, help="with --together: times each count asks, per mode")
     parser.add_argument("--answer-tokens", type=int, default=32, help="with --together: max_new_tokens of each question")
-    parser.add_argument("--budget", type=int, default=2048, help="with --together: each session's budget_tokens")
+    parser.add_argument("--budget", type=int, default=2048, help="with --together or --turns: each session's budget_tokens")
+    parser.add_argument("--turns", type=int, default=0, help="sessions in turn, each with recall: the worker's memory after each")
+    parser.add_argument("--host-budget", type=int, default=4096, help="with --turns: each session's host_budget_tokens")
     args = parser.parse_args()
     if args.together:
         together(args)
+        return
+    if args.turns:
+        turns(args)
         return
 
     folder = Path(tempfile.mkdtemp(prefix="streamvqa-load-"))
