@@ -70,6 +70,7 @@ def test_host_tiers_in_one_host_pool_hold_and_answer_as_tiers_of_their_own(llava
         assert tier.keys.untyped_storage().data_ptr() == host.keys.untyped_storage().data_ptr()  # its pages, no copy
         assert "".join(alone.ask("What came first?", max_new_tokens=8)) == "".join(shared.ask("What came first?", max_new_tokens=8))
         assert alone.cache.retrievals == shared.cache.retrievals == 1
+        assert torch.equal(alone.logits, shared.logits)  # after the last token of an answer that borrowed: the same tokens lent
         assert alone.cache.retrieved_tokens == shared.cache.retrieved_tokens == 48
     assert host.free_pages == 200 - 2 * TIER_PAGES  # no page taken while they streamed and asked
     pooled[0].release()
