@@ -166,13 +166,25 @@ async def _prepare(http: httpx.AsyncClient, base: str, frames: int, budget: int,
         return sid, token
     url = f"ws://{base.removeprefix('http://')}/sessions/{sid}/stream?token={token}"
     async with websockets.connect(url, max_size=None) as socket:
+        sending = asyncio.Event()  # set while no `backpressure` event paused the client
+        sending.set()
+
+        async def listen() -> None:
+            async for message in socket:
+                event = json.loads(message)
+                if event.get("type") == "backpressure":
+                    (sending.clear if event["paused"] else sending.set)()
+                if event.get("state") == "ingested":
+                    return
+
+        listener = asyncio.create_task(listen())
         await socket.send(json.dumps({"type": "start", "format": "frames"}))
         for frame in range(frames):
+            await sending.wait()
             await socket.send(frame_message(float(frame), frame_jpeg(frame)))
+            await asyncio.sleep(0)  # the listener reads what came meanwhile
         await socket.send(json.dumps({"type": "end"}))
-        async for message in socket:
-            if json.loads(message).get("state") == "ingested":
-                break
+        await listener
     return sid, token
 
 
