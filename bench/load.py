@@ -283,7 +283,7 @@ async def _turns(base: str, worker_pid: int, args: argparse.Namespace) -> list[d
             memory = (await http.get(f"{base}/sessions/{sid}/memory", headers=auth)).json()
             await http.delete(f"{base}/sessions/{sid}", headers=auth)
             deadline = time.monotonic() + 60
-            while sid in (pools := await _worker_memory(http, base))["pool_session_pages"] or sid in pools["host_pool_session_pages"]:
+            while sid in (pools := await _worker_memory(http, base))["pool_session_pages"] or sid in pools.get("host_pool_session_pages", {}):
                 if time.monotonic() > deadline:
                     raise SystemExit(f"the worker still holds session {sid} 60 s after it was deleted")
                 await asyncio.sleep(0.1)
@@ -292,13 +292,13 @@ async def _turns(base: str, worker_pid: int, args: argparse.Namespace) -> list[d
                 "session": turn + 1, "answered": reply.status_code == 200, "rss_mib": round(after[-1] / 2**20, 1),
                 "cache_tokens": memory["cache_tokens"], "host_tokens": memory["host_tokens"],
                 "host_mib": round(memory["host_bytes"] / 2**20, 1), "evictions": memory["evictions"],
-                "pool_free_pages": pools["pool_free_pages"], "host_pool_free_pages": pools["host_pool_free_pages"],
+                "pool_free_pages": pools["pool_free_pages"], "host_pool_free_pages": pools.get("host_pool_free_pages"),
             })
             print(json.dumps(lines[-1]), flush=True)
         lines.append({
             "model": args.model, "sessions": args.turns, "frames": args.frames, "budget_tokens": args.budget,
             "host_budget_tokens": args.host_budget, "kv_pool_mib": round(pools["pool_bytes"] / 2**20, 1),
-            "host_pool_mib": round(pools["host_pool_bytes"] / 2**20, 1),
+            "host_pool_mib": round(pools.get("host_pool_bytes", 0) / 2**20, 1),
             "rss_after_second_mib": round(after[min(1, len(after) - 1)] / 2**20, 1),
             "rss_after_last_mib": round(after[-1] / 2**20, 1), "creep": round(after[-1] / after[min(1, len(after) - 1)], 3),
         })
