@@ -17,13 +17,8 @@ while it answers (`sigterm_exit_s`). One JSON line.
 
 import argparse
 import json
-import os
 import signal
-import sys
-import tempfile
 import time
-import uuid
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -31,10 +26,8 @@ import redis
 from websockets.sync.client import connect
 
 from bench.common import frame_jpeg
-from streamvqa import children
+from bench.stack import serving
 from streamvqa.protocol import WorkerInfo, frame_message
-from streamvqa.redis_server import EmbeddedRedis, free_port
-from streamvqa.run import wait_until_serving
 
 
 class User:
@@ -93,21 +86,10 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=20)
     args = parser.parse_args()
 
-    folder = Path(tempfile.mkdtemp(prefix="streamvqa-fairness-"))
-    embedded = None if os.environ.get("REDIS_URL") else EmbeddedRedis(folder / "redis")
-    redis_url = os.environ.get("REDIS_URL") or embedded.start()
-    prefix, port = f"svqa-fair-{uuid.uuid4().hex[:8]}:", free_port()
-    env = {
-        **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "PORT": str(port), "MODEL": "tiny-random-llava",
-        "SPOOL_DIR": str(folder / "spool"), "SNAPSHOT_DIR": str(folder / "snapshots"), "LOG_LEVEL": "WARNING",
-    }
-    worker = children.spawn([sys.executable, "-m", "worker"], env)
-    gateway = children.spawn([sys.executable, "-m", "app"], env)
-    store = redis.Redis.from_url(redis_url)
-    base = f"http://127.0.0.1:{port}"
     line: dict[str, object] = {"questions": args.questions, "tokens": args.tokens, "probes": args.probes}
-    try:
-        wait_until_serving(f"{base}/healthz", redis_url, prefix, [worker, gateway], 300)
+    with serving("fair", "tiny-random-llava") as stack:
+        base, prefix, worker = stack.base, stack.prefix, stack.worker
+        store = redis.Redis.from_url(stack.redis_url)
         probe = User(base)
         line |= _summary("idle", _probes(probe, args.probes))
 
@@ -135,11 +117,6 @@ def main() -> None:
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=120)
         line["sigterm_exit_s"] = round(time.perf_counter() - stopped_at, 2)
-    finally:
-        for process in (gateway, worker):
-            children.stop(process)
-        if embedded is not None:
-            embedded.stop()
     print(json.dumps(line), flush=True)
 
 

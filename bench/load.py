@@ -57,6 +57,7 @@ import numpy as np
 import websockets
 
 from bench.common import frame_jpeg
+from bench.stack import serving
 from streamvqa import children
 from streamvqa.protocol import frame_message
 from streamvqa.redis_server import EmbeddedRedis, LocalCluster, free_port
@@ -131,13 +132,16 @@ async def _session(http: httpx.AsyncClient, base: str, args: argparse.Namespace,
     results.dropped += dropped
 
 
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) * 1024
+
+
 def _watch_rss(pids: dict[str, int], peaks: dict[str, int], stop: threading.Event) -> None:
     while not stop.is_set():
         for name, pid in pids.items():
             try:
-                with open(f"/proc/{pid}/status") as status:
-                    rss = int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) * 1024
-                peaks[name] = max(peaks.get(name, 0), rss)
+                peaks[name] = max(peaks.get(name, 0), _rss_bytes(pid))
             except (OSError, StopIteration):
                 pass
         stop.wait(0.5)
@@ -259,19 +263,15 @@ async def _together(bases: dict[str, str], args: argparse.Namespace) -> list[dic
     return lines
 
 
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) * 1024
-
-
 async def _worker_memory(http: httpx.AsyncClient, base: str) -> dict:
     (model,) = (await http.get(f"{base}/models")).json()["models"]
     (memory,) = model["memory"]
     return memory
 
 
-async def _turns(base: str, worker_pid: int, args: argparse.Namespace) -> list[dict]:
-    lines, after = [], []
+async def _turns(base: str, worker_pid: int, args: argparse.Namespace) -> dict:
+    """Prints each session's line as it ends; returns the summary."""
+    after = []
     async with httpx.AsyncClient(timeout=900) as http:
         for turn in range(args.turns):
             sid, token = await _prepare(
@@ -288,45 +288,25 @@ async def _turns(base: str, worker_pid: int, args: argparse.Namespace) -> list[d
                     raise SystemExit(f"the worker still holds session {sid} 60 s after it was deleted")
                 await asyncio.sleep(0.1)
             after.append(_rss_bytes(worker_pid))
-            lines.append({
+            print(json.dumps({
                 "session": turn + 1, "answered": reply.status_code == 200, "rss_mib": round(after[-1] / 2**20, 1),
                 "cache_tokens": memory["cache_tokens"], "host_tokens": memory["host_tokens"],
                 "host_mib": round(memory["host_bytes"] / 2**20, 1), "evictions": memory["evictions"],
                 "pool_free_pages": pools["pool_free_pages"], "host_pool_free_pages": pools.get("host_pool_free_pages"),
-            })
-            print(json.dumps(lines[-1]), flush=True)
-        lines.append({
+            }), flush=True)
+        return {
             "model": args.model, "sessions": args.turns, "frames": args.frames, "budget_tokens": args.budget,
             "host_budget_tokens": args.host_budget, "kv_pool_mib": round(pools["pool_bytes"] / 2**20, 1),
             "host_pool_mib": round(pools.get("host_pool_bytes", 0) / 2**20, 1),
             "rss_after_second_mib": round(after[min(1, len(after) - 1)] / 2**20, 1),
             "rss_after_last_mib": round(after[-1] / 2**20, 1), "creep": round(after[-1] / after[min(1, len(after) - 1)], 3),
-        })
-    return lines[-1:]
+        }
 
 
 def turns(args: argparse.Namespace) -> None:
     """Sessions in turn through one stack: the worker's resident memory after each."""
-    folder = Path(tempfile.mkdtemp(prefix="streamvqa-load-"))
-    embedded = None if os.environ.get("REDIS_URL") else EmbeddedRedis(folder / "redis")
-    redis_url = os.environ.get("REDIS_URL") or embedded.start()
-    prefix, port = f"svqa-load-{uuid.uuid4().hex[:8]}:", free_port()
-    env = {
-        **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "MODEL": args.model,
-        "SPOOL_DIR": str(folder / "spool"), "SNAPSHOT_DIR": str(folder / "snapshots"), "LOG_LEVEL": "WARNING",
-    }
-    processes = {"worker": children.spawn([sys.executable, "-m", "worker"], env)}
-    processes["gateway"] = children.spawn([sys.executable, "-m", "app"], {**env, "PORT": str(port)})
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_until_serving(f"{base}/healthz", redis_url, prefix, list(processes.values()), 300, 1)
-        for line in asyncio.run(_turns(base, processes["worker"].pid, args)):
-            print(json.dumps(line), flush=True)
-    finally:
-        for process in processes.values():
-            children.stop(process)
-        if embedded is not None:
-            embedded.stop()
+    with serving("load", args.model) as stack:
+        print(json.dumps(asyncio.run(_turns(stack.base, stack.worker.pid, args))), flush=True)
 
 
 def main() -> None:
