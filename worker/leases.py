@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from redis.asyncio import Redis
 
 from engine.kv_pool import KVPool
+from engine.page_runs import PageRuns, Run
 from streamvqa.pending import enqueue, leave
 from streamvqa.protocol import Keys, WorkerInfo, scripts
 from worker.capacity import Capacity, Counters
@@ -30,24 +31,22 @@ def pool_fields(pool: KVPool | None, sessions: Mapping[str, Hosted]) -> dict:
     each session leases."""
     if pool is None:
         return {}
-    held = {session_id: hosted.engine.cache.lease for session_id, hosted in sessions.items()}
-    tiers = {session_id: hosted.engine.cache.host for session_id, hosted in sessions.items()}
-    host = pool.host
+    caches = {session_id: hosted.engine.cache for session_id, hosted in sessions.items()}
+    fields = _pages("pool", pool, {session_id: cache.lease for session_id, cache in caches.items()})
+    if pool.host is not None:
+        tiers = {session_id: cache.host and cache.host.run for session_id, cache in caches.items()}
+        fields |= _pages("host_pool", pool.host, tiers)
+    return fields
+
+
+def _pages(name: str, pool: PageRuns, runs: Mapping[str, Run | None]) -> dict:
+    """`name`_pages, _free_pages, _page_tokens, _bytes and _session_pages (by session, of those with a run)."""
     return {
-        "pool_pages": pool.total_pages,
-        "pool_free_pages": pool.free_pages,
-        "pool_page_tokens": pool.page_tokens,
-        "pool_bytes": pool.nbytes,
-        "pool_session_pages": {session_id: lease.pages for session_id, lease in held.items() if lease is not None},
-        **({} if host is None else {
-            "host_pool_pages": host.total_pages,
-            "host_pool_free_pages": host.free_pages,
-            "host_pool_page_tokens": host.page_tokens,
-            "host_pool_bytes": host.nbytes,
-            "host_pool_session_pages": {
-                session_id: tier.run.pages for session_id, tier in tiers.items() if tier is not None and tier.run is not None
-            },
-        }),
+        f"{name}_pages": pool.total_pages,
+        f"{name}_free_pages": pool.free_pages,
+        f"{name}_page_tokens": pool.page_tokens,
+        f"{name}_bytes": pool.nbytes,
+        f"{name}_session_pages": {session_id: run.pages for session_id, run in runs.items() if run is not None},
     }
 
 
