@@ -1,9 +1,10 @@
 """Memory and time per chunk as a stream grows: bounded policies stay flat, `full` grows.
 
     python -m bench.memory [--tokens 1000000] [--policies ...] [--budgets 1024] [--chunk 256] [--recall]
-                           [--host-drop novel,oldest]
+                           [--host-drop novel,oldest] [--model tiny-random-qwen2-5-vl --frames 2]
 
-Streams random text through the tiny text model. At every decade of tokens seen (and at the
+Streams random text through the tiny text model (`--model`: another; `--frames`: that many random
+frames before each chunk of text, for a model that sees frames, one second apart). At every decade of tokens seen (and at the
 end) prints: policy, budget, tokens_seen, cache_tokens, cache_bytes, max_position, rss_bytes,
 ms_per_chunk (mean since the previous line), evict_ms_per_chunk. `full` stops at --full-cap
 tokens (its attention grows with the stream) and says so. Each policy's last line adds the
@@ -29,7 +30,7 @@ BASELINE_TOKENS = 10_000
 
 
 def run(model, policy: str, budget: int, tokens: int, chunk: int, full_cap: int, recall: bool = False,
-        host_drop: str = SessionConfig.host_drop) -> None:
+        host_drop: str = SessionConfig.host_drop, frames: int = 0) -> None:
     config = SessionConfig(policy=policy, budget_tokens=budget, recall=recall and policy != "full", host_drop=host_drop)
     session = Session(model, config)
     rng = np.random.default_rng(0)
@@ -71,7 +72,11 @@ def run(model, policy: str, budget: int, tokens: int, chunk: int, full_cap: int,
                 next_report *= 10
             chunks, elapsed_s, evict_before = 0, 0.0, stats.evict_ms
         text = random_text(chunk, rng)
+        images = [rng.integers(0, 256, (90, 160, 3), dtype=np.uint8) for _ in range(frames)]
         started = time.perf_counter()
+        if frames:
+            second = session.stats().frames + session.frames_waiting
+            session.append_frames(images, [float(second + i) for i in range(frames)])
         session.append_text(text)
         elapsed_s += time.perf_counter() - started
         chunks += 1
@@ -84,6 +89,7 @@ def main() -> None:
     args.add_argument("--model", default="tiny-random-llama")
     args.add_argument("--recall", action="store_true", help="bounded policies keep what they evict in a host tier")
     args.add_argument("--host-drop", default=SessionConfig.host_drop, help="with --recall: novel, oldest or both")
+    args.add_argument("--frames", type=int, default=0, help="random frames before each chunk of text")
     opts = args.parse_args()
     drops = opts.host_drop.split(",") if opts.recall else [SessionConfig.host_drop]
     if set(drops) - set(DROP_RULES):
@@ -92,7 +98,7 @@ def main() -> None:
     for budget in split_list(opts.budgets, int):
         for policy in split_list(opts.policies):
             for drop in drops:
-                run(model, policy, budget, opts.tokens, opts.chunk, opts.full_cap, opts.recall, drop)
+                run(model, policy, budget, opts.tokens, opts.chunk, opts.full_cap, opts.recall, drop, opts.frames)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from torch import nn
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from engine.layout import Layout
+
 @contextmanager
 def outside_inference() -> Iterator[None]:
     """Where the tensors a session keeps across steps are made: plain tensors, which a later step
@@ -85,6 +87,12 @@ class PositionTable:
             self.up_to(end, like)
             self._last = (*key, self.cos[start:end], self.sin[start:end], self.minus_sin[start:end])
         return self._last[3:]
+
+    def at(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(*positions.shape, head_dim) cos, sin and minus sin of any positions."""
+        self.up_to(int(positions.max()) + 1 if positions.numel() else 0, like)
+        index = positions.to(self.cos.device)
+        return self.cos[index], self.sin[index], self.minus_sin[index]
 
 
 GROWTH = 1.5  # a full buffer is copied into one this many times the tokens it must hold
@@ -189,10 +197,15 @@ class PreRopeLayer(DynamicLayer):
     (`Rows`, no larger than `most_tokens` while they hold no more, or a session's slots in the
     worker's pool: `homes`, of keys, values and the copy), so that a forward writes only its new
     tokens; what `keys`, `values`, `update` and `rotated` return are views, valid until the next
-    assignment."""
+    assignment.
+
+    With a `layout` (a model with 3-D positions, `engine/layout.py`), a token's position is its
+    s there rather than its index: keys are turned back from s and rotated at s. A cut (a
+    rollback) cuts the layout too; what moves tokens otherwise moves its rows (`Layout.keep`)."""
 
     def __init__(
-        self, table: PositionTable, most_tokens: int | None = None, homes: tuple[torch.Tensor | None, ...] = (None, None, None)
+        self, table: PositionTable, most_tokens: int | None = None, homes: tuple[torch.Tensor | None, ...] = (None, None, None),
+        layout: Layout | None = None,
     ) -> None:
         self.most_tokens = most_tokens
         self._keys, self._values = Rows(most_tokens, homes[0]), Rows(most_tokens, homes[1])
@@ -201,6 +214,7 @@ class PreRopeLayer(DynamicLayer):
         super().__init__()
         self.table = table
         self.pending = 0  # places reserved for borrowed tokens that this layer has yet to bring in
+        self.layout = layout
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -209,6 +223,8 @@ class PreRopeLayer(DynamicLayer):
     @keys.setter
     def keys(self, keys: torch.Tensor | None) -> None:
         cut = self._keys.assign(keys)
+        if cut and self.layout is not None:
+            self.layout.cut(self._keys.length)
         if self._rotated is not None:  # tokens may sit at other indices now, unless cut
             self._rotated.length = min(self._rotated.length, self._keys.length) if cut else 0
 
@@ -234,7 +250,10 @@ class PreRopeLayer(DynamicLayer):
         held = self._keys.length
         start = held + self.pending
         count = key_states.shape[-2]
-        cos, sin, minus_sin = self.table.between(start, start + count, key_states)
+        if self.layout is not None:
+            cos, sin, minus_sin = self.table.at(self.layout.stored(), key_states)
+        else:
+            cos, sin, minus_sin = self.table.between(start, start + count, key_states)
         unrotated = rotate(key_states, cos, minus_sin, 1 / self.table.scale, out=self._keys.extend(count, key_states))
         self._values.append(value_states)
         copy = self._rotated
@@ -248,7 +267,7 @@ class PreRopeLayer(DynamicLayer):
         for them, and nothing to borrow first. Brings the rotated copy up to date (what an
         eviction moved) so that the forward only adds the new tokens to it."""
         keys, values = self._keys, self._values
-        if self.pending or not self.is_initialized or keys.home is None:
+        if self.pending or not self.is_initialized or keys.home is None or self.layout is not None:
             return False
         if keys.buffer is not keys.home or values.buffer is not values.home or keys.length + count > keys.home.shape[2]:
             return False
@@ -299,13 +318,17 @@ class PreRopeLayer(DynamicLayer):
         self._keys.home = self._values.home = self._rotated_home = self._rotated = None
 
     def rotated(self) -> torch.Tensor:
-        """(1, kv_heads, N, head_dim) the stored keys rotated at their indices."""
+        """(1, kv_heads, N, head_dim) the stored keys rotated at their positions: their indices,
+        or their s in the layout."""
         if self._rotated is None:
             self._rotated = Rows(self.most_tokens, self._rotated_home)
         done, total = self._rotated.length, self._keys.length
         if done < total:
             stored = self._keys.buffer.narrow(2, done, total - done)
-            cos, sin, _ = self.table.between(done, total, stored)
+            if self.layout is not None:
+                cos, sin, _ = self.table.at(self.layout.scalar[:, done:total], stored)  # (kv_heads, m, head_dim)
+            else:
+                cos, sin, _ = self.table.between(done, total, stored)
             rotate(stored, cos, sin, self.table.scale, out=self._rotated.extend(total - done, stored))
         return self._rotated.tokens
 

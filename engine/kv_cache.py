@@ -54,6 +54,7 @@ from torch import nn
 from engine.host_tier import SCORED_LAYERS, HostTier, Tokens
 from engine.kv_buffers import LayerStore, PositionTable, PreRopeLayer, QueryWindow, outside_inference, rotate, take
 from engine.kv_pool import KEYS, ROTATED, VALUES, Lease
+from engine.layout import Layout
 from engine.policies import Observation, Policy
 
 TEXT, FRAME = 0, 1
@@ -104,10 +105,12 @@ class KVCache:
         host: HostTier | None = None,
         most_tokens: int | None = None,
         lease: Lease | None = None,
+        positions_3d: bool = False,
     ) -> None:
         """`most_tokens`: the most the cache is expected to hold at once; its buffers grow past
         it only when it holds more. `lease`: its slots in the worker's pool, which its buffers
-        are instead (`engine/kv_pool.py`)."""
+        are instead (`engine/kv_pool.py`). `positions_3d`: the model places tokens in 3-D
+        (`engine/layout.py`): each layer keeps their layout, re-encoded at every eviction."""
         self.policy = policy
         self.rotary = rotary
         self.kv_heads = kv_heads
@@ -115,7 +118,8 @@ class KVCache:
         self.positions = PositionTable(rotary)
         self.lease = lease
         self.hf: LayerStore = LayerStore([
-            PreRopeLayer(self.positions, most_tokens, self._homes(layer)) for layer in range(num_layers)
+            PreRopeLayer(self.positions, most_tokens, self._homes(layer), Layout(kv_heads) if positions_3d else None)
+            for layer in range(num_layers)
         ])
         self._kinds = [torch.empty(kv_heads, 0, dtype=torch.int8) for _ in range(num_layers)]
         self._times = [torch.empty(kv_heads, 0) for _ in range(num_layers)]
@@ -166,6 +170,22 @@ class KVCache:
             cached.leave_home()
         self.lease.release()
         self.lease = None
+
+    @property
+    def positions_3d(self) -> bool:
+        return self.hf.layers[0].layout is not None
+
+    def next_position(self) -> int:
+        """The position the next token takes (with 3-D positions, its s: `engine/layout.py`)."""
+        if not self.positions_3d:
+            return self.hf.get_seq_length()
+        return max(cached.layout.next_position() for cached in self.hf.layers)
+
+    def arriving(self, kept: torch.Tensor) -> None:
+        """With 3-D positions: what each layer keeps of the next forward's tokens (3, c): their
+        s, group and extent (`layout.arriving`)."""
+        for cached in self.hf.layers:
+            cached.layout.incoming = kept
 
     @property
     def window_tokens(self) -> int:
@@ -270,7 +290,8 @@ class KVCache:
     def append(self, kinds: torch.Tensor, times: torch.Tensor) -> None:
         """After the model has run c new tokens: their kinds (c,) int8 and video times (c,)."""
         count = kinds.shape[0]
-        self.max_position = max(self.max_position, self.tokens + count - 1)
+        last = self.next_position() - 1 if self.positions_3d else self.tokens + count - 1
+        self.max_position = max(self.max_position, last)
         self.appended += count
         self._unmerged.append((kinds, times))
         self._unmerged_tokens += count
@@ -509,6 +530,8 @@ class KVCache:
             left += tuple(meta[layer].gather(1, gone) for meta in (self.kinds, self.times, self.order))
         rows = keep.to(cached.keys.device)
         cached.keys, cached.values = take(cached.keys, rows), take(cached.values, rows)
+        if cached.layout is not None:
+            cached.layout.keep(keep_cpu)
         self.kinds[layer] = self.kinds[layer].gather(1, keep_cpu)
         self.times[layer] = self.times[layer].gather(1, keep_cpu)
         self.order[layer] = self.order[layer].gather(1, keep_cpu)
@@ -570,6 +593,7 @@ class KVCache:
             "received": self._received,
             "scaling": self._scaling,
             "counters": [self.evictions, self.evicted_tokens, self.evict_s, self.max_position],
+            "layout": [cached.layout.rows.clone() for cached in self.hf.layers] if self.positions_3d else None,
             "retrieval": [self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages],
         }
 
@@ -583,6 +607,11 @@ class KVCache:
         for cached, keys, values in zip(self.hf.layers, here(state["keys"]), here(state["values"])):
             cached.lazy_initialization(keys, values)
             cached.keys, cached.values = keys, values
+        if self.positions_3d:
+            if state.get("layout") is None:
+                raise ValueError("the snapshot holds no 3-D positions, which this model needs")
+            for cached, rows in zip(self.hf.layers, state["layout"], strict=True):
+                cached.layout.rows = rows
         self.kinds, self.times = state["kinds"], state["times"]
         # A snapshot of a version without stream order: its tokens are in stream order
         self.order = state.get("order") or [torch.arange(k.shape[1]).expand(self.kv_heads, -1).clone() for k in self.kinds]

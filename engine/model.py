@@ -1,8 +1,10 @@
 """Models behind the few calls a session makes, one adapter for every family, and the loader.
 
 Vision-language models are LLaVA-family checkpoints of transformers (LLaVA, LLaVA-NeXT,
-LLaVA-NeXT-Video, LLaVA-OneVision); what differs between families is one row of `FAMILIES`.
-Text-only causal language models run through the same calls and cannot see frames.
+LLaVA-NeXT-Video, LLaVA-OneVision), where what differs between families is one row of
+`FAMILIES`, and Qwen2.5-VL, which sees frames in pairs (`engine/qwen_vision.py`) and places
+tokens in 3-D (`engine/layout.py`). Text-only causal language models run through the same calls
+and cannot see frames.
 """
 
 import importlib.metadata
@@ -27,6 +29,7 @@ from transformers import (
     LlavaOnevisionForConditionalGeneration,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    Qwen2_5_VLForConditionalGeneration,
 )
 from transformers.utils import cached_file
 
@@ -34,6 +37,7 @@ from engine import attention
 from engine.chat import ChatFormat, from_template
 from engine.converted import ConvertedWeights
 from engine.frames import to_pixels
+from engine.qwen_vision import QwenVision
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -97,7 +101,7 @@ class Model:
         hf: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         chat: ChatFormat,
-        vision: Vision | None = None,
+        vision: Vision | QwenVision | None = None,
         device: str = "cpu",
     ) -> None:
         self.name = name
@@ -111,6 +115,10 @@ class Model:
         self.num_layers: int = text.num_hidden_layers
         self.kv_heads: int = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.rotary = getattr(hf.model, "language_model", hf.model).rotary_emb  # the language model's
+        self.position_axes = 3 if getattr(self.rotary, "mrope_section", None) else 1  # 3: (time, height, width)
+        # Around each visual group, as the checkpoint's own prompts have them (Qwen's vision start and end)
+        ids = [getattr(hf.config, f"vision_{end}_token_id", None) for end in ("start", "end")]
+        self.frame_markers = tuple(tokenizer.convert_ids_to_tokens(i) if i is not None else "" for i in ids)
         eos = hf.generation_config.eos_token_id if hf.generation_config else None
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.stop_ids = frozenset(i for i in [tokenizer.eos_token_id, *eos_ids] if i is not None)
@@ -136,6 +144,15 @@ class Model:
         return self.vision is not None
 
     @property
+    def frames_per_group(self) -> int:
+        """Frames that become one group of visual tokens: 2 for Qwen (a temporal patch), else 1."""
+        return self.vision.temporal_patch if isinstance(self.vision, QwenVision) else 1
+
+    def frame_grid(self, frame_shape: Sequence[int]) -> tuple[int, int] | None:
+        """With 3-D positions, the (rows, columns) of a group of frames of this shape; else None."""
+        return self.vision.grid(frame_shape) if isinstance(self.vision, QwenVision) else None
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.hf.dtype
 
@@ -154,7 +171,8 @@ class Model:
 
     @torch.inference_mode()
     def encode_frames(self, frames: Sequence[np.ndarray], pool: int | None = None) -> torch.Tensor:
-        """(N, tokens_per_frame, hidden) visual tokens of N RGB uint8 frames.
+        """(N, tokens_per_frame, hidden) visual tokens of N RGB uint8 frames; for Qwen, (N /
+        frames_per_group, rows * columns, hidden), the frames resized to the first's size.
 
         The patch grid is pooled with stride `pool` (the checkpoint's own when None) before or
         after the projector, as the family does; at the checkpoint's own stride, a checkpoint with
@@ -163,6 +181,8 @@ class Model:
         """
         if self.vision is None:
             raise ValueError(f"model {self.name!r} is text-only: it cannot see frames")
+        if isinstance(self.vision, QwenVision):
+            return self.vision.encode(self.hf, frames)
         vision, cfg = self.vision, self.hf.config
         stride = pool or vision.pool_stride
         pixels = to_pixels(frames, vision.image_size, vision.mean, vision.std).to(self.device, self.dtype)
@@ -237,10 +257,15 @@ def chat_format(tokenizer: PreTrainedTokenizerBase, template: str | None) -> Cha
     return from_template(render)
 
 
-def _tiny(build: Callable, name: str, family: str | None) -> Callable[[str, ConvertedWeights | None], Model]:
+def _tiny(build: Callable, name: str, family: str | None, preprocessor: dict | None = None) -> Callable[[str, ConvertedWeights | None], Model]:
+    """A tiny model's loader; `preprocessor`: a Qwen model's preprocessor settings."""
+
     def load(device: str, converted: ConvertedWeights | None) -> Model:
         hf, tokenizer = build(seed=0)
-        vision = Vision.of(FAMILIES[family], hf.config, CLIP_MEAN, CLIP_STD) if family else None
+        if family == "qwen2_5_vl":
+            vision = QwenVision.of(hf.config, preprocessor or {})
+        else:
+            vision = Vision.of(FAMILIES[family], hf.config, CLIP_MEAN, CLIP_STD) if family else None
         return Model(name, hf, tokenizer, chat_format(tokenizer, None), vision, device)
 
     return load
@@ -306,7 +331,11 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = 
         name_or_path, "chat_template.jinja"
     )
     family = FAMILIES.get(config.model_type)
-    if family is not None:
+    if config.model_type == "qwen2_5_vl":
+        hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(name_or_path, dtype=dtype)
+        vision = QwenVision.of(config, _optional_json(name_or_path, "video_preprocessor_config.json")
+                               or _optional_json(name_or_path, "preprocessor_config.json"))
+    elif family is not None:
         hf = family.model_class.from_pretrained(name_or_path, dtype=dtype)
         vision = _vision_of(name_or_path, config, family)
     else:

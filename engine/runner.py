@@ -12,6 +12,10 @@ sessions whose caches lease from one KV pool (a worker's) are written and attend
 together, one call per layer for all of them (`engine/pool_attention.py`); the others (no pool,
 or borrowing from a host tier this forward) each through its own cache, in the same forward.
 
+With 3-D positions (Qwen2.5-VL), a prompt carries its layout, and its tokens are placed after
+the cache's furthest position (`engine/layout.py`); its cache is told what to keep of them
+before each forward.
+
 A prompt longer than its `chunk_tokens` runs in chunks, the same alone and together: each
 forward takes the next chunk of every prompt not yet done. Nothing is evicted here (each session
 evicts after its prompt, `engine/step.py`). If a forward fails, every cache of the run is left
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import attention, pool_attention
+from engine import attention, layout, pool_attention
 from engine.kv_cache import KVCache
 from engine.model import Model
 from engine.pool_attention import CausalMasks, Member, PoolStep
@@ -44,6 +48,7 @@ class Prompt:
     chunk_tokens: int  # the most of its tokens in one forward
     targets: torch.Tensor | None = None  # (c,) the prompt's own token ids, to score
     before: torch.Tensor | None = None  # (vocab,) the logits after the cache's last token (they predict targets[0])
+    layout: torch.Tensor | None = None  # (c, 3) with 3-D positions: the prompt's layout (`engine/layout.py`)
 
     @property
     def tokens(self) -> int:
@@ -93,6 +98,7 @@ def run(model: Model, prompts: Sequence[Prompt]) -> list[Ran]:
     """Run each prompt after its cache's tokens (the caches distinct, of one model), in chunks;
     per prompt, the logits after its last token and, with targets, their score."""
     starts = [prompt.cache.appended for prompt in prompts]
+    placed = [_placed(prompt) for prompt in prompts]
     done = [0] * len(prompts)
     logits = [prompt.before for prompt in prompts]
     nll = [0.0] * len(prompts)
@@ -105,7 +111,7 @@ def run(model: Model, prompts: Sequence[Prompt]) -> list[Ran]:
             ]
             if not chunks:
                 break
-            outputs = _forward(model, [(prompts[i], chunk) for i, chunk in chunks])
+            outputs = _forward(model, [(prompts[i], chunk, placed[i]) for i, chunk in chunks])
             for (i, chunk), out in zip(chunks, outputs, strict=True):
                 prompt = prompts[i]
                 prompt.cache.append(prompt.kinds[chunk], prompt.times[chunk])
@@ -125,31 +131,44 @@ def run(model: Model, prompts: Sequence[Prompt]) -> list[Ran]:
     return [Ran(last, score) for last, score in zip(logits, nll, strict=True)]
 
 
-def _forward(model: Model, chunks: list[tuple[Prompt, slice]]) -> list[torch.Tensor]:
+def _placed(prompt: Prompt) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """With 3-D positions: the prompt's tokens' positions (3, c) after its cache, and what the
+    cache keeps of them (3, c) (`layout.arriving`)."""
+    if prompt.layout is None:
+        return None
+    return layout.arriving(prompt.layout, prompt.cache.next_position(), prompt.cache.appended)
+
+
+def _forward(model: Model, chunks: list[tuple[Prompt, slice, tuple[torch.Tensor, torch.Tensor] | None]]) -> list[torch.Tensor]:
     """One forward of every chunk; per chunk, the logits after its last token (vocab,), or after
     each of its tokens (c, vocab) when its prompt is scored."""
     segments, positions, keep, start = [], [], [], 0
-    for prompt, chunk in chunks:
+    for prompt, chunk, placed in chunks:
         count, held = chunk.stop - chunk.start, prompt.cache.hf.get_seq_length()
         segments.append(_Segment(prompt.cache, start, start + count))
-        positions.append(torch.arange(held, held + count))
+        if placed is None:
+            positions.append(torch.arange(held, held + count).expand(model.position_axes, -1))
+        else:
+            positions.append(placed[0][:, chunk])
+            prompt.cache.arriving(placed[1][:, chunk])
         keep.append(torch.arange(start, start + count) if prompt.targets is not None else torch.tensor([start + count - 1]))
         start += count
-    embeds = torch.cat([prompt.embeds[:, chunk] for prompt, chunk in chunks], dim=1)  # (1, T, hidden)
+    embeds = torch.cat([prompt.embeds[:, chunk] for prompt, chunk, _ in chunks], dim=1)  # (1, T, hidden)
     pooled, alone = _in_pool(segments)
     masks = CausalMasks()
     step = PoolStep(pooled, model.hf.config.get_text_config().num_attention_heads, embeds, masks) if pooled else None
+    ids = torch.cat(positions, dim=1).to(model.device)  # (axes, T)
     with attention.running(_Packed(alone, step, masks)), torch.inference_mode():
         out = model.hf(
             inputs_embeds=embeds,
-            position_ids=torch.cat(positions)[None].to(model.device),
+            position_ids=ids if model.position_axes == 1 else ids[:, None],  # (1, T), or (3, 1, T) in 3-D
             use_cache=False,
             logits_to_keep=torch.cat(keep).to(model.device),
         )
     if step is not None:
         step.stored()
     logits = out.logits[0].split([len(k) for k in keep])
-    return [rows if prompt.targets is not None else rows[0] for (prompt, _), rows in zip(chunks, logits, strict=True)]
+    return [rows if prompt.targets is not None else rows[0] for (prompt, _, _), rows in zip(chunks, logits, strict=True)]
 
 
 def _in_pool(segments: list[_Segment]) -> tuple[list[Member], list[_Segment]]:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from engine import runner
+from engine import layout, runner
 from engine.answer import Answer
 from engine.host_pool import HostPool
 from engine.host_tier import HostTier
@@ -72,6 +72,7 @@ class Part:
     embeds: torch.Tensor  # (1, k, hidden)
     kind: int  # TEXT or FRAME
     time_s: float
+    grid: tuple[int, int] | None = None  # with 3-D positions, a visual group's (rows, columns)
 
     @property
     def tokens(self) -> int:
@@ -188,6 +189,8 @@ class Session:
         self.policy = config.make_policy()
         self.context_tokens = min(model.context_tokens, config.context_tokens or model.context_tokens)
         most_tokens = min(config.peak_tokens or self.context_tokens, self.context_tokens)
+        if config.recall and model.position_axes == 3:
+            raise ValueError(f"recall is not supported yet for models with 3-D positions ({model.name!r})")
         host = config.make_host_tier(None if pool is None else pool.host)
         try:
             lease = None if pool is None else pool.lease(most_tokens, owner=self)
@@ -197,7 +200,10 @@ class Session:
             raise
         self.cache = KVCache(
             self.policy, model.rotary, model.num_layers, model.kv_heads, EVIDENCE_WINDOW, host, most_tokens=most_tokens, lease=lease,
+            positions_3d=model.position_axes == 3,
         )
+        # Frames waiting for the rest of their group (a model that sees frames in pairs), with their times
+        self._held_frames: list[tuple[np.ndarray, float]] = []
         self._frames = 0
         self._video_time_s = 0.0
         self._tokens_seen = 0
@@ -217,31 +223,67 @@ class Session:
     # What an engine step (`engine/step.py`) asks of a session: check its frames, cut them into
     # prompts, make room for each, build a prompt for the runner, and apply what ran.
 
-    def check_frames(self, frames: Sequence[np.ndarray], times_s: Sequence[float]) -> bool:
-        """Raise on frames the session cannot take; False when there are none."""
+    def check_frames(self, frames: Sequence[np.ndarray], times_s: Sequence[float], flush: bool = False) -> bool:
+        """Raise on frames the session cannot take; False when there are none (nor, with
+        `flush`, any held back)."""
         self._close_answer()
         if len(frames) != len(times_s):
             raise ValueError(f"{len(frames)} frames but {len(times_s)} times")
         if not frames:
-            return False
+            return flush and bool(self._held_frames)
         if not self.model.sees_frames:
             raise ValueError(f"model {self.model.name!r} is text-only: it cannot see frames")
-        previous = self._video_time_s if self._frames else 0.0
+        previous = self._held_frames[-1][1] if self._held_frames else self._video_time_s if self._frames else 0.0
         for t in times_s:
             if not (math.isfinite(t) and t >= previous):
                 raise ValueError(f"frame times must be finite, >= 0 and must not decrease: {t} after {previous}")
             previous = t
         return True
 
-    def frame_prompts(self, visual: torch.Tensor, times_s: Sequence[float]) -> list[tuple[list[Part], list[float]]]:
-        """Frames' visual tokens (N, tokens_per_frame, hidden) as prompts of `frames_per_prompt`
-        frames, each frame after its time: (parts, the frames' times) per prompt."""
-        each, prompts = self.config.frames_per_prompt, []
-        for start in range(0, len(times_s), each):
-            times = [float(t) for t in times_s[start : start + each]]
-            parts = []
-            for tokens, t in zip(visual[start : start + each], times, strict=True):
-                parts += [self._text(f"[{t:.1f}s]", t), Part(tokens[None], FRAME, t), self._text("\n", t)]
+    @property
+    def frames_waiting(self) -> int:
+        """Frames held back for the rest of their group: the next frames or question take them."""
+        return len(self._held_frames)
+
+    def frame_groups(
+        self, frames: Sequence[np.ndarray], times_s: Sequence[float], flush: bool = False
+    ) -> tuple[list[np.ndarray], list[float], int]:
+        """The frames to encode now, in whole groups of the model's `frames_per_group` (Qwen's
+        pairs), with their times, and how many of them are real: the frames held back before
+        first; the last ones short of a group held back for the next call, unless `flush` (a
+        question comes, and should see them): then the group is filled with copies of its last
+        frame, as Qwen's processor fills a video of an odd number of frames."""
+        size = self.model.frames_per_group
+        held, self._held_frames = self._held_frames, []
+        frames = [f for f, _ in held] + list(frames)
+        times = [t for _, t in held] + [float(t) for t in times_s]
+        real, short = len(frames), len(frames) % size
+        if short and flush:
+            frames += [frames[-1]] * (size - short)
+            times += [times[-1]] * (size - short)
+        elif short:
+            self._held_frames = list(zip(frames[-short:], times[-short:]))
+            frames, times, real = frames[:-short], times[:-short], real - short
+        return frames, times, real
+
+    def frame_prompts(
+        self, visual: torch.Tensor, times_s: Sequence[float], grid: tuple[int, int] | None = None
+    ) -> list[tuple[list[Part], list[float]]]:
+        """Visual tokens (N, tokens, hidden) of N groups of `frames_per_group` frames (`grid`:
+        their rows and columns, with 3-D positions) as prompts of `frames_per_prompt` groups,
+        each after its first frame's time (between the model's frame markers): (parts, the times
+        of the real frames, `times_s`) per prompt."""
+        each, size, prompts = self.config.frames_per_prompt, self.model.frames_per_group, []
+        start_marker, end_marker = self.model.frame_markers
+        for start in range(0, len(visual), each):
+            parts, times = [], []
+            for group, tokens in enumerate(visual[start : start + each], start):
+                group_times = [float(t) for t in times_s[group * size : (group + 1) * size]]
+                t = group_times[0]
+                parts += [
+                    self._text(f"[{t:.1f}s]{start_marker}", t), Part(tokens[None], FRAME, t, grid), self._text(f"{end_marker}\n", t)
+                ]
+                times += group_times
             prompts.append((parts, times))
             self.frame_tokens = sum(part.tokens for part in parts) // len(times)
         return prompts
@@ -260,6 +302,7 @@ class Session:
             self.config.prefill_chunk_tokens,
             targets,
             self._logits if targets is not None else None,
+            layout.of_parts([(part.tokens, part.grid) for part in parts]) if self.cache.positions_3d else None,
         )
 
     def ran(self, parts: list[Part], ran: runner.Ran) -> None:
@@ -295,6 +338,10 @@ class Session:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         self._close_answer()
+        if self._held_frames:  # the question sees them
+            error = step([Frames(self, [], [], flush=True)])[0]
+            if error is not None:
+                raise error
         chat = self.model.chat
         question_ids = self.model.tokenize(question, user=True)
         turn = self._text(chat.user_to_assistant), self._text(chat.assistant_to_user)  # closing the question, the answer
@@ -395,6 +442,7 @@ class Session:
             "counters": [self._frames, self._video_time_s, self._tokens_seen],
             "logits": self._logits,
             "seen": self._seen.counts(),
+            "held_frames": [(torch.from_numpy(frame), t) for frame, t in self._held_frames],
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -453,4 +501,5 @@ class Session:
         session._frames, session._video_time_s, session._tokens_seen = state["counters"]
         session._logits = None if state["logits"] is None else state["logits"].to(model.device)
         session._seen = Seen(state["seen"])
+        session._held_frames = [(frame.numpy(), t) for frame, t in state.get("held_frames", [])]
         return session

@@ -46,6 +46,7 @@ class Frames:
     session: "Session"
     frames: Sequence[np.ndarray]
     times_s: Sequence[float]
+    flush: bool = False  # encode the frames held back for their group too (`Session.frame_groups`)
 
 
 @dataclass
@@ -140,28 +141,33 @@ def _fail_answer(item: "Answer | Frames") -> None:
 
 
 def _plan_frames(work: list[tuple[int, Frames]], plan: dict[int, list[_Job]], results: list[Result]) -> None:
-    """Check each session's frames, encode them (together, per pooling), and plan their prompts."""
-    by_pool: dict[int | None, list[tuple[int, Frames]]] = {}
+    """Check each session's frames, encode them (together, per pooling and grid), and plan their
+    prompts."""
+    by_kind: dict[tuple, list[tuple[int, "Session", list[np.ndarray], list[float]]]] = {}
     for i, item in work:
         try:
-            if item.session.check_frames(item.frames, item.times_s):
-                by_pool.setdefault(item.session.config.pool, []).append((i, item))
+            session = item.session
+            if session.check_frames(item.frames, item.times_s, item.flush):
+                frames, times, real = session.frame_groups(item.frames, item.times_s, item.flush)
+                if frames:
+                    kind = (session.config.pool, session.model.frame_grid(frames[0].shape))
+                    by_kind.setdefault(kind, []).append((i, session, frames, times[:real]))
         except Exception as err:
             results[i] = err
-    for pool, items in by_pool.items():
-        model = items[0][1].session.model
+    for (pool, grid), items in by_kind.items():
+        model = items[0][1].model
         try:
-            visual = model.encode_frames([frame for _, item in items for frame in item.frames], pool)  # (N, tokens_per_frame, hidden)
+            visual = model.encode_frames([frame for _, _, frames, _ in items for frame in frames], pool)  # (N, tokens, hidden)
         except Exception as err:  # the vision tower failed: these frames fail, the step goes on
-            for i, _ in items:
+            for i, *_ in items:
                 results[i] = err
             continue
         offset = 0
-        for i, item in items:
-            session, count = item.session, len(item.frames)
+        for i, session, frames, times_s in items:
+            count = len(frames) // model.frames_per_group
             plan[i] = [
                 _Job(i, session, parts, _appended(session, times), _room(session, parts, times))
-                for parts, times in session.frame_prompts(visual[offset : offset + count], item.times_s)
+                for parts, times in session.frame_prompts(visual[offset : offset + count], times_s, grid)
             ]
             offset += count
 

@@ -5,6 +5,11 @@ are random but fixed by a seed, so answers are meaningless yet reproducible. Eac
 frames become 16 visual tokens: 64x64 pixels in 16x16 patches (LLaVA), or in 8x8 patches pooled
 2x2 (LLaVA-NeXT-Video, average; LLaVA-OneVision, bilinear). Their context is 32,768 tokens, as
 Qwen2's.
+
+The Qwen2.5-VL model sees frames as Qwen's own do: in pairs (a temporal patch of 2), resized to
+multiples of 28 pixels within its bounds (at most 112x112 here), in patches of 14 merged 2x2, so
+a pair of square frames becomes 4x4 = 16 visual tokens; its language model places tokens in 3-D
+(engine/layout.py).
 """
 
 from collections.abc import Callable
@@ -23,11 +28,14 @@ from transformers import (
     LlavaOnevisionForConditionalGeneration,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen2Config,
     SiglipVisionConfig,
 )
 
 IM_START, IM_END, IMAGE, VIDEO = "<|im_start|>", "<|im_end|>", "<image>", "<video>"
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -35,13 +43,13 @@ CHATML_TEMPLATE = (
 IMAGE_SIZE = 64
 
 
-def ascii_tokenizer() -> PreTrainedTokenizerFast:
+def ascii_tokenizer(specials: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """One token per printable ASCII character or newline, `<unk>` for anything else, plus
-    ChatML, image and video specials. Random weights then answer in visibly random, printable text."""
+    ChatML, image and video specials (and `specials`). Random weights then answer in visibly random, printable text."""
     chars = ["<unk>", "\n"] + [chr(code) for code in range(32, 127)]
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="<unk>"))
     tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens([IM_START, IM_END, IMAGE, VIDEO])
+    tokenizer.add_special_tokens([IM_START, IM_END, IMAGE, VIDEO, *specials])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="<unk>", eos_token=IM_END, pad_token=IM_END
     )
@@ -118,6 +126,32 @@ def tiny_llava_onevision(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedToke
         video_token_index=tokenizer.convert_tokens_to_ids(VIDEO),
     )
     return _seeded(lambda: LlavaOnevisionForConditionalGeneration(config), seed), tokenizer
+
+
+QWEN_PREPROCESSOR = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}  # frames of at most 4x4 merged patches
+
+
+def tiny_qwen2_5_vl(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Qwen2.5-VL: its windowed vision tower (patches of 14, 2x2 merge, temporal patch 2) and its
+    language model with 3-D rotary positions in sections of (time, height, width)."""
+    tokenizer = ascii_tokenizer((VISION_START, VISION_END))
+    ids = tokenizer.convert_tokens_to_ids
+    text = _text_config(
+        dict, tokenizer, bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "tokens_per_second": 2,
+            "window_size": 56, "fullatt_block_indexes": [1],
+        },
+        image_token_id=ids(IMAGE),
+        video_token_id=ids(VIDEO),
+        vision_start_token_id=ids(VISION_START),
+        vision_end_token_id=ids(VISION_END),
+    )
+    return _seeded(lambda: Qwen2_5_VLForConditionalGeneration(config), seed), tokenizer
 
 
 def tiny_llama(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:

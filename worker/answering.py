@@ -223,7 +223,7 @@ class Answering:
         if hosted.failed:
             await self._refuse(session_id, entry_id, stream, ErrorEvent(code="session_error", message=hosted.error))
             return None
-        if hosted.engine.stats().frames == 0 and self.model.sees_frames:
+        if hosted.engine.stats().frames == 0 and not hosted.engine.frames_waiting and self.model.sees_frames:
             message = "the session has no video yet: upload a file or stream to it, then ask"
             await self._refuse(session_id, entry_id, stream, ErrorEvent(code="no_video", message=message))
             return None

@@ -10,6 +10,7 @@ import torch
 
 from engine import Session, SessionConfig, load_model
 from engine.chat import CHATML, ChatFormat
+from engine.frames import to_pixels
 from engine.model import CLIP_MEAN, CLIP_STD, chat_format, load_pretrained
 from engine import tiny
 
@@ -104,3 +105,28 @@ def test_smollm2_answers_through_the_same_session_api_as_transformers_generate()
     with torch.inference_mode():
         generated = model.hf.generate(ids, max_new_tokens=16, do_sample=False)
     assert ours == model.tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("name", ["tiny-random-llava", "tiny-random-llava-next-video", "tiny-random-llava-onevision"])
+def test_each_familys_visual_tokens_are_transformers_own_feature_path(name):
+    """The engine's visual tokens of four frames are those of transformers' own image path
+    (LLaVA) or video path (LLaVA-NeXT-Video, LLaVA-OneVision) for the same pixels. OneVision's
+    video path ends the whole video with its newline token; the engine ends each frame with it,
+    since each frame is a prompt of its own."""
+    model = load_model(name, "cpu")
+    frames = [np.random.default_rng(1).integers(0, 256, (48, 80, 3), dtype=np.uint8) for _ in range(4)]
+    ours = model.encode_frames(frames)
+    pixels = to_pixels(frames, model.vision.image_size, model.vision.mean, model.vision.std)
+    inner = model.hf.model
+    with torch.inference_mode():
+        if name == "tiny-random-llava":
+            theirs = torch.stack(list(inner.get_image_features(pixel_values=pixels).pooler_output))  # per image
+        else:
+            theirs = inner.get_video_features(pixel_values_videos=pixels[None]).pooler_output[0]
+    if name == "tiny-random-llava-onevision":
+        assert ours.shape == (4, 17, 64) and theirs.shape == (65, 64)
+        assert torch.equal(ours[:, :16].reshape(64, 64), theirs[:64])
+        assert torch.equal(ours[:, 16], inner.image_newline.expand(4, -1)) and torch.equal(theirs[64], inner.image_newline)
+    else:
+        assert ours.shape == (4, 16, 64)
+        assert torch.equal(ours.reshape(theirs.shape), theirs)

@@ -1,0 +1,227 @@
+"""Qwen2.5-VL: frames in pairs as Qwen's processor makes them, 3-D positions as transformers' own
+forward places them, and a bounded cache that re-encodes them after eviction."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+
+from engine import Session, SessionConfig, load_model
+from engine.layout import compact, of_parts
+from engine.model import load_pretrained
+from engine.qwen_vision import QwenVision
+from engine.step import step
+from engine import tiny
+
+TIMES = [0.0, 0.5, 1.0, 1.5, 2.0]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_model("tiny-random-qwen2-5-vl", "cpu")
+
+
+def _frames(count: int, seed: int = 0, shape=(90, 160, 3)) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, shape, dtype=np.uint8) for _ in range(count)]
+
+
+def test_qwen_frames_are_the_qwen_processors_patches_and_visual_tokens(qwen):
+    frame = _frames(1)[0]
+    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+    expected = processor(images=[frame], return_tensors="pt")  # an image: one frame, twice over time
+    patches, grid = qwen.vision.patches([frame, frame])
+    assert grid.tolist() == expected["image_grid_thw"].tolist() == [[1, 6, 10]]
+    assert torch.equal(patches, expected["pixel_values"])
+    tokens = qwen.encode_frames([frame, frame])
+    assert tokens.shape == (1, 15, 64) and qwen.frame_grid(frame.shape) == (3, 5)
+    with torch.inference_mode():
+        features = qwen.hf.model.get_image_features(expected["pixel_values"], expected["image_grid_thw"]).pooler_output[0]
+    assert torch.allclose(tokens[0], features, atol=1e-6)
+    # Qwen2.5-VL-7B's own bounds for video frames: a 1280x720 frame is 1008x560 pixels, 36x20 merged patches
+    assert smart_resize(720, 1280, 28, 128 * 28 * 28, 768 * 28 * 28) == (560, 1008)
+    assert QwenVision().grid((720, 1280, 3)) == (20, 36)
+
+
+def test_qwen_layout_of_a_prompt_and_after_eviction():
+    layout = of_parts([(2, None), (6, (2, 3)), (1, None)])  # text, a group of 2 rows x 3 columns, text
+    assert layout.tolist() == [
+        [0, 0, 0], [1, 0, 0],
+        [2, 0, 0], [2, 0, 1], [2, 0, 2], [2, 1, 0], [2, 1, 1], [2, 1, 2],
+        [5, 0, 0],
+    ]
+    # kept: a text token, three tokens of a group (extents 0, 1, 2), text, two of a group (1, 0)
+    group = torch.tensor([[0, 1, 1, 1, 5, 9, 9]])
+    extent = torch.tensor([[0, 0, 1, 2, 0, 1, 0]])
+    assert compact(group, extent).tolist() == [[0, 1, 1, 1, 4, 5, 5]]
+
+
+def _reference(qwen, session: Session, frames, times, question: str | None = None):
+    """The same stream as the session's, as transformers' own inputs: ids, video patches, grids
+    and token types, each pair of frames a video of one temporal group."""
+    config = qwen.hf.config
+    ids = qwen.tokenize(qwen.chat.open(session.config.system_prompt))
+    types, patches, grids = [0] * len(ids), [], []
+    for first in range(0, len(frames), 2):
+        pair = frames[first : first + 2]
+        pair = pair + pair[-1:] * (2 - len(pair))
+        pixels, grid = qwen.vision.patches(pair)
+        tokens = int(grid[0].prod()) // 4
+        opening, closing = qwen.tokenize(f"[{times[first]:.1f}s]<|vision_start|>"), qwen.tokenize("<|vision_end|>\n")
+        ids += opening + [config.video_token_id] * tokens + closing
+        types += [0] * len(opening) + [2] * tokens + [0] * len(closing)
+        patches.append(pixels)
+        grids.append(grid)
+    if question is not None:
+        asked = qwen.tokenize(question) + qwen.tokenize(qwen.chat.user_to_assistant)
+        ids, types = ids + asked, types + [0] * len(asked)
+    return {
+        "input_ids": torch.tensor([ids]),
+        "pixel_values_videos": torch.cat(patches),
+        "video_grid_thw": torch.cat(grids),
+        "mm_token_type_ids": torch.tensor([types]),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+    }
+
+
+def test_qwen_session_without_eviction_is_transformers_forward_and_generate(qwen):
+    frames = _frames(5)
+    session = Session(qwen, SessionConfig(policy="full"))
+    session.append_frames(frames, TIMES)
+    assert session.stats().frames == 4  # two pairs; the fifth frame waits for its partner
+    inputs = _reference(qwen, session, frames[:4], TIMES[:4])
+    assert session.cache.tokens == inputs["input_ids"].shape[1] == 197  # 149 of the opening, 24 a pair
+    with torch.inference_mode():
+        expected = qwen.hf(**inputs).logits[0, -1]
+    assert torch.allclose(session.logits, expected, atol=1e-5)
+    # Positions: the second pair's 3x5 tokens at time 170, heights 170-172, widths 170-174; its
+    # closing markers at 175 and 176
+    assert session.cache.next_position() == 177 and session.cache.max_position == 176
+
+    question = "What is it?"
+    answer = "".join(session.ask(question, max_new_tokens=6))  # the question sees the fifth frame, paired with itself
+    inputs = _reference(qwen, session, frames, TIMES, question)
+    qwen.hf.model.rope_deltas = None
+    with torch.inference_mode():
+        generated = qwen.hf.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert answer == qwen.tokenizer.decode(generated[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert session.stats().frames == 5 and session.stats().video_time_s == 2.0
+
+
+@pytest.mark.parametrize("policy", ["sliding", "h2o", "snapkv", "tova", "knorm", "infmllm"])
+def test_qwen_every_policy_stays_within_its_budget_with_positions_bounded(qwen, policy):
+    session = Session(qwen, SessionConfig(policy=policy, budget_tokens=160))
+    frames = _frames(40, seed=3)
+    for first in range(0, 40, 4):
+        session.append_frames(frames[first : first + 4], [float(t) for t in range(first, first + 4)])
+        assert session.cache.tokens <= 160
+    # 20 pairs of 15 visual tokens and 13 of markers, 560 tokens streamed: a cache that kept
+    # every position would place the next token past 400; this one stays within what it holds
+    assert session.cache.next_position() <= 160 and session.cache.max_position < 200
+    assert session.stats().evictions >= 10
+    answer = session.ask("What moved?", max_new_tokens=5)
+    assert len("".join(answer)) > 0 and answer.tokens == 5
+    assert session.cache.max_position < 200
+
+
+def test_qwen_a_lone_frame_waits_for_its_pair_unless_a_question_comes(qwen):
+    session = Session(qwen, SessionConfig(policy="infmllm", budget_tokens=160))
+    frames = _frames(4, seed=5)
+    session.append_frames(frames[:1], [0.0])
+    assert session.stats().frames == 0 and session.cache.held(1) == 0  # nothing seen yet
+    session.append_frames(frames[1:3], [1.0, 2.0])
+    assert session.stats().frames == 2 and session.stats().video_time_s == 1.0
+    "".join(session.ask("Now?", max_new_tokens=3))
+    assert session.stats().frames == 3 and session.stats().video_time_s == 2.0
+    assert 2.0 in session.cache.times[0][0].tolist()
+    session.append_frames(frames[3:], [3.0])  # a new pair begins
+    assert session.stats().frames == 3
+    with pytest.raises(ValueError, match="must not decrease"):
+        session.append_frames(frames[:1], [2.5])  # before the frame waiting
+
+
+def test_qwen_snapshot_restores_the_layout_and_the_frame_waiting(qwen):
+    config = SessionConfig(policy="infmllm", budget_tokens=160)
+    first = Session(qwen, config)
+    first.append_frames(_frames(9, seed=7), [float(t) for t in range(9)])
+    restored = Session.restore(qwen, first.snapshot())
+    for layer in range(qwen.num_layers):
+        assert torch.equal(first.cache.hf.layers[layer].layout.rows, restored.cache.hf.layers[layer].layout.rows)
+    answers = []
+    for session in (first, restored):
+        session.append_frames(_frames(3, seed=8), [9.0, 10.0, 11.0])
+        answers.append("".join(session.ask("What came last?", max_new_tokens=6)))
+        assert session.stats().frames == 12
+    assert answers[0] == answers[1]
+
+
+def test_qwen_answers_together_are_the_answers_alone(qwen):
+    cases = [("infmllm", 7, "What is it?"), ("snapkv", 12, "Colour?"), ("full", 3, "And now, what do you see?")]
+
+    def streamed() -> list[Session]:
+        sessions = []
+        for seed, (policy, count, _) in enumerate(cases):
+            session = Session(qwen, SessionConfig(policy=policy, budget_tokens=160))
+            session.append_frames(_frames(count, seed), [float(t) for t in range(count)])
+            sessions.append(session)
+        return sessions
+
+    alone = ["".join(s.ask(q, max_new_tokens=6)) for s, (*_, q) in zip(streamed(), cases)]
+    answers = [s.ask(q, max_new_tokens=6) for s, (*_, q) in zip(streamed(), cases)]
+    texts, live = [[] for _ in answers], list(range(len(answers)))
+    while live:
+        pieces = step([answers[i] for i in live])
+        for i, piece in zip(live, pieces):
+            assert not isinstance(piece, Exception), piece
+            if piece is not None:
+                texts[i].append(piece)
+        live = [i for i, piece in zip(live, pieces) if piece is not None]
+    assert ["".join(text) for text in texts] == alone
+
+
+def test_qwen_a_pair_that_fails_midway_through_its_chunks_leaves_the_session_as_it_was(qwen, monkeypatch):
+    config = SessionConfig(policy="infmllm", budget_tokens=160, prefill_chunk_tokens=7)  # a pair's group split over chunks
+    session, reference = Session(qwen, config), Session(qwen, config)
+    for each in (session, reference):
+        each.append_frames(_frames(8, seed=9), [float(t) for t in range(8)])
+    layer = qwen.hf.model.language_model.layers[1]
+    original, calls = layer.forward, []
+
+    def broken(hidden, *args, **kwargs):  # a device fault in the third forward of the pair's prompt
+        calls.append(hidden.shape[1])
+        if len(calls) == 3:
+            raise RuntimeError("device fault")
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", broken)
+    with pytest.raises(RuntimeError, match="device fault"):
+        session.append_frames(_frames(2, seed=10), [8.0, 9.0])
+    monkeypatch.undo()
+    for layer_index in range(qwen.num_layers):
+        assert torch.equal(session.cache.hf.layers[layer_index].layout.rows, reference.cache.hf.layers[layer_index].layout.rows)
+    for each in (session, reference):
+        each.append_frames(_frames(2, seed=10), [8.0, 9.0])
+    assert session.cache.next_position() == reference.cache.next_position()
+    assert torch.allclose(session.logits, reference.logits, atol=1e-5)
+    assert "".join(session.ask("Which?", max_new_tokens=4)) == "".join(reference.ask("Which?", max_new_tokens=4))
+
+
+def test_qwen_recall_is_refused_with_a_clear_error(qwen):
+    with pytest.raises(ValueError, match="recall is not supported yet for models with 3-D positions"):
+        Session(qwen, SessionConfig(policy="infmllm", recall=True))
+
+
+def test_qwen_loads_from_a_local_folder_like_a_hub_checkpoint(qwen, tmp_path):
+    hf, tokenizer = tiny.tiny_qwen2_5_vl(seed=0)
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 3136, "longest_edge": 12544}}))
+    loaded = load_pretrained(str(tmp_path), "cpu")
+    assert loaded.vision == qwen.vision and loaded.position_axes == 3
+    frames = _frames(2)
+    assert torch.allclose(loaded.encode_frames(frames), qwen.encode_frames(frames), atol=1e-6)
+    session = Session(loaded, SessionConfig(policy="infmllm", budget_tokens=160))
+    session.append_frames(frames, [0.0, 1.0])
+    assert session.stats().frames == 2
