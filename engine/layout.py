@@ -1,4 +1,4 @@
-"""3-D rotary positions (Qwen2.5-VL's M-RoPE) of a cache's tokens, and how eviction re-encodes them.
+"""3-D rotary positions (Qwen's M-RoPE) of a cache's tokens, and how eviction re-encodes them.
 
 A model with 3-D positions places each token at (time, height, width), each a section of the
 rotary frequencies. Text advances all three together; the tokens of one visual group (a pair of

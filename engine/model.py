@@ -2,8 +2,8 @@
 
 Vision-language models are LLaVA-family checkpoints of transformers (LLaVA, LLaVA-NeXT,
 LLaVA-NeXT-Video, LLaVA-OneVision), where what differs between families is one row of
-`FAMILIES`, and Qwen2.5-VL, which sees frames in pairs (`engine/qwen_vision.py`) and places
-tokens in 3-D (`engine/layout.py`). Text-only causal language models run through the same calls
+`FAMILIES`, and Qwen2.5-VL and Qwen3-VL, which see frames in pairs (`engine/qwen_vision.py`)
+and place tokens in 3-D (`engine/layout.py`). Text-only causal language models run through the same calls
 and cannot see frames.
 """
 
@@ -30,6 +30,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
 )
 from transformers.utils import cached_file
 
@@ -42,6 +43,7 @@ from engine.qwen_vision import QwenVision
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 POOL_MODES = ("average", "max", "bilinear", "adaptive")
+QWEN_FAMILIES = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen3_vl": Qwen3VLForConditionalGeneration}
 
 
 class UnknownModelError(ValueError):
@@ -151,6 +153,37 @@ class Model:
     def frame_grid(self, frame_shape: Sequence[int]) -> tuple[int, int] | None:
         """With 3-D positions, the (rows, columns) of a group of frames of this shape; else None."""
         return self.vision.grid(frame_shape) if isinstance(self.vision, QwenVision) else None
+
+    def frame_text(self, times_s: Sequence[float]) -> tuple[str, str]:
+        """The text before and after a group of frames' tokens, given the frames' times: the
+        first's time, `[1.0s]`, and a newline, or what the checkpoint's own prompts have (Qwen)."""
+        if isinstance(self.vision, QwenVision):
+            return self.vision.frame_text(times_s, self.frame_markers)
+        return f"[{times_s[0]:.1f}s]", "\n"
+
+    def split_visual(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`encode_frames`' tokens as the visual tokens (..., hidden) and their deep-stack features
+        (Qwen3-VL, `engine/qwen_vision.py`), or None."""
+        if not isinstance(self.vision, QwenVision):
+            return tokens, None
+        return QwenVision.split(tokens, self.hf.config.get_text_config().hidden_size)
+
+    def forward(
+        self, embeds: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor,
+        visual: torch.Tensor | None = None, deepstack: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(1, k, vocab) logits after the tokens at `keep` (k,) of one forward of `embeds` (1, T,
+        hidden) at `position_ids`; with `deepstack` (V, hidden * D), Qwen3-VL's deep-stack
+        features of the V tokens where `visual` (T,) is True, added to their hidden states in the
+        language model's first D layers."""
+        if deepstack is None:
+            return self.hf(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, logits_to_keep=keep).logits
+        layers = deepstack.shape[-1] // embeds.shape[-1]
+        out = self.hf.model.language_model(
+            inputs_embeds=embeds, position_ids=position_ids, use_cache=False,
+            visual_pos_masks=visual[None], deepstack_visual_embeds=list(deepstack.chunk(layers, dim=-1)),
+        )
+        return self.hf.lm_head(out.last_hidden_state[:, keep])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -262,7 +295,7 @@ def _tiny(build: Callable, name: str, family: str | None, preprocessor: dict | N
 
     def load(device: str, converted: ConvertedWeights | None) -> Model:
         hf, tokenizer = build(seed=0)
-        if family == "qwen2_5_vl":
+        if family in QWEN_FAMILIES:
             vision = QwenVision.of(hf.config, preprocessor or {})
         else:
             vision = Vision.of(FAMILIES[family], hf.config, CLIP_MEAN, CLIP_STD) if family else None
@@ -331,8 +364,8 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = 
         name_or_path, "chat_template.jinja"
     )
     family = FAMILIES.get(config.model_type)
-    if config.model_type == "qwen2_5_vl":
-        hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(name_or_path, dtype=dtype)
+    if config.model_type in QWEN_FAMILIES:
+        hf = QWEN_FAMILIES[config.model_type].from_pretrained(name_or_path, dtype=dtype)
         vision = QwenVision.of(config, _optional_json(name_or_path, "video_preprocessor_config.json")
                                or _optional_json(name_or_path, "preprocessor_config.json"))
     elif family is not None:

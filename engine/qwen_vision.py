@@ -1,12 +1,15 @@
-"""Frames as the Qwen2.5-VL family sees them: in pairs, resized to whole merged patches, patched.
+"""Frames as the Qwen2.5-VL and Qwen3-VL families see them: in pairs, resized to whole merged
+patches, patched.
 
 Qwen's vision tower takes a video as groups of `temporal_patch` frames (2), each frame resized so
-that both sides are multiples of `patch * merge` pixels (28) and its area lies within the
-checkpoint's bounds (`min_pixels`, `max_pixels`, keeping the aspect ratio), cut into patches of
-`patch` pixels (14) of both frames at once, and its output merged `merge` x `merge` (2x2): a pair
-of 448x252 frames is 16 x 9 merged patches, 144 visual tokens, laid out row by row on a grid of 9
-rows and 16 columns. Done here with Pillow and torch, to the numbers of the checkpoint's
-preprocessor file, since the processors of transformers need torchvision.
+that both sides are multiples of `patch * merge` pixels (28 for Qwen2.5-VL, 32 for Qwen3-VL) and
+its area lies within the checkpoint's bounds (`min_pixels`, `max_pixels`, keeping the aspect
+ratio), cut into patches of `patch` pixels of both frames at once, and its output merged `merge`
+x `merge` (2x2): a pair of 448x252 frames is, for Qwen2.5-VL, 16 x 9 merged patches, 144 visual
+tokens, laid out row by row on a grid of 9 rows and 16 columns. Qwen3-VL's tower also gives
+"deep-stack" features of some of its layers, which its language model adds to the visual tokens'
+hidden states in its first layers. Done here with Pillow and torch, to the numbers of the
+checkpoint's preprocessor file, since the processors of transformers need torchvision.
 """
 
 import math
@@ -20,6 +23,7 @@ from transformers import PreTrainedModel
 
 QWEN_MEAN = (0.48145466, 0.4578275, 0.40821073)
 QWEN_STD = (0.26862954, 0.26130258, 0.27577711)
+QWEN3_MEAN = QWEN3_STD = (0.5, 0.5, 0.5)
 
 
 @dataclass(frozen=True)
@@ -33,22 +37,40 @@ class QwenVision:
     max_pixels: int = 768 * 28 * 28
     mean: tuple[float, float, float] = QWEN_MEAN
     std: tuple[float, float, float] = QWEN_STD
+    # Qwen3-VL: a group's text is its time in Qwen3's words (`<1.5 seconds>`, the mean of its
+    # frames' times) and its tower's output carries deep-stack features
+    qwen3: bool = False
 
     @classmethod
     def of(cls, config, preprocessor: dict) -> "QwenVision":
-        """From a checkpoint's config and its (video) preprocessor file, where it names them."""
-        vision = config.vision_config
+        """From a checkpoint's config and its (video) preprocessor file, where it names them.
+        Qwen3-VL's bounds are for a whole clip; a pair of frames is the clip here, so a frame
+        takes half of them."""
+        vision, qwen3 = config.vision_config, config.model_type == "qwen3_vl"
         size = preprocessor.get("size") or {}
-        defaults = cls()
+        shares = vision.temporal_patch_size if qwen3 else 1
+        low = preprocessor.get("min_pixels") or size.get("shortest_edge")
+        high = preprocessor.get("max_pixels") or size.get("longest_edge")
+        defaults = cls(min_pixels=128 * 32 * 32 // 2, max_pixels=768 * 32 * 32 // 2) if qwen3 else cls()
         return cls(
             vision.patch_size,
             vision.spatial_merge_size,
             vision.temporal_patch_size,
-            preprocessor.get("min_pixels") or size.get("shortest_edge") or defaults.min_pixels,
-            preprocessor.get("max_pixels") or size.get("longest_edge") or defaults.max_pixels,
-            tuple(preprocessor.get("image_mean") or QWEN_MEAN),
-            tuple(preprocessor.get("image_std") or QWEN_STD),
+            low // shares if low else defaults.min_pixels,
+            high // shares if high else defaults.max_pixels,
+            tuple(preprocessor.get("image_mean") or (QWEN3_MEAN if qwen3 else QWEN_MEAN)),
+            tuple(preprocessor.get("image_std") or (QWEN3_STD if qwen3 else QWEN_STD)),
+            qwen3,
         )
+
+    def frame_text(self, times_s: Sequence[float], markers: tuple[str, str]) -> tuple[str, str]:
+        """The text before and after a group's tokens, given its frames' times and the model's
+        vision start and end markers: Qwen3-VL's `<1.5 seconds>` before (the frames' mean
+        time), or `[1.0s]` (the first frame's) and a newline after."""
+        start, end = markers
+        if self.qwen3:
+            return f"<{sum(times_s) / len(times_s):.1f} seconds>{start}", end
+        return f"[{times_s[0]:.1f}s]{start}", f"{end}\n"
 
     def size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) in pixels of a frame after resizing: both multiples of patch * merge,
@@ -91,13 +113,21 @@ class QwenVision:
 
     @torch.inference_mode()
     def encode(self, hf: PreTrainedModel, frames: Sequence[np.ndarray]) -> torch.Tensor:
-        """(groups, rows * columns, hidden) visual tokens of frames in groups of `temporal_patch`,
-        row by row on their grid of merged patches."""
+        """(groups, rows * columns, hidden * (1 + D)) visual tokens of frames in groups of
+        `temporal_patch`, row by row on their grid of merged patches, and after each token's
+        hidden state its D deep-stack features (Qwen3-VL; D = 0 for Qwen2.5-VL): `split` parts them."""
         patches, grid = self.patches(frames)
         visual = hf.model.visual
         out = visual(patches.to(visual.device, visual.dtype), grid_thw=grid.to(visual.device))
-        tokens = out.pooler_output  # (groups * rows/merge * cols/merge, hidden), the merger's output
+        # (groups * rows/merge * cols/merge, hidden) each: the merger's output, then the deep stack's
+        tokens = torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=-1)
         return tokens.reshape(len(grid), -1, tokens.shape[-1])
+
+    @staticmethod
+    def split(tokens: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`encode`'s tokens (..., hidden * (1 + D)) as the visual tokens (..., hidden) and their
+        deep-stack features (..., hidden * D), or None when D = 0."""
+        return tokens[..., :hidden], tokens[..., hidden:] if tokens.shape[-1] > hidden else None
 
 
 def _resized(frame: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -18,6 +18,7 @@ BUILTIN_MODELS: dict[str, Callable[[str, ConvertedWeights | None], Model]] = {
     "tiny-random-llava-next-video": _tiny(tiny.tiny_llava_next_video, "tiny-random-llava-next-video", "llava_next_video"),
     "tiny-random-llava-onevision": _tiny(tiny.tiny_llava_onevision, "tiny-random-llava-onevision", "llava_onevision"),
     "tiny-random-qwen2-5-vl": _tiny(tiny.tiny_qwen2_5_vl, "tiny-random-qwen2-5-vl", "qwen2_5_vl", tiny.QWEN_PREPROCESSOR),
+    "tiny-random-qwen3-vl": _tiny(tiny.tiny_qwen3_vl, "tiny-random-qwen3-vl", "qwen3_vl", tiny.QWEN3_PREPROCESSOR),
     "tiny-random-llama": _tiny(tiny.tiny_llama, "tiny-random-llama", None),
     SMOLLM2: _smollm2,
     DEMO: load_demo,

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import attention, layout, pool_attention
-from engine.kv_cache import KVCache
+from engine.kv_cache import FRAME, KVCache
 from engine.model import Model
 from engine.pool_attention import CausalMasks, Member, PoolStep
 
@@ -49,6 +49,7 @@ class Prompt:
     targets: torch.Tensor | None = None  # (c,) the prompt's own token ids, to score
     before: torch.Tensor | None = None  # (vocab,) the logits after the cache's last token (they predict targets[0])
     layout: torch.Tensor | None = None  # (c, 3) with 3-D positions: the prompt's layout (`engine/layout.py`)
+    deepstack: torch.Tensor | None = None  # (v, hidden * D) Qwen3-VL's deep-stack features of its v FRAME tokens, in order
 
     @property
     def tokens(self) -> int:
@@ -158,17 +159,35 @@ def _forward(model: Model, chunks: list[tuple[Prompt, slice, tuple[torch.Tensor,
     masks = CausalMasks()
     step = PoolStep(pooled, model.hf.config.get_text_config().num_attention_heads, embeds, masks) if pooled else None
     ids = torch.cat(positions, dim=1).to(model.device)  # (axes, T)
+    visual, deepstack = _deepstack(chunks)
     with attention.running(_Packed(alone, step, masks)), torch.inference_mode():
-        out = model.hf(
-            inputs_embeds=embeds,
-            position_ids=ids if model.position_axes == 1 else ids[:, None],  # (1, T), or (3, 1, T) in 3-D
-            use_cache=False,
-            logits_to_keep=torch.cat(keep).to(model.device),
+        out = model.forward(
+            embeds,
+            ids if model.position_axes == 1 else ids[:, None],  # (1, T), or (3, 1, T) in 3-D
+            torch.cat(keep).to(model.device),
+            None if visual is None else visual.to(model.device),
+            None if deepstack is None else deepstack.to(model.device, embeds.dtype),
         )
     if step is not None:
         step.stored()
-    logits = out.logits[0].split([len(k) for k in keep])
+    logits = out[0].split([len(k) for k in keep])
     return [rows if prompt.targets is not None else rows[0] for (prompt, _, _), rows in zip(chunks, logits, strict=True)]
+
+
+def _deepstack(chunks: list[tuple[Prompt, slice, object]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Which of the forward's tokens are visual (T,) and their deep-stack features in order (V,
+    hidden * D), where the chunks hold any; else None and None."""
+    if all(prompt.deepstack is None for prompt, _, _ in chunks):
+        return None, None
+    masks, rows = [], []
+    for prompt, chunk, _ in chunks:
+        frames = prompt.kinds == FRAME
+        masks.append(frames[chunk])
+        if prompt.deepstack is not None:
+            first = int(frames[: chunk.start].sum())
+            rows.append(prompt.deepstack[first : first + int(frames[chunk].sum())])
+    visual = torch.cat(masks)
+    return (visual, torch.cat(rows)) if rows and visual.any() else (None, None)
 
 
 def _in_pool(segments: list[_Segment]) -> tuple[list[Member], list[_Segment]]:

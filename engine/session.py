@@ -73,6 +73,7 @@ class Part:
     kind: int  # TEXT or FRAME
     time_s: float
     grid: tuple[int, int] | None = None  # with 3-D positions, a visual group's (rows, columns)
+    deepstack: torch.Tensor | None = None  # (1, k, hidden * D) Qwen3-VL's deep-stack features of a visual group
 
     @property
     def tokens(self) -> int:
@@ -274,15 +275,14 @@ class Session:
         each after its first frame's time (between the model's frame markers): (parts, the times
         of the real frames, `times_s`) per prompt."""
         each, size, prompts = self.config.frames_per_prompt, self.model.frames_per_group, []
-        start_marker, end_marker = self.model.frame_markers
         for start in range(0, len(visual), each):
             parts, times = [], []
             for group, tokens in enumerate(visual[start : start + each], start):
                 group_times = [float(t) for t in times_s[group * size : (group + 1) * size]]
+                before, after = self.model.frame_text(group_times + group_times[-1:] * (size - len(group_times)))
+                embeds, deepstack = self.model.split_visual(tokens[None])
                 t = group_times[0]
-                parts += [
-                    self._text(f"[{t:.1f}s]{start_marker}", t), Part(tokens[None], FRAME, t, grid), self._text(f"{end_marker}\n", t)
-                ]
+                parts += [self._text(before, t), Part(embeds, FRAME, t, grid, deepstack), self._text(after, t)]
                 times += group_times
             prompts.append((parts, times))
             self.frame_tokens = sum(part.tokens for part in parts) // len(times)
@@ -303,6 +303,7 @@ class Session:
             targets,
             self._logits if targets is not None else None,
             layout.of_parts([(part.tokens, part.grid) for part in parts]) if self.cache.positions_3d else None,
+            torch.cat([part.deepstack[0] for part in deep]) if (deep := [p for p in parts if p.deepstack is not None]) else None,
         )
 
     def ran(self, parts: list[Part], ran: runner.Ran) -> None:

@@ -6,10 +6,10 @@ frames become 16 visual tokens: 64x64 pixels in 16x16 patches (LLaVA), or in 8x8
 2x2 (LLaVA-NeXT-Video, average; LLaVA-OneVision, bilinear). Their context is 32,768 tokens, as
 Qwen2's.
 
-The Qwen2.5-VL model sees frames as Qwen's own do: in pairs (a temporal patch of 2), resized to
-multiples of 28 pixels within its bounds (at most 112x112 here), in patches of 14 merged 2x2, so
-a pair of square frames becomes 4x4 = 16 visual tokens; its language model places tokens in 3-D
-(engine/layout.py).
+The Qwen2.5-VL and Qwen3-VL models see frames as Qwen's own do: in pairs (a temporal patch of
+2), resized to multiples of 28 (32) pixels within their bounds (at most 112x112, 128x128 here), in
+patches of 14 (16) merged 2x2, so a pair of square frames becomes 4x4 = 16 visual tokens; their
+language models place tokens in 3-D (engine/layout.py).
 """
 
 from collections.abc import Callable
@@ -31,6 +31,8 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Config,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
     SiglipVisionConfig,
 )
 
@@ -129,6 +131,7 @@ def tiny_llava_onevision(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedToke
 
 
 QWEN_PREPROCESSOR = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}  # frames of at most 4x4 merged patches
+QWEN3_PREPROCESSOR = {"size": {"shortest_edge": 2 * 64 * 64, "longest_edge": 2 * 128 * 128}}  # a pair's pixels: 4x4 merged patches at most
 
 
 def tiny_qwen2_5_vl(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
@@ -152,6 +155,30 @@ def tiny_qwen2_5_vl(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizer
         vision_end_token_id=ids(VISION_END),
     )
     return _seeded(lambda: Qwen2_5_VLForConditionalGeneration(config), seed), tokenizer
+
+
+def tiny_qwen3_vl(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Qwen3-VL: its vision tower (patches of 16, 2x2 merge, temporal patch 2, deep-stack features
+    added to the language model's first layers) and 3-D rotary positions with interleaved sections."""
+    tokenizer = ascii_tokenizer((VISION_START, VISION_END))
+    ids = tokenizer.convert_tokens_to_ids
+    text = _text_config(
+        dict, tokenizer, bos_token_id=None, head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+    )
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0, 1],
+        },
+        image_token_id=ids(IMAGE),
+        video_token_id=ids(VIDEO),
+        vision_start_token_id=ids(VISION_START),
+        vision_end_token_id=ids(VISION_END),
+    )
+    return _seeded(lambda: Qwen3VLForConditionalGeneration(config), seed), tokenizer
 
 
 def tiny_llama(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:

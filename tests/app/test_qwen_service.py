@@ -1,5 +1,6 @@
-"""The whole service on a Qwen2.5-VL model (the tiny one built in code): an upload, a live stream
-over the socket, questions, the memory map and evidence, through a real gateway, worker and Redis."""
+"""The whole service on Qwen2.5-VL and Qwen3-VL models (the tiny ones built in code): an upload, a
+live stream over the socket, questions, the memory map and evidence, through a real gateway,
+worker and Redis."""
 
 import json
 from collections.abc import Iterator
@@ -10,9 +11,9 @@ from tests.media import timed_jpeg
 from tests.support import Client, Stack, StreamSocket, running_stack, sample_video
 
 
-@pytest.fixture(scope="module")
-def qwen_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(redis_url, tmp_path_factory.mktemp("qwen"), MODEL="tiny-random-qwen2-5-vl") as stack:
+@pytest.fixture(scope="module", params=["tiny-random-qwen2-5-vl", "tiny-random-qwen3-vl"])
+def qwen_stack(request, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(redis_url, tmp_path_factory.mktemp("qwen"), MODEL=request.param) as stack:
         yield stack
 
 

@@ -1,5 +1,6 @@
-"""Qwen2.5-VL: frames in pairs as Qwen's processor makes them, 3-D positions as transformers' own
-forward places them, and a bounded cache that re-encodes them after eviction."""
+"""Qwen2.5-VL and Qwen3-VL: frames in pairs as Qwen's processor makes them, 3-D positions (and
+Qwen3-VL's deep-stack features) as transformers' own forward places them, and a bounded cache that
+re-encodes them after eviction."""
 
 import json
 
@@ -16,11 +17,22 @@ from engine.step import step
 from engine import tiny
 
 TIMES = [0.0, 0.5, 1.0, 1.5, 2.0]
+FAMILIES = ["tiny-random-qwen2-5-vl", "tiny-random-qwen3-vl"]
+# Each family's text around a pair of frames, as its own processor writes it
+AROUND = {
+    "tiny-random-qwen2-5-vl": lambda times: (f"[{times[0]:.1f}s]<|vision_start|>", "<|vision_end|>\n"),
+    "tiny-random-qwen3-vl": lambda times: (f"<{sum(times) / 2:.1f} seconds><|vision_start|>", "<|vision_end|>"),
+}
+# The pixels a frame may take (min, max), a patch's side, mean and std of each tiny model
+PIXELS = {
+    "tiny-random-qwen2-5-vl": (56 * 56, 112 * 112, 14, (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+    "tiny-random-qwen3-vl": (64 * 64, 128 * 128, 16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+}
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    return load_model("tiny-random-qwen2-5-vl", "cpu")
+@pytest.fixture(scope="module", params=FAMILIES)
+def qwen(request):
+    return load_model(request.param, "cpu")
 
 
 def _frames(count: int, seed: int = 0, shape=(90, 160, 3)) -> list[np.ndarray]:
@@ -30,16 +42,24 @@ def _frames(count: int, seed: int = 0, shape=(90, 160, 3)) -> list[np.ndarray]:
 
 def test_qwen_frames_are_the_qwen_processors_patches_and_visual_tokens(qwen):
     frame = _frames(1)[0]
-    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+    low, high, patch, mean, std = PIXELS[qwen.name]
+    processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": low, "longest_edge": high}, patch_size=patch, image_mean=mean, image_std=std
+    )
     expected = processor(images=[frame], return_tensors="pt")  # an image: one frame, twice over time
     patches, grid = qwen.vision.patches([frame, frame])
-    assert grid.tolist() == expected["image_grid_thw"].tolist() == [[1, 6, 10]]
-    assert torch.equal(patches, expected["pixel_values"])
-    tokens = qwen.encode_frames([frame, frame])
+    assert grid.tolist() == expected["image_grid_thw"].tolist() == [[1, 6, 10]]  # 84x140 or 96x160 pixels
+    assert torch.allclose(patches, expected["pixel_values"], atol=1e-6)
+    tokens, deepstack = qwen.split_visual(qwen.encode_frames([frame, frame]))
     assert tokens.shape == (1, 15, 64) and qwen.frame_grid(frame.shape) == (3, 5)
     with torch.inference_mode():
-        features = qwen.hf.model.get_image_features(expected["pixel_values"], expected["image_grid_thw"]).pooler_output[0]
-    assert torch.allclose(tokens[0], features, atol=1e-6)
+        features = qwen.hf.model.get_image_features(expected["pixel_values"], expected["image_grid_thw"])
+    assert torch.allclose(tokens[0], features.pooler_output[0], atol=1e-5)
+    if qwen.name == "tiny-random-qwen3-vl":  # two deep-stack layers, each (15, 64)
+        assert deepstack.shape == (1, 15, 128)
+        assert torch.allclose(deepstack[0], torch.cat([f[0] for f in features.deepstack_features], dim=-1), atol=1e-5)
+    else:
+        assert deepstack is None
     # Qwen2.5-VL-7B's own bounds for video frames: a 1280x720 frame is 1008x560 pixels, 36x20 merged patches
     assert smart_resize(720, 1280, 28, 128 * 28 * 28, 768 * 28 * 28) == (560, 1008)
     assert QwenVision().grid((720, 1280, 3)) == (20, 36)
@@ -69,7 +89,8 @@ def _reference(qwen, session: Session, frames, times, question: str | None = Non
         pair = pair + pair[-1:] * (2 - len(pair))
         pixels, grid = qwen.vision.patches(pair)
         tokens = int(grid[0].prod()) // 4
-        opening, closing = qwen.tokenize(f"[{times[first]:.1f}s]<|vision_start|>"), qwen.tokenize("<|vision_end|>\n")
+        pair_times = times[first : first + 2] + times[first : first + 2][-1:] * (2 - len(times[first : first + 2]))
+        opening, closing = (qwen.tokenize(text) for text in AROUND[qwen.name](pair_times))
         ids += opening + [config.video_token_id] * tokens + closing
         types += [0] * len(opening) + [2] * tokens + [0] * len(closing)
         patches.append(pixels)
@@ -86,19 +107,24 @@ def _reference(qwen, session: Session, frames, times, question: str | None = Non
     }
 
 
+# Tokens after two pairs (149 of the opening; a pair 24 with Qwen2.5-VL's markers, 30 with
+# Qwen3-VL's), and where the next goes: Qwen2.5-VL's second pair's 3x5 tokens at time 170, heights
+# 170-172, widths 170-174, its closing markers at 175 and 176; Qwen3-VL's at 183, its marker at 188
+AFTER_TWO_PAIRS = {"tiny-random-qwen2-5-vl": (197, 177), "tiny-random-qwen3-vl": (209, 189)}
+
+
 def test_qwen_session_without_eviction_is_transformers_forward_and_generate(qwen):
     frames = _frames(5)
     session = Session(qwen, SessionConfig(policy="full"))
     session.append_frames(frames, TIMES)
     assert session.stats().frames == 4  # two pairs; the fifth frame waits for its partner
     inputs = _reference(qwen, session, frames[:4], TIMES[:4])
-    assert session.cache.tokens == inputs["input_ids"].shape[1] == 197  # 149 of the opening, 24 a pair
+    tokens, next_position = AFTER_TWO_PAIRS[qwen.name]
+    assert session.cache.tokens == inputs["input_ids"].shape[1] == tokens
     with torch.inference_mode():
         expected = qwen.hf(**inputs).logits[0, -1]
     assert torch.allclose(session.logits, expected, atol=1e-5)
-    # Positions: the second pair's 3x5 tokens at time 170, heights 170-172, widths 170-174; its
-    # closing markers at 175 and 176
-    assert session.cache.next_position() == 177 and session.cache.max_position == 176
+    assert session.cache.next_position() == next_position and session.cache.max_position == next_position - 1
 
     question = "What is it?"
     answer = "".join(session.ask(question, max_new_tokens=6))  # the question sees the fifth frame, paired with itself
@@ -214,10 +240,12 @@ def test_qwen_recall_is_refused_with_a_clear_error(qwen):
 
 
 def test_qwen_loads_from_a_local_folder_like_a_hub_checkpoint(qwen, tmp_path):
-    hf, tokenizer = tiny.tiny_qwen2_5_vl(seed=0)
+    hf, tokenizer = {"tiny-random-qwen2-5-vl": tiny.tiny_qwen2_5_vl, "tiny-random-qwen3-vl": tiny.tiny_qwen3_vl}[qwen.name](seed=0)
     hf.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 3136, "longest_edge": 12544}}))
+    low, high, *_ = PIXELS[qwen.name]
+    shares = 2 if qwen.name == "tiny-random-qwen3-vl" else 1  # Qwen3-VL's bounds are a clip's: here a pair's
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": low * shares, "longest_edge": high * shares}}))
     loaded = load_pretrained(str(tmp_path), "cpu")
     assert loaded.vision == qwen.vision and loaded.position_axes == 3
     frames = _frames(2)

@@ -144,7 +144,7 @@ def test_a_model_that_cannot_load_ends_the_worker_with_one_line_that_says_what_t
         f"ERROR worker: cannot load model '{hub_id}': We couldn't connect to 'https://huggingface.co' to load the "
         "files, and couldn't find them in the cached files (built-in models: smollm2-135m-instruct, streamvqa-demo, "
         "tiny-random-llama, tiny-random-llava, tiny-random-llava-next-video, tiny-random-llava-onevision, "
-        "tiny-random-qwen2-5-vl). Set MODEL "
+        "tiny-random-qwen2-5-vl, tiny-random-qwen3-vl). Set MODEL "
         "to a built-in model, a local checkpoint folder, or a hub id that this machine can download or already has "
         "in the Hugging Face cache (HF_HOME)."
     ), lines[1]
