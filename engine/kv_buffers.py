@@ -267,7 +267,7 @@ class PreRopeLayer(DynamicLayer):
         for them, and nothing to borrow first. Brings the rotated copy up to date (what an
         eviction moved) so that the forward only adds the new tokens to it."""
         keys, values = self._keys, self._values
-        if self.pending or not self.is_initialized or keys.home is None or self.layout is not None:
+        if self.pending or not self.is_initialized or keys.home is None:
             return False
         if keys.buffer is not keys.home or values.buffer is not values.home or keys.length + count > keys.home.shape[2]:
             return False
@@ -308,9 +308,12 @@ class PreRopeLayer(DynamicLayer):
             rows.buffer, rows.length = rows.home, count
 
     def wrote(self, count: int) -> None:
-        """After a forward wrote `count` new tokens into this layer's slots (`in_pool`): hold them."""
+        """After a forward wrote `count` new tokens into this layer's slots (`in_pool`): hold them
+        (and, with a layout, their rows)."""
         for rows in (self._keys, self._values, self._rotated):
             rows.length += count
+        if self.layout is not None:
+            self.layout.stored()
 
     def leave_home(self) -> None:
         """Hold nothing, and no more in the pool's slots (`homes`)."""

@@ -181,6 +181,14 @@ class KVCache:
             return self.hf.get_seq_length()
         return max(cached.layout.next_position() for cached in self.hf.layers)
 
+    def incoming_rotations(self, held: int, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(count, head_dim) cos, sin and minus sin of the positions of the next forward's
+        `count` tokens, after the `held` the cache holds: their indices, or with 3-D positions
+        their s (`arriving`)."""
+        if self.positions_3d:
+            return self.positions.at(self.hf.layers[0].layout.incoming[0], like)
+        return self.positions.between(held, held + count, like)
+
     def arriving(self, kept: torch.Tensor) -> None:
         """With 3-D positions: what each layer keeps of the next forward's tokens (3, c): their
         s, group and extent (`layout.arriving`)."""

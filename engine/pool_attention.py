@@ -113,7 +113,7 @@ class PoolStep:
             start = member.cache.lease.first_page * page + before
             slots.append(torch.arange(start, start + member.count))
             rows.append(torch.arange(member.start, member.start + member.count))
-            c, s, m = member.cache.positions.between(before, before + member.count, like)
+            c, s, m = member.cache.incoming_rotations(before, member.count, like)
             cos.append(c), sin.append(s), minus_sin.append(m)
             kept.append(rows[-1][-member.cache.window_tokens :])
             held.append(before)

@@ -12,6 +12,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from engine import Session, SessionConfig, load_model
 from engine.layout import compact, of_parts
 from engine.model import load_pretrained
+from engine.kv_pool import KVPool
 from engine.qwen_vision import QwenVision
 from engine.step import step
 from engine import tiny
@@ -253,3 +254,33 @@ def test_qwen_loads_from_a_local_folder_like_a_hub_checkpoint(qwen, tmp_path):
     session = Session(loaded, SessionConfig(policy="infmllm", budget_tokens=160))
     session.append_frames(frames, [0.0, 1.0])
     assert session.stats().frames == 2
+
+
+def test_qwen_sessions_in_one_kv_pool_attend_together_and_answer_as_alone(qwen):
+    """Sessions leasing from one KV pool write and attend there together, one call per layer
+    (engine/pool_attention.py), their tokens at their 3-D positions: the answers of sessions
+    with caches of their own."""
+    cases = [("infmllm", 7, "What is it?"), ("snapkv", 12, "Colour?"), ("sliding", 4, "Now?")]
+    config = lambda policy: SessionConfig(policy=policy, budget_tokens=160, peak_tokens=320)  # noqa: E731
+    pool = KVPool(qwen.num_layers, qwen.kv_heads, qwen.head_dim, 3 * 320 // 16, 16, qwen.dtype, qwen.device)
+    pooled, alone = [], []
+    for seed, (policy, count, _) in enumerate(cases):
+        for sessions, where in ((pooled, pool), (alone, None)):
+            session = Session(qwen, config(policy), where)
+            session.append_frames(_frames(count, seed), [float(t) for t in range(count)])
+            sessions.append(session)
+    expected = ["".join(s.ask(q, max_new_tokens=6)) for s, (*_, q) in zip(alone, cases)]
+    answers = [s.ask(q, max_new_tokens=6) for s, (*_, q) in zip(pooled, cases)]
+    assert all(s.cache.in_pool(1) for s in pooled)
+    texts, live = [[] for _ in answers], list(range(len(answers)))
+    while live:
+        pieces = step([answers[i] for i in live])
+        for i, piece in zip(live, pieces):
+            assert not isinstance(piece, Exception), piece
+            if piece is not None:
+                texts[i].append(piece)
+        live = [i for i, piece in zip(live, pieces) if piece is not None]
+    assert ["".join(text) for text in texts] == expected
+    for a, b in zip(pooled, alone):
+        for layer in range(qwen.num_layers):
+            assert torch.equal(a.cache.hf.layers[layer].layout.rows, b.cache.hf.layers[layer].layout.rows)
