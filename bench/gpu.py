@@ -1,6 +1,6 @@
 """Speed and memory of a 7B video model on one GPU, with random weights: no download.
 
-    python -m bench.gpu [--device cuda] [--shape 7b|tiny] [--budget 4096] [--policy infmllm]
+    python -m bench.gpu [--device cuda] [--shape 7b|tiny|qwen2.5-vl-7b|qwen2.5-vl-tiny] [--budget 4096] [--policy infmllm]
                         [--sessions 1,8,16,32,64] [--minutes 60] [--answer-tokens 32]
                         [--serve-seconds 60] [--ask-every 10]
 
@@ -22,6 +22,15 @@ noise. A random model never ends its turn (its stop ids are cleared, so that eve
 exactly `--answer-tokens` long). The tokenizer is `engine.tiny.ascii_tokenizer` (its ids lie
 within the vocabulary): questions cost one token per character. KV cache: 28 layers x 4 heads
 x 128 x 2 (keys, values) x 2 bytes = 57 KiB a token; 235 MB a session at budget 4096.
+
+`--shape qwen2.5-vl-7b` is Qwen/Qwen2.5-VL-7B-Instruct's published configuration instead (8.29e9
+parameters): its language model as Qwen2-7B's above but with 3-D rotary positions (sections 16,
+24, 24) and a context of 128,000; its vision tower 32 layers of hidden 1280, 16 heads,
+intermediate 3420, patches of 14 merged 2x2 by a merger to 3584, windows of 112 pixels with full
+attention in layers 7, 15, 23 and 31, temporal patch 2. Its frames are 640x360 and go in pairs
+(a pair resized to 644x364: 13 x 23 = 299 visual tokens), so where the measures below say a
+frame, this shape takes a pair (1 pair/s is 2 frames/s of video). The same KV bytes a token.
+`--shape qwen2.5-vl-tiny` scales it down as `tiny` does.
 
 `--shape tiny` is the same families scaled down (2 layers, hidden 128; vision 2 layers,
 112-pixel frames of 17 tokens; budget 512 unless given): the whole script runs on a CPU in a
@@ -73,7 +82,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2Config, SiglipVisionConfig
+from transformers import (
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    PretrainedConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Config,
+    SiglipVisionConfig,
+)
 
 from bench.common import emit, rss_bytes
 from engine import POLICIES, Answer, Session, SessionConfig
@@ -81,7 +98,8 @@ from engine.kv_pool import KVPool
 from engine.step import Frames
 from engine.step import step as engine_step
 from engine.model import FAMILIES, Model, Vision, chat_format
-from engine.tiny import ascii_tokenizer
+from engine.qwen_vision import QwenVision
+from engine.tiny import VISION_END, VISION_START, ascii_tokenizer
 from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
 from worker.scheduler import DEFAULT_STEP_TOKENS, Scheduler
 
@@ -110,11 +128,43 @@ SIGLIP_SO400M = dict(  # as llava-onevision-qwen2-7b-ov-hf keeps it: 26 of SigLI
 )
 
 
+QWEN25_VL_7B_TEXT = {  # Qwen/Qwen2.5-VL-7B-Instruct's language model
+    **QWEN2_7B,
+    "max_position_embeddings": 128000,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [16, 24, 24]},
+}
+QWEN25_VL_VISION = dict(  # and its vision tower
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    out_hidden_size=3584,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+    tokens_per_second=2,
+    hidden_act="silu",
+)
+QWEN_FRAME = (360, 640)  # (height, width) of the Qwen shapes' frames
+
+
 @dataclass(frozen=True)
 class Shape:
-    text: dict  # Qwen2Config fields
-    vision: dict  # SiglipVisionConfig fields
+    text: dict  # Qwen2Config fields (Qwen2.5-VL's text config's)
+    vision: dict  # SiglipVisionConfig fields (Qwen2.5-VL's vision config's)
     budget_tokens: int  # the default --budget
+    family: str = "llava_onevision"  # or "qwen2_5_vl"
+
+
+@dataclass(frozen=True)
+class Visual:
+    """One frame's visual tokens (1, tokens, hidden) (a pair's, for Qwen), reused at every time,
+    and for Qwen their grid (rows, columns)."""
+
+    tokens: torch.Tensor
+    grid: tuple[int, int] | None = None
 
 
 SHAPES = {
@@ -126,6 +176,15 @@ SHAPES = {
          "image_size": 112},
         512,
     ),
+    "qwen2.5-vl-7b": Shape(QWEN25_VL_7B_TEXT, QWEN25_VL_VISION, 4096, "qwen2_5_vl"),
+    "qwen2.5-vl-tiny": Shape(
+        {**QWEN25_VL_7B_TEXT, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]}},
+        {**QWEN25_VL_VISION, "depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 128,
+         "fullatt_block_indexes": [1]},
+        512,
+        "qwen2_5_vl",
+    ),
 }
 SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
 QUESTION = "What happened in the last ten seconds?"
@@ -136,8 +195,13 @@ TTFT_TARGET_S = 1.0
 MEMORY_MINUTES = (1, 5, 15, 30, 60)  # of an hour; scaled to --minutes
 
 
-def model_config(shape: str) -> LlavaOnevisionConfig:
+def model_config(shape: str) -> PretrainedConfig:
     sizes = SHAPES[shape]
+    if sizes.family == "qwen2_5_vl":
+        return Qwen2_5_VLConfig(
+            text_config=sizes.text, vision_config=sizes.vision, image_token_id=151655, video_token_id=151656,
+            vision_start_token_id=151652, vision_end_token_id=151653, tie_word_embeddings=False,
+        )
     return LlavaOnevisionConfig(
         text_config=Qwen2Config(**sizes.text),
         vision_config=SiglipVisionConfig(**sizes.vision),
@@ -162,12 +226,20 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def build_model(shape: str, device: str) -> Model:
     """The shape with random bfloat16 weights, created on `device`, wrapped as the engine's model."""
     config = model_config(shape)
+    qwen = SHAPES[shape].family == "qwen2_5_vl"
     torch.manual_seed(0)
     with torch.device(device), default_dtype(torch.bfloat16):
-        hf = LlavaOnevisionForConditionalGeneration(config).eval()
-    tokenizer = ascii_tokenizer()
-    vision = Vision.of(FAMILIES["llava_onevision"], config, SIGLIP_MEAN, SIGLIP_STD)
-    model = Model(f"llava-onevision-qwen2-{shape}-random", hf, tokenizer, chat_format(tokenizer, None), vision, device)
+        hf = (Qwen2_5_VLForConditionalGeneration if qwen else LlavaOnevisionForConditionalGeneration)(config).eval()
+    if qwen:
+        tokenizer = ascii_tokenizer((VISION_START, VISION_END))
+        vision = QwenVision.of(config, {})  # Qwen2.5-VL's video defaults: a frame of 128 to 768 merged patches' pixels
+        name = f"{shape}-random"
+    else:
+        tokenizer = ascii_tokenizer()
+        vision = Vision.of(FAMILIES["llava_onevision"], config, SIGLIP_MEAN, SIGLIP_STD)
+        name = f"llava-onevision-qwen2-{shape}-random"
+    model = Model(name, hf, tokenizer, chat_format(tokenizer, None), vision, device)
+    model.frame_markers = (VISION_START, VISION_END) if qwen else ("", "")  # the ASCII tokenizer's own
     model.stop_ids = frozenset()  # random weights: every answer runs to its max_new_tokens
     return model
 
@@ -190,11 +262,11 @@ def next_times(session: Session, count: int) -> list[float]:
     return [start + k for k in range(count)]
 
 
-def stream_visual(session: Session, visual: torch.Tensor, times_s: Sequence[float]) -> None:
-    """What `append_frames` does after encoding, for one frame's visual tokens (1, tokens, hidden)
-    reused at every time: the stream's cost without the vision tower's."""
+def stream_visual(session: Session, visual: Visual, times_s: Sequence[float]) -> None:
+    """What `append_frames` does after encoding, for one frame's (a pair's) visual tokens reused
+    at every time: the stream's cost without the vision tower's."""
     for t in times_s:
-        for parts, times in session.frame_prompts(visual, [t]):
+        for parts, times in session.frame_prompts(visual.tokens, [t], visual.grid):
             session.make_frame_room(parts, times)
             session.run_alone(parts)
             session.appended_frames(times)
@@ -206,7 +278,7 @@ def make_pool(model: Model, config: SessionConfig, sessions: int) -> KVPool:
     return KVPool(model.num_layers, model.kv_heads, model.head_dim, pages, POOL_PAGE_TOKENS, model.dtype, model.device)
 
 
-def filled_session(model: Model, config: SessionConfig, visual: torch.Tensor, pool: KVPool | None = None) -> Session:
+def filled_session(model: Model, config: SessionConfig, visual: Visual, pool: KVPool | None = None) -> Session:
     """A session whose cache is at its budget, as in a long stream."""
     session = Session(model, config, pool)
     while session.stats().cache_tokens < config.budget_tokens:
@@ -217,7 +289,7 @@ def filled_session(model: Model, config: SessionConfig, visual: torch.Tensor, po
 # -- measures ------------------------------------------------------------------------------------
 
 
-def measure_memory(model: Model, config: SessionConfig, visual: torch.Tensor, minutes: float, clock: Clock, pool: KVPool) -> dict:
+def measure_memory(model: Model, config: SessionConfig, visual: Visual, minutes: float, clock: Clock, pool: KVPool) -> dict:
     """One session in the pool streams `minutes` of video at 1 frame/s; memory at checkpoints."""
     cuda = model.device.type == "cuda"
     total_s = round(minutes * 60)
@@ -463,7 +535,7 @@ def main() -> None:
     args = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     args.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     args.add_argument("--shape", default="7b", choices=sorted(SHAPES))
-    args.add_argument("--budget", type=int, default=None, help="cache tokens per layer (7b: 4096, tiny: 512)")
+    args.add_argument("--budget", type=int, default=None, help="cache tokens per layer (7b shapes: 4096, tiny: 512)")
     args.add_argument("--policy", default="infmllm", choices=sorted(POLICIES))
     args.add_argument("--sessions", default="1,8,16,32,64", help="comma-separated session counts")
     args.add_argument("--minutes", type=float, default=60.0, help="video streamed by the memory measure")
@@ -483,15 +555,16 @@ def main() -> None:
     with torch.inference_mode():
         model = build_model(opts.shape, opts.device)
         clock = Clock(model.device)
-        side = model.vision.image_size
+        frame_shape = QWEN_FRAME if isinstance(model.vision, QwenVision) else (model.vision.image_size,) * 2
         rng = np.random.default_rng(0)
-        frames = [rng.integers(0, 256, (side, side, 3), dtype=np.uint8) for _ in range(8)]
-        visual = model.encode_frames(frames[:1])  # (1, tokens_per_frame, hidden), reused by every stream
+        frames = [rng.integers(0, 256, (*frame_shape, 3), dtype=np.uint8) for _ in range(8)]
+        # (1, tokens_per_frame, hidden), reused by every stream
+        visual = Visual(model.encode_frames(frames[: model.frames_per_group]), model.frame_grid(frames[0].shape))
         emit(measure="setup", device=_device_name(model.device), torch=torch.__version__,
              transformers=importlib.metadata.version("transformers"), shape=opts.shape,
              parameters=sum(p.numel() for p in model.hf.parameters()),
              weights_bytes=sum(p.numel() * p.element_size() for p in model.hf.parameters()),
-             kv_bytes_per_token=model.kv_bytes_per_token, tokens_per_frame=visual.shape[1], policy=opts.policy,
+             kv_bytes_per_token=model.kv_bytes_per_token, tokens_per_frame=visual.tokens.shape[1], policy=opts.policy,
              budget=budget, cache_bytes_at_budget=budget * model.kv_bytes_per_token)
 
         pool = make_pool(model, config, counts[-1])  # as a worker holds its sessions' caches

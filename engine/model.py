@@ -120,7 +120,7 @@ class Model:
         self.position_axes = 3 if getattr(self.rotary, "mrope_section", None) else 1  # 3: (time, height, width)
         # Around each visual group, as the checkpoint's own prompts have them (Qwen's vision start and end)
         ids = [getattr(hf.config, f"vision_{end}_token_id", None) for end in ("start", "end")]
-        self.frame_markers = tuple(tokenizer.convert_ids_to_tokens(i) if i is not None else "" for i in ids)
+        self.frame_markers = tuple((tokenizer.convert_ids_to_tokens(i) if i is not None else None) or "" for i in ids)
         eos = hf.generation_config.eos_token_id if hf.generation_config else None
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.stop_ids = frozenset(i for i in [tokenizer.eos_token_id, *eos_ids] if i is not None)
