@@ -70,6 +70,7 @@ class PositionTable:
         self.scale = float(getattr(rotary, "attention_scaling", 1.0))  # the model rotates keys, then scales
         self.cos = self.sin = self.minus_sin = torch.empty(0, 0)
         self._last: tuple = ()  # the last `between`: every layer of a forward asks for the same positions
+        self._axes: torch.Tensor | None = None
 
     def up_to(self, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(count, head_dim) cos and sin of positions 0..count-1, on `like`'s device."""
@@ -88,11 +89,25 @@ class PositionTable:
             self._last = (*key, self.cos[start:end], self.sin[start:end], self.minus_sin[start:end])
         return self._last[3:]
 
-    def at(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(*positions.shape, head_dim) cos, sin and minus sin of any positions."""
+    def at3(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(..., head_dim) cos, sin and minus sin of 3-D positions (..., 3) (time, height, width):
+        each rotary dimension turns by the axis the model gives it (`axes`)."""
         self.up_to(int(positions.max()) + 1 if positions.numel() else 0, like)
-        index = positions.to(self.cos.device)
-        return self.cos[index], self.sin[index], self.minus_sin[index]
+        dim = self.cos.shape[1]
+        index = positions.to(self.cos.device)[..., self.axes(like)].reshape(-1, dim)  # (N, head_dim): each dimension's position
+        shape = (*positions.shape[:-1], dim)
+        return tuple(table.gather(0, index).view(shape) for table in (self.cos, self.sin, self.minus_sin))
+
+    def axes(self, like: torch.Tensor) -> torch.Tensor:
+        """(head_dim,) which axis of a 3-D position each rotary dimension turns by (0 time, 1
+        height, 2 width), read off the model's rotary embedding: a position of 1 on one axis
+        turns only that axis's dimensions."""
+        if self._axes is None or self._axes.device != like.device:
+            probe = torch.eye(3, dtype=torch.long, device=like.device)[:, None, :]  # (axes, 1, 3): token a at 1 on axis a
+            with outside_inference():
+                _, sin = self.rotary(like.float(), probe)  # (1, 3, head_dim)
+                self._axes = sin[0].abs().argmax(dim=0)
+        return self._axes
 
 
 GROWTH = 1.5  # a full buffer is copied into one this many times the tokens it must hold
@@ -200,8 +215,8 @@ class PreRopeLayer(DynamicLayer):
     assignment.
 
     With a `layout` (a model with 3-D positions, `engine/layout.py`), a token's position is its
-    s there rather than its index: keys are turned back from s and rotated at s. A cut (a
-    rollback) cuts the layout too; what moves tokens otherwise moves its rows (`Layout.keep`)."""
+    3-D position there rather than its index: keys are turned back from it and rotated at it. A
+    cut (a rollback) cuts the layout too; what moves tokens otherwise moves its rows (`Layout.keep`)."""
 
     def __init__(
         self, table: PositionTable, most_tokens: int | None = None, homes: tuple[torch.Tensor | None, ...] = (None, None, None),
@@ -251,7 +266,7 @@ class PreRopeLayer(DynamicLayer):
         start = held + self.pending
         count = key_states.shape[-2]
         if self.layout is not None:
-            cos, sin, minus_sin = self.table.at(self.layout.stored(), key_states)
+            cos, sin, minus_sin = self.table.at3(self.layout.stored(), key_states)
         else:
             cos, sin, minus_sin = self.table.between(start, start + count, key_states)
         unrotated = rotate(key_states, cos, minus_sin, 1 / self.table.scale, out=self._keys.extend(count, key_states))
@@ -322,14 +337,14 @@ class PreRopeLayer(DynamicLayer):
 
     def rotated(self) -> torch.Tensor:
         """(1, kv_heads, N, head_dim) the stored keys rotated at their positions: their indices,
-        or their s in the layout."""
+        or their 3-D positions in the layout."""
         if self._rotated is None:
             self._rotated = Rows(self.most_tokens, self._rotated_home)
         done, total = self._rotated.length, self._keys.length
         if done < total:
             stored = self._keys.buffer.narrow(2, done, total - done)
             if self.layout is not None:
-                cos, sin, _ = self.table.at(self.layout.scalar[:, done:total], stored)  # (kv_heads, m, head_dim)
+                cos, sin, _ = self.table.at3(self.layout.positions(done, total), stored)  # (kv_heads, m, head_dim)
             else:
                 cos, sin, _ = self.table.between(done, total, stored)
             rotate(stored, cos, sin, self.table.scale, out=self._rotated.extend(total - done, stored))

@@ -54,7 +54,7 @@ from torch import nn
 from engine.host_tier import SCORED_LAYERS, HostTier, Tokens
 from engine.kv_buffers import LayerStore, PositionTable, PreRopeLayer, QueryWindow, outside_inference, rotate, take
 from engine.kv_pool import KEYS, ROTATED, VALUES, Lease
-from engine.layout import Layout
+from engine.layout import Layout, positions_of
 from engine.policies import Observation, Policy
 
 TEXT, FRAME = 0, 1
@@ -183,15 +183,15 @@ class KVCache:
 
     def incoming_rotations(self, held: int, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(count, head_dim) cos, sin and minus sin of the positions of the next forward's
-        `count` tokens, after the `held` the cache holds: their indices, or with 3-D positions
-        their s (`arriving`)."""
+        `count` tokens, after the `held` the cache holds: their indices, or their 3-D positions
+        (`arriving`)."""
         if self.positions_3d:
-            return self.positions.at(self.hf.layers[0].layout.incoming[0], like)
+            return self.positions.at3(positions_of(self.hf.layers[0].layout.incoming), like)
         return self.positions.between(held, held + count, like)
 
     def arriving(self, kept: torch.Tensor) -> None:
-        """With 3-D positions: what each layer keeps of the next forward's tokens (3, c): their
-        s, group and extent (`layout.arriving`)."""
+        """With 3-D positions: what each layer keeps of the next forward's tokens (FIELDS, c)
+        (`layout.arriving`)."""
         for cached in self.hf.layers:
             cached.layout.incoming = kept
 

@@ -7,26 +7,28 @@ frames, merged into a grid of rows x columns) share one time and lie on their gr
 `get_rope_index` for a video of one temporal group. A prompt's layout, per token, is
 (s - the prompt's first s, row, column), (0, 0) for text (`of_parts`).
 
-Each token's position is then a scalar s (the same in all three) plus an offset (0, row, column)
-that never changes. The cache stores each key turned back from s alone, so the offset's rotation
-stays in the stored key (applied once, by the model), and rotates it at s when it is read, as it
-does for a model with 1-D positions; moving a token to another s is again one rotation from the
-stored key.
+The cache stores each key turned back from its whole 3-D position, as the model had it before the
+rotary embedding, and rotates it at its position when it is read (`PositionTable.at3`): moving a
+token to another position is again one rotation from the stored key.
 
-Per layer, `Layout` holds per KV head and token: s, the token's group (the stream place of its
-group's first token; a text token is a group of its own) and its extent (max(row, column)). After
-an eviction the kept tokens are re-encoded (`compact`): per KV head, in stream order, each kept
-group starts where the one before ended and spans the rows and columns it keeps (its largest
-extent + 1). Height and width keep their place within a frame; time follows the order of the kept
-groups; text advances all three. So s stays below the number of tokens kept, whatever the
-stream's length, and a cache that evicted nothing holds exactly transformers' positions.
+Per layer, `Layout` holds per KV head and token its position (s, row, column), its group (the
+stream place of its group's first token; a text token is a group of its own) and its row and
+column on its group's own grid. After an eviction the kept tokens are re-encoded (`compact`): per
+KV head, in stream order, each kept group starts where the one before ended; within it, the rows
+it keeps are numbered 0, 1, ... in their order, and so are the columns, and it spans the more of
+the two. So time follows the order of the kept groups, height and width keep the order (not the
+gaps) of what a frame keeps, text advances all three, and a group never spans more positions
+than it keeps tokens: s stays below the number of tokens kept, whatever the stream's length, and
+tokens merged in (borrowed from a host tier) add at most their number. A cache that evicted
+nothing holds exactly transformers' positions.
 """
 
 from collections.abc import Sequence
 
 import torch
 
-SCALAR, GROUP, EXTENT = 0, 1, 2
+SCALAR, ROW, COLUMN, GROUP, GRID_ROW, GRID_COLUMN = range(6)
+FIELDS = 6
 
 
 def of_parts(parts: Sequence[tuple[int, tuple[int, int] | None]]) -> torch.Tensor:
@@ -52,38 +54,57 @@ def of_parts(parts: Sequence[tuple[int, tuple[int, int] | None]]) -> torch.Tenso
 
 def arriving(layout: torch.Tensor, base: int, place: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A prompt's tokens placed after a cache whose next position is `base` and next stream place
-    `place`: their 3-D positions (3, c) for the model, and what the cache keeps of them (3, c):
-    s, group, extent."""
+    `place`: their 3-D positions (3, c) for the model, and what the cache keeps of them (FIELDS, c)."""
     scalar = layout[:, 0] + base
-    positions = torch.stack([scalar, scalar + layout[:, 1], scalar + layout[:, 2]])
+    row, column = layout[:, 1], layout[:, 2]
+    positions = torch.stack([scalar, scalar + row, scalar + column])
     first = torch.searchsorted(layout[:, 0].contiguous(), layout[:, 0].contiguous())  # each token's group's first token
-    kept = torch.stack([scalar, first + place, layout[:, 1:].amax(dim=1)])
+    kept = torch.stack([scalar, row, column, first + place, row, column])
     return positions, kept
 
 
-def compact(group: torch.Tensor, extent: torch.Tensor) -> torch.Tensor:
-    """(kv_heads, n) the re-encoded s of kept tokens, in stream order per KV head, given each
-    one's group and extent (kv_heads, n): each group after the last, spanning its largest extent + 1."""
-    heads, count = group.shape
-    if count == 0:
-        return group.clone()
+def positions_of(rows: torch.Tensor) -> torch.Tensor:
+    """(..., 3) the 3-D positions of tokens' rows (FIELDS, ...)."""
+    return torch.stack([rows[SCALAR], rows[SCALAR] + rows[ROW], rows[SCALAR] + rows[COLUMN]], dim=-1)
+
+
+def _rank_within(group: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """(kv_heads, n) each token's value's rank among the distinct values of its group's tokens."""
+    key = group * (int(value.max()) + 1) + value
+    ordered, order = key.sort(dim=1, stable=True)
+    new = torch.ones_like(ordered, dtype=torch.bool)
+    new[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    rank = new.long().cumsum(dim=1) - 1  # among every distinct (group, value), in order
+    grouped = group.gather(1, order)
+    first = torch.ones_like(grouped, dtype=torch.bool)
+    first[:, 1:] = grouped[:, 1:] != grouped[:, :-1]
+    base = torch.where(first, rank, torch.zeros_like(rank)).cummax(dim=1).values  # the group's first value's rank
+    return torch.empty_like(rank).scatter_(1, order, rank - base)
+
+
+def compact(group: torch.Tensor, grid_row: torch.Tensor, grid_column: torch.Tensor) -> torch.Tensor:
+    """(3, kv_heads, n) the re-encoded s, row and column of kept tokens, in stream order per KV
+    head, given each one's group and place on its group's grid (kv_heads, n)."""
+    if group.shape[1] == 0:
+        return torch.zeros(3, *group.shape, dtype=torch.long)
+    row, column = _rank_within(group, grid_row), _rank_within(group, grid_column)
     starts = torch.ones_like(group, dtype=torch.bool)
     starts[:, 1:] = group[:, 1:] != group[:, :-1]
     index = starts.long().cumsum(dim=1) - 1  # (kv_heads, n) which kept group, in order
-    span = torch.zeros_like(group).scatter_reduce_(1, index, extent + 1, "amax")
+    span = torch.zeros_like(group).scatter_reduce_(1, index, torch.maximum(row, column) + 1, "amax")
     first = span.cumsum(dim=1) - span
-    return first.gather(1, index)
+    return torch.stack([first.gather(1, index), row, column])
 
 
 class Layout:
-    """One layer's tokens' s, group and extent, per KV head: `rows` (3, kv_heads, n) int64, in a
-    buffer with room after them, so that a forward appends its tokens in place."""
+    """One layer's tokens' FIELDS per KV head: `rows` (FIELDS, kv_heads, n) int64, in a buffer with
+    room after them, so that a forward appends its tokens in place."""
 
     def __init__(self, kv_heads: int) -> None:
-        self._buffer = torch.zeros(3, kv_heads, 0, dtype=torch.long)
+        self._buffer = torch.zeros(FIELDS, kv_heads, 0, dtype=torch.long)
         self._length = 0
         self._next: int | None = 0  # the next position, while known
-        self.incoming: torch.Tensor | None = None  # (3, c) of the tokens the next forward stores
+        self.incoming: torch.Tensor | None = None  # (FIELDS, c) of the tokens the next forward stores
 
     @property
     def rows(self) -> torch.Tensor:
@@ -93,30 +114,30 @@ class Layout:
     def rows(self, rows: torch.Tensor) -> None:
         self._buffer, self._length, self._next = rows.clone(), rows.shape[2], None
 
-    @property
-    def scalar(self) -> torch.Tensor:
-        return self.rows[SCALAR]
+    def positions(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """(kv_heads, m, 3) the 3-D positions of the tokens [start, end)."""
+        return positions_of(self.rows[:, :, start:end])
 
     @property
     def tokens(self) -> int:
         return self._length
 
     def stored(self) -> torch.Tensor:
-        """The forward's new tokens are stored: hold their rows; returns their s (c,)."""
+        """The forward's new tokens are stored: hold their rows; returns their positions (c, 3)."""
         new = self.incoming
         if new is None:
             raise RuntimeError("a forward stores tokens without their 3-D positions")
         end = self._length + new.shape[1]
         if end > self._buffer.shape[2]:
             with torch.inference_mode(False):  # kept across steps (engine/kv_cache.py's rule): made outside the forward's mode
-                grown = torch.empty(3, self._buffer.shape[1], max(end, self._buffer.shape[2] * 3 // 2), dtype=torch.long)
+                grown = torch.empty(FIELDS, self._buffer.shape[1], max(end, self._buffer.shape[2] * 3 // 2), dtype=torch.long)
                 grown[:, :, : self._length] = self.rows
             self._buffer = grown
         self._buffer[:, :, self._length : end] = new[:, None]
         self._length = end
         if self._next is not None:
-            self._next = max(self._next, int((new[SCALAR] + new[EXTENT]).max()) + 1)
-        return new[SCALAR]
+            self._next = max(self._next, int((new[SCALAR] + torch.maximum(new[ROW], new[COLUMN])).max()) + 1)
+        return positions_of(new)
 
     def cut(self, count: int) -> None:
         if count < self._length:
@@ -124,8 +145,14 @@ class Layout:
 
     def keep(self, index: torch.Tensor) -> None:
         """Hold the tokens at `index` (kv_heads, k), ascending per KV head, re-encoded (`compact`)."""
-        rows = self.rows.gather(2, index.cpu()[None].expand(3, -1, -1))
-        rows[SCALAR] = compact(rows[GROUP], rows[EXTENT])
+        self.hold(self.rows.gather(2, index.cpu()[None].expand(FIELDS, -1, -1)))
+
+    def hold(self, rows: torch.Tensor) -> None:
+        """Hold these tokens' rows (FIELDS, kv_heads, k), in stream order per KV head, re-encoded."""
+        rows[:GROUP] = compact(rows[GROUP], rows[GRID_ROW], rows[GRID_COLUMN])
+        if rows.shape[2] > self._buffer.shape[2]:
+            self.rows = rows
+            return
         self._buffer[:, :, : rows.shape[2]] = rows
         self._length, self._next = rows.shape[2], None
 
@@ -133,5 +160,6 @@ class Layout:
         """Where the next token goes: after the furthest any KV head's tokens reach."""
         if self._next is None:
             rows = self.rows
-            self._next = int((rows[SCALAR] + rows[EXTENT]).max()) + 1 if self._length else 0
+            reach = rows[SCALAR] + torch.maximum(rows[ROW], rows[COLUMN])
+            self._next = int(reach.max()) + 1 if self._length else 0
         return self._next

@@ -73,10 +73,14 @@ def test_qwen_layout_of_a_prompt_and_after_eviction():
         [2, 0, 0], [2, 0, 1], [2, 0, 2], [2, 1, 0], [2, 1, 1], [2, 1, 2],
         [5, 0, 0],
     ]
-    # kept: a text token, three tokens of a group (extents 0, 1, 2), text, two of a group (1, 0)
+    # kept: a text token; three tokens of a group, at (row, column) (0, 2), (1, 0), (3, 4) of its
+    # grid; text; two of another group, at (2, 1) and (2, 3)
     group = torch.tensor([[0, 1, 1, 1, 5, 9, 9]])
-    extent = torch.tensor([[0, 0, 1, 2, 0, 1, 0]])
-    assert compact(group, extent).tolist() == [[0, 1, 1, 1, 4, 5, 5]]
+    row = torch.tensor([[0, 0, 1, 3, 0, 2, 2]])
+    column = torch.tensor([[0, 2, 0, 4, 0, 1, 3]])
+    s, rows, columns = compact(group, row, column).tolist()
+    assert s == [[0, 1, 1, 1, 4, 5, 5]]  # the first group keeps 3 rows and 3 columns: it spans 3
+    assert rows == [[0, 0, 1, 2, 0, 0, 0]] and columns == [[0, 1, 0, 2, 0, 0, 1]]  # their order, not their gaps
 
 
 def _reference(qwen, session: Session, frames, times, question: str | None = None):
