@@ -2,8 +2,9 @@
 
 A page here is a host tier's page (`engine/host_tier.py`): `page_tokens` consecutive places of
 a stream, in every layer and KV head, with each place's key (before the rotary embedding),
-value, kind, video time and whether it is held. The pool holds `pages` of them in five tensors
-(layers, kv_heads, pages, page_tokens[, head_dim]), pinned on CUDA (so that what a question
+value, kind, video time and whether it is held, and for a model with 3-D positions its place
+on its frame's grid (`grids`, `engine/layout.py`). The pool holds `pages` of them in five (or
+six) tensors (layers, kv_heads, pages, page_tokens[, head_dim]), pinned on CUDA (so that what a question
 borrows is copied to the device without blocking). A session with recall leases a run of
 consecutive pages, as many as its tier's bound, when it opens (`engine/page_runs.py`): its
 tier is then views of that run, a page's slot is a page of the run, and moving a page in or
@@ -22,6 +23,7 @@ from engine.kv_buffers import outside_inference
 from engine.page_runs import PageRuns, Run
 
 PLACE_BYTES = 1 + 4 + 1  # per place, layer and KV head beside its key and value: kind (int8), time (float32), held (bool)
+GRID_BYTES = 8  # and with 3-D positions, its place on its group's grid (int64, `engine/layout.py`'s `pack`)
 
 
 class HostPool(PageRuns):
@@ -29,10 +31,10 @@ class HostPool(PageRuns):
 
     def __init__(
         self, layers: int, kv_heads: int, head_dim: int, pages: int, page_tokens: int,
-        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", positions_3d: bool = False,
     ) -> None:
         """`device`: the caches' (each tier keeps its index of its pages there); the pages
-        themselves are in host memory."""
+        themselves are in host memory. `positions_3d`: for a model with 3-D positions."""
         super().__init__(pages, page_tokens)
         self.device = torch.device(device)
         pinned = self.device.type == "cuda"
@@ -43,19 +45,21 @@ class HostPool(PageRuns):
             self.kinds = torch.empty(shape, dtype=torch.int8)
             self.times = torch.empty(shape)
             self.present = torch.empty(shape, dtype=torch.bool)
+            self.grids = torch.empty(shape, dtype=torch.int64) if positions_3d else None
 
     @classmethod
     def sized(
         cls, memory_bytes: int, layers: int, kv_heads: int, head_dim: int, page_tokens: int,
-        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", positions_3d: bool = False,
     ) -> "HostPool":
         """As many pages as `memory_bytes` holds (at least one)."""
-        page = host_page_bytes(layers, kv_heads, head_dim, page_tokens, dtype)
-        return cls(layers, kv_heads, head_dim, max(1, memory_bytes // page), page_tokens, dtype, device)
+        page = host_page_bytes(layers, kv_heads, head_dim, page_tokens, dtype, positions_3d)
+        return cls(layers, kv_heads, head_dim, max(1, memory_bytes // page), page_tokens, dtype, device, positions_3d)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.kinds, self.times, self.present))
+        parts = (self.keys, self.values, self.kinds, self.times, self.present, self.grids)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def lease(self, tokens: int, owner: object | None = None) -> Run:
         """A run of pages for `tokens` places, none of them held yet; PoolFull when none is
@@ -65,6 +69,10 @@ class HostPool(PageRuns):
         return run
 
 
-def host_page_bytes(layers: int, kv_heads: int, head_dim: int, page_tokens: int, dtype: torch.dtype) -> int:
-    """Bytes of one page of a host pool: keys, values, kinds, times and which places are held, in every layer."""
-    return layers * kv_heads * page_tokens * (2 * head_dim * torch.empty(0, dtype=dtype).element_size() + PLACE_BYTES)
+def host_page_bytes(
+    layers: int, kv_heads: int, head_dim: int, page_tokens: int, dtype: torch.dtype, positions_3d: bool = False
+) -> int:
+    """Bytes of one page of a host pool: keys, values, kinds, times and which places are held (and
+    grids, with 3-D positions), in every layer."""
+    place = 2 * head_dim * torch.empty(0, dtype=dtype).element_size() + PLACE_BYTES + (GRID_BYTES if positions_3d else 0)
+    return layers * kv_heads * page_tokens * place

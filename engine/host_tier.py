@@ -95,6 +95,7 @@ class Tokens:
     kinds: torch.Tensor  # (layers, kv_heads, n) int8
     times: torch.Tensor  # (layers, kv_heads, n) video time
     order: torch.Tensor  # (layers, kv_heads, n) int64, the token's place in the stream
+    grids: torch.Tensor | None = None  # (layers, kv_heads, n) int64 with 3-D positions: its place on its group's grid (`layout.pack`)
 
     FIELDS = ("keys", "values", "kinds", "times", "order")
 
@@ -119,7 +120,7 @@ def index_bytes_per_token(layers: int, kv_heads: int, head_dim: int, page_tokens
 
 
 class HostTier:
-    SAVED = ("keys", "values", "kinds", "times", "present", "key_sums")  # per slot, in a snapshot
+    SAVED = ("keys", "values", "kinds", "times", "present", "key_sums")  # per slot, in a snapshot (and grids, with 3-D positions)
 
     def __init__(
         self, budget_tokens: int, page_tokens: int = 32, page_keys: int = 2, drop: str = "novel", pool: HostPool | None = None
@@ -149,6 +150,7 @@ class HostTier:
         self.run: Run | None = None
         self.keys = self.values = None  # (layers, kv_heads, slots, page_tokens, head_dim), host memory
         self.kinds = self.times = self.present = None  # (layers, kv_heads, slots, page_tokens), CPU
+        self.grids = None  # the same, with 3-D positions: each place's on its group's grid (`layout.pack`)
         self.held = None  # `present` on the device, for choosing
         self.key_sums = None  # (layers, kv_heads, slots, page_keys, head_dim) INDEX_DTYPE, device
         # The question's page scores summed over the layers' KV heads so far, and how many of
@@ -159,6 +161,11 @@ class HostTier:
         self.changed: set[int] = set()  # page numbers written since `take_changed` (held pages only)
         if pool is not None:
             self._lease()
+
+    @property
+    def saved(self) -> tuple[str, ...]:
+        """What a snapshot saves of each slot."""
+        return self.SAVED + (("grids",) if self.grids is not None else ())
 
     @property
     def pages(self) -> list[int]:
@@ -203,7 +210,10 @@ class HostTier:
     def add(self, evicted: Tokens) -> None:
         """Take what an eviction removed: each token to its place in its page."""
         if self.keys is None:
-            self._allocate(*evicted.keys.shape[:2], evicted.keys.shape[-1], evicted.keys.dtype, evicted.keys.device)
+            self._allocate(*evicted.keys.shape[:2], evicted.keys.shape[-1], evicted.keys.dtype, evicted.keys.device,
+                           evicted.grids is not None)
+        if (evicted.grids is None) != (self.grids is None):
+            raise ValueError("a host tier's pool holds 3-D grids exactly when its model has 3-D positions")
         layers, heads, count, dim = evicted.keys.shape
         pool, order = self.pool, evicted.order.cpu()
         page = order // self.page_tokens
@@ -223,16 +233,18 @@ class HostTier:
         pool.kinds.view(-1)[home] = evicted.kinds.cpu()[kept]
         pool.times.view(-1)[home] = evicted.times.cpu().float()[kept]
         pool.present.view(-1)[home] = True
+        if evicted.grids is not None:
+            pool.grids.view(-1)[home] = evicted.grids.cpu()[kept]
         self.changed.update(n for n in page.unique().tolist() if n in self.slot_of)
         device = self.held.device
         self.held.view(-1)[flat.to(device)] = True
         run = (cell * self.page_keys + place // (self.page_tokens // self.page_keys))[kept].to(device)
         self.key_sums.view(-1, dim).index_add_(0, run, evicted.keys.to(device, INDEX_DTYPE)[kept.to(device)])
 
-    def _allocate(self, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def _allocate(self, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device, positions_3d: bool = False) -> None:
         """Pages for the model's shapes: a pool of the tier's own when it has none."""
         if self.pool is None:
-            self.pool = HostPool(layers, heads, dim, self.slots, self.page_tokens, dtype, device)
+            self.pool = HostPool(layers, heads, dim, self.slots, self.page_tokens, dtype, device, positions_3d)
         if self.run is None:
             self._lease()
 
@@ -243,6 +255,7 @@ class HostTier:
         pages = slice(self.run.first_page, self.run.first_page + self.slots)
         self.keys, self.values = pool.keys[:, :, pages], pool.values[:, :, pages]
         self.kinds, self.times, self.present = pool.kinds[:, :, pages], pool.times[:, :, pages], pool.present[:, :, pages]
+        self.grids = None if pool.grids is None else pool.grids[:, :, pages]
         layers, heads, _, _, dim = pool.keys.shape
         self.held = torch.zeros(self.present.shape, dtype=torch.bool, device=pool.device)
         self.key_sums = torch.zeros(layers, heads, self.slots, self.page_keys, dim, dtype=INDEX_DTYPE, device=pool.device)
@@ -252,6 +265,7 @@ class HostTier:
         if self.run is not None:
             self.run.release()
         self.run = self.keys = self.values = self.kinds = self.times = self.present = self.held = self.key_sums = None
+        self.grids = None
         self.slot_of.clear()
         self.page_of.fill_(-1)
         self.changed.clear()
@@ -269,8 +283,9 @@ class HostTier:
                 self._clear(slot)
             free = (self.page_of < 0).nonzero()
         slot = int(free[0])
-        for tensor in (self.keys, self.values, self.kinds, self.times):  # a snapshot saves the whole page: zeros, never stale
-            tensor[:, :, slot] = 0
+        for tensor in (self.keys, self.values, self.kinds, self.times, self.grids):  # a snapshot saves the whole page: zeros, never stale
+            if tensor is not None:
+                tensor[:, :, slot] = 0
         self.slot_of[number] = slot
         self.page_of[slot] = number
         self.clock += 1
@@ -403,6 +418,7 @@ class HostTier:
             self.kinds[first:last].flatten(2).gather(2, chosen),
             self.times[first:last].flatten(2).gather(2, chosen),
             order,
+            None if self.grids is None else self.grids[first:last].flatten(2).gather(2, chosen),
         )
         return Retrieval(tokens, sorted(self.page_of[(chosen[0] // self.page_tokens).unique()].tolist()))
 
@@ -476,17 +492,18 @@ class HostTier:
         saved = {"options": [self.budget_tokens, self.page_tokens, self.page_keys, self.drop], "by_place": True, "pages": pages,
                  "used": self.used[slots], "counters": [self.clock, self.dropped_pages, self.dropped_through]}
         if self.keys is not None and with_pages:
-            for name in self.SAVED:
+            for name in self.saved:
                 saved[name] = getattr(self, name)[:, :, slots.to(getattr(self, name).device)].cpu()
         elif self.keys is not None:
-            saved["apart"] = [*self.keys.shape[:2], self.keys.shape[-1], str(self.keys.dtype).removeprefix("torch.")]
+            saved["apart"] = [*self.keys.shape[:2], self.keys.shape[-1], str(self.keys.dtype).removeprefix("torch."),
+                              self.grids is not None]
         return saved
 
     def page_state(self, number: int) -> dict[str, torch.Tensor]:
         """What `state` saves of one page held, per layer and KV head (on the CPU): copies, so
         that saving one saves that page alone (a view would save the whole tier beneath it)."""
         slot = self.slot_of[number]
-        return {name: getattr(self, name)[:, :, slot].to("cpu", copy=True) for name in self.SAVED}
+        return {name: getattr(self, name)[:, :, slot].to("cpu", copy=True) for name in self.saved}
 
     def take_changed(self) -> list[int]:
         """The pages held that changed since the last call, in stream order (a snapshot's to write)."""
@@ -506,19 +523,19 @@ class HostTier:
             return tier
         if "keys" in state:
             layers, heads, _, _, dim = state["keys"].shape
-            tier._allocate(layers, heads, dim, state["keys"].dtype, device)
+            tier._allocate(layers, heads, dim, state["keys"].dtype, device, "grids" in state)
             count = len(state["pages"])
-            for name in cls.SAVED:  # format 3 also saved float32 key counts, now read from `present`
+            for name in tier.saved:  # format 3 also saved float32 key counts, now read from `present`
                 getattr(tier, name)[:, :, :count] = state[name].to(getattr(tier, name).device)
             tier.held[:, :, :count] = state["present"].to(device)
         elif "apart" in state:
             if read_page is None:
                 raise ValueError("this snapshot was taken without its host pages: restoring it needs them (read_page)")
-            layers, heads, dim, dtype = state["apart"]
-            tier._allocate(layers, heads, dim, getattr(torch, dtype), device)
+            layers, heads, dim, dtype, *grids = state["apart"]
+            tier._allocate(layers, heads, dim, getattr(torch, dtype), device, bool(grids and grids[0]))
             for slot, number in enumerate(state["pages"]):
                 page = read_page(number)
-                for name in cls.SAVED:
+                for name in tier.saved:
                     getattr(tier, name)[:, :, slot] = page[name].to(getattr(tier, name).device)
                 tier.held[:, :, slot] = page["present"].to(device)
         for slot, number in enumerate(state["pages"]):

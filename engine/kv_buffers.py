@@ -301,7 +301,10 @@ class PreRopeLayer(DynamicLayer):
         if self._rotated is None:
             self._rotated = Rows(self.most_tokens, self._rotated_home)
         count = merged.shape[2]
-        cos, sin, _ = self.table.between(0, count, merged)
+        if self.layout is not None:  # its rows merged already (`Layout.merge`)
+            cos, sin, _ = self.table.at3(self.layout.positions(0, count), merged)
+        else:
+            cos, sin, _ = self.table.between(0, count, merged)
         rotate(merged, cos, sin, self.table.scale, out=self._rotated.extend(count, merged))
 
     def at_home(self, tokens: int) -> bool:

@@ -54,7 +54,7 @@ from torch import nn
 from engine.host_tier import SCORED_LAYERS, HostTier, Tokens
 from engine.kv_buffers import LayerStore, PositionTable, PreRopeLayer, QueryWindow, outside_inference, rotate, take
 from engine.kv_pool import KEYS, ROTATED, VALUES, Lease
-from engine.layout import Layout, positions_of
+from engine.layout import FIELDS, GRID_COLUMN, GRID_ROW, GROUP, Layout, compact, pack, positions_of, unpack
 from engine.policies import Observation, Policy
 
 TEXT, FRAME = 0, 1
@@ -76,6 +76,7 @@ class MergePlan:
     times: tuple[torch.Tensor, ...]
     order: tuple[torch.Tensor, ...]
     borrowed: tuple[torch.Tensor, ...]
+    layout: tuple[torch.Tensor, ...] | None = None  # with 3-D positions: (FIELDS, kv_heads, held + k), re-encoded
 
     def __len__(self) -> int:
         return self.merge.shape[0]
@@ -179,7 +180,8 @@ class KVCache:
         """The position the next token takes (with 3-D positions, its s: `engine/layout.py`)."""
         if not self.positions_3d:
             return self.hf.get_seq_length()
-        return max(cached.layout.next_position() for cached in self.hf.layers)
+        # after the places reserved for what a question borrows: its tokens take at most as many (`engine/layout.py`)
+        return max(cached.layout.next_position() for cached in self.hf.layers) + self.hf.layers[0].pending
 
     def incoming_rotations(self, held: int, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(count, head_dim) cos, sin and minus sin of the positions of the next forward's
@@ -393,6 +395,8 @@ class KVCache:
         # into [held, new, borrowed] as the layer joins them: the held and the borrowed merged in
         # stream order, then the new tokens
         rows = torch.cat([merge + (merge >= held) * new, torch.arange(held, held + new).expand(self.kv_heads, new)], dim=1)
+        if plan.layout is not None:
+            cached.layout.merge(plan.layout[at], held)
         cached.merge(plan.keys[at][None], plan.values[at][None], rows.to(cached.keys.device))
         self._merged(layer, plan, held)
         if retrieval is not None:
@@ -412,7 +416,11 @@ class KVCache:
         first = ahead.start - plan.first
         device = layers[0].keys.device
         lease = self.lease
-        if lease is not None and lease.can_merge(count) and all(c.keys.shape[2] == held and c.at_home(count) for c in layers):
+        if plan.layout is not None:
+            for at, cached in enumerate(layers, start=first):
+                cached.layout.merge(plan.layout[at], held)
+                cached.merge(plan.keys[at][None], plan.values[at][None], plan.merge[at].to(device))
+        elif lease is not None and lease.can_merge(count) and all(c.keys.shape[2] == held and c.at_home(count) for c in layers):
             cos, sin, _ = self.positions.between(0, count, layers[0].keys)
             lease.merge(ahead, held, plan.merge[first:].to(device), plan.keys[first:], plan.values[first:], cos, sin,
                         self.positions.scale)
@@ -447,8 +455,15 @@ class KVCache:
         kinds = torch.cat([torch.stack([self.kinds[layer] for layer in mine]), got.kinds], dim=2).gather(2, merge)
         times = torch.cat([torch.stack([self.times[layer] for layer in mine]), got.times], dim=2).gather(2, merge)
         self.recalled_seconds.update(got.times.floor().long().unique().tolist())
+        layouts = None
+        if got.grids is not None:  # the held tokens' rows and the borrowed ones', merged and re-encoded
+            rows = torch.cat([torch.stack([self.hf.layers[layer].layout.rows[:, :, :held] for layer in mine], dim=1),
+                              unpack(got.grids, got.order)], dim=3)  # (FIELDS, layers, kv_heads, held + k)
+            rows = rows.gather(3, merge[None].expand(FIELDS, -1, -1, -1))
+            rows[:GROUP] = torch.stack([compact(rows[GROUP, i], rows[GRID_ROW, i], rows[GRID_COLUMN, i]) for i in range(len(mine))], dim=1)
+            layouts = rows.unbind(1)
         return MergePlan(first, got.keys, got.values, merge, kinds.unbind(), times.unbind(),
-                         order.gather(2, merge).unbind(), (merge >= held).unbind())
+                         order.gather(2, merge).unbind(), (merge >= held).unbind(), layouts)
 
     def give_back(self) -> None:
         """Remove every borrowed token (they are still in the host tier)."""
@@ -472,11 +487,15 @@ class KVCache:
                 self._received[layer] = torch.cat(
                     [received[:, :width].gather(1, keep.to(received.device)), received[:, width:]], dim=1
                 )
+            self.borrowed[layer] = None
+            if cached.layout is not None:  # 3-D: the others keep their positions (the next eviction re-encodes)
+                held = cached.layout.rows
+                cached.layout.rows = torch.cat([held[:, :, :width].gather(2, keep[None].expand(FIELDS, -1, -1)), held[:, :, width:]], dim=2)
+                continue
             queries = self._queries[layer].read()
             if queries is not None:  # every one is of a token after the borrowed ones: move them back
                 cos, sin = self.positions.up_to(count + 1, queries)
                 self._queries[layer].set(rotate(queries, cos[count:], -sin[count:]))
-            self.borrowed[layer] = None
 
     def pin(self, places: torch.Tensor, turns: int, new_turn: bool = True) -> None:
         """Never evict the tokens at these stream places: the first call's (the opening) for
@@ -504,7 +523,7 @@ class KVCache:
             removed = self.tokens - self.policy.budget_tokens
             evicted = [self._evict_layer(layer) for layer in range(self.num_layers)]
             if self.host is not None:
-                self.host.add(Tokens(*(torch.stack([layer[i] for layer in evicted]) for i in range(5))))
+                self.host.add(Tokens(*(torch.stack([layer[i] for layer in evicted]) for i in range(len(evicted[0])))))
             self._received = [None] * self.num_layers
             self.evictions += 1
             self.evicted_tokens += removed
@@ -536,6 +555,8 @@ class KVCache:
             rows = gone.to(cached.keys.device)
             left = (take(cached.keys, rows)[0], take(cached.values, rows)[0])
             left += tuple(meta[layer].gather(1, gone) for meta in (self.kinds, self.times, self.order))
+            if cached.layout is not None:
+                left += (pack(cached.layout.rows.gather(2, gone[None].expand(FIELDS, -1, -1)), left[4]),)
         rows = keep.to(cached.keys.device)
         cached.keys, cached.values = take(cached.keys, rows), take(cached.values, rows)
         if cached.layout is not None:

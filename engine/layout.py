@@ -68,6 +68,25 @@ def positions_of(rows: torch.Tensor) -> torch.Tensor:
     return torch.stack([rows[SCALAR], rows[SCALAR] + rows[ROW], rows[SCALAR] + rows[COLUMN]], dim=-1)
 
 
+GRID_BITS = 20  # of each of a token's index in its group, its grid row and its grid column, packed
+GRID_MASK = (1 << GRID_BITS) - 1
+
+
+def pack(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """(...) int64 what a host tier keeps of tokens' layouts, given their rows (FIELDS, ...) and
+    stream places (...): each one's index in its group (its place less its group's), grid row
+    and grid column, GRID_BITS bits each. Their positions are made again when they come back."""
+    return ((order - rows[GROUP]) << 2 * GRID_BITS) | (rows[GRID_ROW] << GRID_BITS) | rows[GRID_COLUMN]
+
+
+def unpack(grids: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """(FIELDS, ...) the rows of `pack`ed tokens, their positions 0 (to be re-encoded)."""
+    rows = torch.zeros(FIELDS, *grids.shape, dtype=torch.long)
+    rows[GROUP] = order - (grids >> 2 * GRID_BITS)
+    rows[GRID_ROW], rows[GRID_COLUMN] = (grids >> GRID_BITS) & GRID_MASK, grids & GRID_MASK
+    return rows
+
+
 def _rank_within(group: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """(kv_heads, n) each token's value's rank among the distinct values of its group's tokens."""
     key = group * (int(value.max()) + 1) + value
@@ -147,14 +166,22 @@ class Layout:
         """Hold the tokens at `index` (kv_heads, k), ascending per KV head, re-encoded (`compact`)."""
         self.hold(self.rows.gather(2, index.cpu()[None].expand(FIELDS, -1, -1)))
 
-    def hold(self, rows: torch.Tensor) -> None:
-        """Hold these tokens' rows (FIELDS, kv_heads, k), in stream order per KV head, re-encoded."""
-        rows[:GROUP] = compact(rows[GROUP], rows[GRID_ROW], rows[GRID_COLUMN])
+    def hold(self, rows: torch.Tensor, encoded: bool = False) -> None:
+        """Hold these tokens' rows (FIELDS, kv_heads, k), in stream order per KV head, re-encoded
+        unless `encoded` (they are already)."""
+        if not encoded:
+            rows[:GROUP] = compact(rows[GROUP], rows[GRID_ROW], rows[GRID_COLUMN])
         if rows.shape[2] > self._buffer.shape[2]:
             self.rows = rows
             return
         self._buffer[:, :, : rows.shape[2]] = rows
         self._length, self._next = rows.shape[2], None
+
+    def merge(self, merged: torch.Tensor, held: int) -> None:
+        """Hold `merged` (FIELDS, kv_heads, m), re-encoded (the first `held` tokens and those
+        borrowed, in stream order), then the tokens after the first `held` (a forward's new
+        ones, at the positions they ran at, after the places reserved for the borrowed)."""
+        self.hold(torch.cat([merged, self.rows[:, :, held:]], dim=2), encoded=True)
 
     def next_position(self) -> int:
         """Where the next token goes: after the furthest any KV head's tokens reach."""

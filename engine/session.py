@@ -190,8 +190,6 @@ class Session:
         self.policy = config.make_policy()
         self.context_tokens = min(model.context_tokens, config.context_tokens or model.context_tokens)
         most_tokens = min(config.peak_tokens or self.context_tokens, self.context_tokens)
-        if config.recall and model.position_axes == 3:
-            raise ValueError(f"recall is not supported yet for models with 3-D positions ({model.name!r})")
         host = config.make_host_tier(None if pool is None else pool.host)
         try:
             lease = None if pool is None else pool.lease(most_tokens, owner=self)

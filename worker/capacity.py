@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine import Model, SessionConfig
-from engine.host_pool import HostPool
+from engine.host_pool import GRID_BYTES, HostPool
 from engine.host_tier import index_bytes_per_token
 from engine.kv_pool import KVPool
 from streamvqa import protocol
@@ -105,8 +105,9 @@ class Capacity:
     def __init__(self, settings: WorkerSettings, model: Model, read: ReadMemory = read_memory) -> None:
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self.context_tokens = min(model.context_tokens, settings.max_context_tokens or model.context_tokens)
+        grid_bytes = GRID_BYTES if model.position_axes == 3 else 0  # a place on its frame's grid, for 3-D positions
         self.host_bytes_per_token = (
-            model.kv_bytes_per_token + model.num_layers * model.kv_heads * protocol.HOST_TOKEN_OVERHEAD_BYTES
+            model.kv_bytes_per_token + model.num_layers * model.kv_heads * (protocol.HOST_TOKEN_OVERHEAD_BYTES + grid_bytes)
         )
         self.index_bytes_per_host_token = index_bytes_per_token(
             model.num_layers, model.kv_heads, model.head_dim, SessionConfig.page_tokens, SessionConfig.page_keys
@@ -135,7 +136,9 @@ class Capacity:
         host pool beside it, as many host tier pages as the host memory offered now holds."""
         model = self._model
         shape = (model.num_layers, model.kv_heads, model.head_dim)
-        host = HostPool.sized(self.host.offered_bytes, *shape, SessionConfig.page_tokens, model.dtype, model.device)
+        host = HostPool.sized(
+            self.host.offered_bytes, *shape, SessionConfig.page_tokens, model.dtype, model.device, model.position_axes == 3
+        )
         self.pool = KVPool.sized(self.kv.offered_bytes, *shape, protocol.POOL_PAGE_TOKENS, model.dtype, model.device, host)
         for name, pool, taken in (
             ("KV pool", self.pool, "taken now" if model.device.type == "cuda" else "RAM taken as sessions first use it"),

@@ -41,6 +41,17 @@ def test_qwen_upload_is_answered_with_evidence_and_a_memory_map(user):
     assert held[-1] > 0  # infmllm keeps the newest frames
 
 
+def test_qwen_with_recall_a_question_borrows_from_the_host_tier(user):
+    user.create(fps=2, policy="infmllm", budget_tokens=256, recall=True, retrieval_tokens=64)
+    assert user.upload(sample_video("bikes.mp4").read_bytes()).status_code == 202
+    assert user.wait_for_state("ingested", timeout_s=120)["frames_ingested"] == 20
+    memory = user.http.get(f"/sessions/{user.id}/memory", headers=user.auth).json()
+    assert memory["host_tokens"] > 0  # what the cache evicted, kept on the host
+    answer = user.ask("What came first?", max_new_tokens=4).json()
+    assert 1 <= answer["tokens"] <= 4
+    assert answer["recalled_s"] and all(0 <= t <= 9 for t in answer["recalled_s"])  # seconds it brought back
+
+
 def test_qwen_a_question_on_the_socket_sees_a_frame_left_without_its_pair(user):
     user.create(fps=1)
     socket = StreamSocket(user, "frames")

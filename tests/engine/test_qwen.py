@@ -10,7 +10,7 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
 from engine import Session, SessionConfig, load_model
-from engine.layout import compact, of_parts
+from engine.layout import FIELDS, GRID_COLUMN, GRID_ROW, GROUP, compact, of_parts, pack, unpack
 from engine.model import load_pretrained
 from engine.kv_pool import KVPool
 from engine.qwen_vision import QwenVision
@@ -239,9 +239,83 @@ def test_qwen_a_pair_that_fails_midway_through_its_chunks_leaves_the_session_as_
     assert "".join(session.ask("Which?", max_new_tokens=4)) == "".join(reference.ask("Which?", max_new_tokens=4))
 
 
-def test_qwen_recall_is_refused_with_a_clear_error(qwen):
-    with pytest.raises(ValueError, match="recall is not supported yet for models with 3-D positions"):
-        Session(qwen, SessionConfig(policy="infmllm", recall=True))
+def test_qwen_a_host_tier_keeps_each_tokens_place_on_its_frame():
+    rows = torch.zeros(FIELDS, 2, 3, dtype=torch.long)
+    rows[GROUP] = torch.tensor([[100, 100, 7], [40, 40, 40]])
+    rows[GRID_ROW] = torch.tensor([[0, 1, 0], [2, 2, 3]])
+    rows[GRID_COLUMN] = torch.tensor([[4, 0, 0], [1, 2, 0]])
+    order = torch.tensor([[104, 105, 7], [49, 50, 52]])
+    back = unpack(pack(rows, order), order)
+    assert torch.equal(back[GROUP:], rows[GROUP:]) and not back[:GROUP].any()  # positions are made again
+
+
+def _recalling(qwen, **options) -> Session:
+    config = SessionConfig(policy="infmllm", budget_tokens=160, recall=True, retrieval_tokens=64, host_budget_tokens=1024, **options)
+    session = Session(qwen, config)
+    session.append_frames(_frames(30, seed=11), [float(t) for t in range(30)])
+    return session
+
+
+def test_qwen_recall_borrows_evicted_frames_at_positions_before_the_question(qwen):
+    session = _recalling(qwen)
+    assert session.stats().host_tokens > 300  # most of 15 pairs of 28 tokens left the device
+    answer = session.ask("What was at the start?", max_new_tokens=4)
+    next(answer)  # the question ran: it borrowed, then it was placed after what it borrowed
+    question = len(qwen.tokenize("What was at the start?")) + len(qwen.tokenize(qwen.chat.user_to_assistant))
+    for cached in session.cache.hf.layers:
+        positions = cached.layout.positions()[..., 0]  # (kv_heads, n) time, the least of the three
+        assert cached.layout.tokens == cached.keys.shape[2] == 160 + 64 + question
+        assert positions[:, : 160 + 64].amax() < positions[:, 160 + 64 :].amin()
+    assert all(int(borrowed.sum()) == 2 * 64 for borrowed in session.cache.borrowed)  # 64 in each of 2 KV heads
+    # What the attention reads, borrowed keys among them: the stored keys turned by the model's own
+    # rotary embedding at their 3-D positions, as its forward turns a key
+    for cached in session.cache.hf.layers:
+        for head in range(qwen.kv_heads):
+            keys, positions = cached.keys[0, head], cached.layout.positions()[head]  # (n, head_dim), (n, 3)
+            cos, sin = qwen.rotary(keys, positions.T[:, None, :])  # (1, n, head_dim)
+            half = keys.shape[-1] // 2
+            turned = keys * cos[0] + torch.cat([-keys[:, half:], keys[:, :half]], dim=-1) * sin[0]
+            assert torch.allclose(cached.rotated()[0, head], turned, atol=1e-5)
+    assert session.cache.retrieved_tokens == 64
+    "".join(answer)
+    assert answer.recalled_s and all(0 <= t < 30 for t in answer.recalled_s)  # seconds of frames it borrowed
+    for cached in session.cache.hf.layers:  # given back, and down to the budget again
+        assert cached.layout.tokens == cached.keys.shape[2] == session.cache.tokens == 160
+    assert session.cache.max_position < 160 + 64 + question + 4 + 8  # and 8 of the turn's closing markers
+    session.append_frames(_frames(4, seed=12), [30.0, 31.0, 32.0, 33.0])
+    assert session.cache.tokens == 160 and session.cache.next_position() <= 160
+
+
+def test_qwen_recall_restores_from_a_snapshot_with_its_pages_apart(qwen):
+    session = _recalling(qwen)
+    pages = session.changed_host_pages()
+    restored = Session.restore(qwen, session.snapshot(host_pages=False), read_page=pages.__getitem__)
+    answers = ["".join(s.ask("What was at the start?", max_new_tokens=6)) for s in (session, restored)]
+    assert answers[0] == answers[1]
+    tiers = session.cache.host, restored.cache.host
+    assert tiers[0].pages == tiers[1].pages and tiers[0].grids is not None
+    assert all(torch.equal(tiers[0].page_state(n)["grids"], tiers[1].page_state(n)["grids"]) for n in tiers[0].pages)
+
+
+def test_qwen_recall_answers_together_as_alone(qwen):
+    def sessions() -> list[Session]:
+        recall = _recalling(qwen)
+        plain = Session(qwen, SessionConfig(policy="snapkv", budget_tokens=160))
+        plain.append_frames(_frames(9, seed=13), [float(t) for t in range(9)])
+        return [recall, plain]
+
+    questions = ["What was at the start?", "Colour?"]
+    alone = ["".join(s.ask(q, max_new_tokens=6)) for s, q in zip(sessions(), questions)]
+    answers = [s.ask(q, max_new_tokens=6) for s, q in zip(sessions(), questions)]
+    texts, live = [[] for _ in answers], list(range(len(answers)))
+    while live:
+        pieces = step([answers[i] for i in live])
+        for i, piece in zip(live, pieces):
+            assert not isinstance(piece, Exception), piece
+            if piece is not None:
+                texts[i].append(piece)
+        live = [i for i, piece in zip(live, pieces) if piece is not None]
+    assert ["".join(text) for text in texts] == alone
 
 
 def test_qwen_loads_from_a_local_folder_like_a_hub_checkpoint(qwen, tmp_path):
