@@ -17,6 +17,11 @@ lives through, what the attention sees is one rotation away from what the model 
 bfloat16, rotating kept keys from position to position at every eviction instead lets the
 rounding build up (measured: 9% after 150 moves, 40% after 1,000).
 
+A model with 3-D positions (Qwen2.5-VL, Qwen3-VL) places tokens by each layer's `Layout`
+instead (`engine/layout.py`): keys are turned back from, and rotated at, each token's 3-D
+position there, and an eviction, a borrowing or a give-back moves its rows with the tokens; an
+eviction (or a borrowing) re-encodes them.
+
 Keys, values and the copy each sit in a buffer with room after their tokens (at most half as
 many again as the most it held, and no more than the cache's expected peak, `most_tokens`, while
 it holds no more), so that a forward writes only its new tokens, in place, where a transformers

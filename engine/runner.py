@@ -12,7 +12,7 @@ sessions whose caches lease from one KV pool (a worker's) are written and attend
 together, one call per layer for all of them (`engine/pool_attention.py`); the others (no pool,
 or borrowing from a host tier this forward) each through its own cache, in the same forward.
 
-With 3-D positions (Qwen2.5-VL), a prompt carries its layout, and its tokens are placed after
+With 3-D positions (Qwen2.5-VL, Qwen3-VL), a prompt carries its layout, and its tokens are placed after
 the cache's furthest position (`engine/layout.py`); its cache is told what to keep of them
 before each forward.
 
@@ -134,7 +134,7 @@ def run(model: Model, prompts: Sequence[Prompt]) -> list[Ran]:
 
 def _placed(prompt: Prompt) -> tuple[torch.Tensor, torch.Tensor] | None:
     """With 3-D positions: the prompt's tokens' positions (3, c) after its cache, and what the
-    cache keeps of them (3, c) (`layout.arriving`)."""
+    cache keeps of them (layout.FIELDS, c) (`layout.arriving`)."""
     if prompt.layout is None:
         return None
     return layout.arriving(prompt.layout, prompt.cache.next_position(), prompt.cache.appended)

@@ -292,6 +292,7 @@ class Session:
 
     def prompt(self, parts: list[Part], targets: torch.Tensor | None = None) -> runner.Prompt:
         """Parts as the runner's prompt after this session's cache (scored against `targets`)."""
+        deepstack = [part.deepstack[0] for part in parts if part.deepstack is not None]
         return runner.Prompt(
             self.cache,
             torch.cat([part.embeds for part in parts], dim=1),
@@ -301,7 +302,7 @@ class Session:
             targets,
             self._logits if targets is not None else None,
             layout.of_parts([(part.tokens, part.grid) for part in parts]) if self.cache.positions_3d else None,
-            torch.cat([part.deepstack[0] for part in deep]) if (deep := [p for p in parts if p.deepstack is not None]) else None,
+            torch.cat(deepstack) if deepstack else None,
         )
 
     def ran(self, parts: list[Part], ran: runner.Ran) -> None:

@@ -174,18 +174,22 @@ def test_qwen_a_lone_frame_waits_for_its_pair_unless_a_question_comes(qwen):
 
 
 def test_qwen_snapshot_restores_the_layout_and_the_frame_waiting(qwen):
-    config = SessionConfig(policy="infmllm", budget_tokens=160)
+    config = SessionConfig(policy="infmllm", budget_tokens=160, peak_tokens=320)
     first = Session(qwen, config)
     first.append_frames(_frames(9, seed=7), [float(t) for t in range(9)])
     restored = Session.restore(qwen, first.snapshot())
     for layer in range(qwen.num_layers):
         assert torch.equal(first.cache.hf.layers[layer].layout.rows, restored.cache.hf.layers[layer].layout.rows)
+    # taken over by another worker: restored into its KV pool
+    pool = KVPool(qwen.num_layers, qwen.kv_heads, qwen.head_dim, 320 // 16, 16, qwen.dtype, qwen.device)
+    taken = Session.restore(qwen, first.snapshot(), pool)
+    assert pool.free_pages == 0 and taken.cache.lease is not None
     answers = []
-    for session in (first, restored):
+    for session in (first, restored, taken):
         session.append_frames(_frames(3, seed=8), [9.0, 10.0, 11.0])
         answers.append("".join(session.ask("What came last?", max_new_tokens=6)))
         assert session.stats().frames == 12
-    assert answers[0] == answers[1]
+    assert answers[0] == answers[1] == answers[2]
 
 
 def test_qwen_answers_together_are_the_answers_alone(qwen):
@@ -362,3 +366,23 @@ def test_qwen_sessions_in_one_kv_pool_attend_together_and_answer_as_alone(qwen):
     for a, b in zip(pooled, alone):
         for layer in range(qwen.num_layers):
             assert torch.equal(a.cache.hf.layers[layer].layout.rows, b.cache.hf.layers[layer].layout.rows)
+
+
+def test_qwen_in_bfloat16_keys_are_one_rotation_from_what_the_model_computed_after_many_evictions(qwen):
+    """However many evictions re-encode a key's position, what the attention reads is the stored
+    key rotated once, by the model's own rotary embedding at its 3-D position: bfloat16's
+    rounding of that one rotation, not one per move (docs/engine.md, "Precision")."""
+    model = load_model(qwen.name, "cpu")
+    model.hf.to(torch.bfloat16)
+    session = Session(model, SessionConfig(policy="infmllm", budget_tokens=160))
+    for first in range(0, 80, 8):
+        session.append_frames(_frames(8, seed=first), [float(t) for t in range(first, first + 8)])
+    assert session.stats().evictions >= 30
+    for cached in session.cache.hf.layers:
+        for head in range(model.kv_heads):
+            keys, positions = cached.keys[0, head].float(), cached.layout.positions()[head]
+            cos, sin = model.rotary(keys, positions.T[:, None, :])
+            half = keys.shape[-1] // 2
+            turned = keys * cos[0].float() + torch.cat([-keys[:, half:], keys[:, :half]], dim=-1) * sin[0].float()
+            error = (cached.rotated()[0, head].float() - turned).norm() / turned.norm()
+            assert error < 0.01  # one bfloat16 rounding (2^-8 a value) of each rotated key
