@@ -16,12 +16,42 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from engine import demo
+from engine.step import step
 from streamvqa import children
 from streamvqa.redis_client import connect_sync
 from streamvqa.redis_server import free_port
 from streamvqa.run import wait_until_serving
 
 START_TIMEOUT_S = 120
+
+
+def answer_together(answers) -> list[str]:
+    """Every answer to its end, in engine steps of all of them: their questions run as one
+    forward, then each step's tokens."""
+    texts: list[list[str]] = [[] for _ in answers]
+    live = list(range(len(answers)))
+    while live:
+        pieces = step([answers[i] for i in live])
+        assert not any(isinstance(piece, Exception) for piece in pieces), pieces
+        for i, piece in zip(live, pieces):
+            if piece is not None:
+                texts[i].append(piece)
+        live = [i for i, piece in zip(live, pieces) if piece is not None]
+    return ["".join(text) for text in texts]
+
+
+def fault_at_call(layer, monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    """A device fault: the layer's forward raises RuntimeError("device fault") at its `call`-th
+    call from now on (until `monkeypatch.undo()`)."""
+    original, calls = layer.forward, []
+
+    def broken(hidden, *args, **kwargs):
+        calls.append(hidden.shape[1])
+        if len(calls) == call:
+            raise RuntimeError("device fault")
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", broken)
 
 
 def sample_video(name: str) -> Path:

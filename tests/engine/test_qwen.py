@@ -14,8 +14,8 @@ from engine.layout import FIELDS, GRID_COLUMN, GRID_ROW, GROUP, compact, of_part
 from engine.model import load_pretrained
 from engine.kv_pool import KVPool
 from engine.qwen_vision import QwenVision
-from engine.step import step
 from engine import tiny
+from tests.support import answer_together, fault_at_call
 
 TIMES = [0.0, 0.5, 1.0, 1.5, 2.0]
 FAMILIES = ["tiny-random-qwen2-5-vl", "tiny-random-qwen3-vl"]
@@ -205,15 +205,7 @@ def test_qwen_answers_together_are_the_answers_alone(qwen):
 
     alone = ["".join(s.ask(q, max_new_tokens=6)) for s, (*_, q) in zip(streamed(), cases)]
     answers = [s.ask(q, max_new_tokens=6) for s, (*_, q) in zip(streamed(), cases)]
-    texts, live = [[] for _ in answers], list(range(len(answers)))
-    while live:
-        pieces = step([answers[i] for i in live])
-        for i, piece in zip(live, pieces):
-            assert not isinstance(piece, Exception), piece
-            if piece is not None:
-                texts[i].append(piece)
-        live = [i for i, piece in zip(live, pieces) if piece is not None]
-    assert ["".join(text) for text in texts] == alone
+    assert answer_together(answers) == alone
 
 
 def test_qwen_a_pair_that_fails_midway_through_its_chunks_leaves_the_session_as_it_was(qwen, monkeypatch):
@@ -221,16 +213,7 @@ def test_qwen_a_pair_that_fails_midway_through_its_chunks_leaves_the_session_as_
     session, reference = Session(qwen, config), Session(qwen, config)
     for each in (session, reference):
         each.append_frames(_frames(8, seed=9), [float(t) for t in range(8)])
-    layer = qwen.hf.model.language_model.layers[1]
-    original, calls = layer.forward, []
-
-    def broken(hidden, *args, **kwargs):  # a device fault in the third forward of the pair's prompt
-        calls.append(hidden.shape[1])
-        if len(calls) == 3:
-            raise RuntimeError("device fault")
-        return original(hidden, *args, **kwargs)
-
-    monkeypatch.setattr(layer, "forward", broken)
+    fault_at_call(qwen.hf.model.language_model.layers[1], monkeypatch, 3)  # in the third forward of the pair's prompt
     with pytest.raises(RuntimeError, match="device fault"):
         session.append_frames(_frames(2, seed=10), [8.0, 9.0])
     monkeypatch.undo()
@@ -251,6 +234,15 @@ def test_qwen_a_host_tier_keeps_each_tokens_place_on_its_frame():
     order = torch.tensor([[104, 105, 7], [49, 50, 52]])
     back = unpack(pack(rows, order), order)
     assert torch.equal(back[GROUP:], rows[GROUP:]) and not back[:GROUP].any()  # positions are made again
+
+
+def _turned_by_the_model(model, cached, head: int) -> torch.Tensor:
+    """(n, head_dim) a layer's stored keys of one KV head turned in float32 by the model's own
+    rotary embedding at their 3-D positions, as its forward turns a key."""
+    keys, positions = cached.keys[0, head].float(), cached.layout.positions()[head]  # (n, head_dim), (n, 3)
+    cos, sin = model.rotary(keys, positions.T[:, None, :])  # (1, n, head_dim)
+    half = keys.shape[-1] // 2
+    return keys * cos[0] + torch.cat([-keys[:, half:], keys[:, :half]], dim=-1) * sin[0]
 
 
 def _recalling(qwen, **options) -> Session:
@@ -275,11 +267,7 @@ def test_qwen_recall_borrows_evicted_frames_at_positions_before_the_question(qwe
     # rotary embedding at their 3-D positions, as its forward turns a key
     for cached in session.cache.hf.layers:
         for head in range(qwen.kv_heads):
-            keys, positions = cached.keys[0, head], cached.layout.positions()[head]  # (n, head_dim), (n, 3)
-            cos, sin = qwen.rotary(keys, positions.T[:, None, :])  # (1, n, head_dim)
-            half = keys.shape[-1] // 2
-            turned = keys * cos[0] + torch.cat([-keys[:, half:], keys[:, :half]], dim=-1) * sin[0]
-            assert torch.allclose(cached.rotated()[0, head], turned, atol=1e-5)
+            assert torch.allclose(cached.rotated()[0, head], _turned_by_the_model(qwen, cached, head), atol=1e-5)
     assert session.cache.retrieved_tokens == 64
     "".join(answer)
     assert answer.recalled_s and all(0 <= t < 30 for t in answer.recalled_s)  # seconds of frames it borrowed
@@ -311,15 +299,7 @@ def test_qwen_recall_answers_together_as_alone(qwen):
     questions = ["What was at the start?", "Colour?"]
     alone = ["".join(s.ask(q, max_new_tokens=6)) for s, q in zip(sessions(), questions)]
     answers = [s.ask(q, max_new_tokens=6) for s, q in zip(sessions(), questions)]
-    texts, live = [[] for _ in answers], list(range(len(answers)))
-    while live:
-        pieces = step([answers[i] for i in live])
-        for i, piece in zip(live, pieces):
-            assert not isinstance(piece, Exception), piece
-            if piece is not None:
-                texts[i].append(piece)
-        live = [i for i, piece in zip(live, pieces) if piece is not None]
-    assert ["".join(text) for text in texts] == alone
+    assert answer_together(answers) == alone
 
 
 def test_qwen_loads_from_a_local_folder_like_a_hub_checkpoint(qwen, tmp_path):
@@ -354,15 +334,7 @@ def test_qwen_sessions_in_one_kv_pool_attend_together_and_answer_as_alone(qwen):
     expected = ["".join(s.ask(q, max_new_tokens=6)) for s, (*_, q) in zip(alone, cases)]
     answers = [s.ask(q, max_new_tokens=6) for s, (*_, q) in zip(pooled, cases)]
     assert all(s.cache.in_pool(1) for s in pooled)
-    texts, live = [[] for _ in answers], list(range(len(answers)))
-    while live:
-        pieces = step([answers[i] for i in live])
-        for i, piece in zip(live, pieces):
-            assert not isinstance(piece, Exception), piece
-            if piece is not None:
-                texts[i].append(piece)
-        live = [i for i, piece in zip(live, pieces) if piece is not None]
-    assert ["".join(text) for text in texts] == expected
+    assert answer_together(answers) == expected
     for a, b in zip(pooled, alone):
         for layer in range(qwen.num_layers):
             assert torch.equal(a.cache.hf.layers[layer].layout.rows, b.cache.hf.layers[layer].layout.rows)
@@ -380,9 +352,6 @@ def test_qwen_in_bfloat16_keys_are_one_rotation_from_what_the_model_computed_aft
     assert session.stats().evictions >= 30
     for cached in session.cache.hf.layers:
         for head in range(model.kv_heads):
-            keys, positions = cached.keys[0, head].float(), cached.layout.positions()[head]
-            cos, sin = model.rotary(keys, positions.T[:, None, :])
-            half = keys.shape[-1] // 2
-            turned = keys * cos[0].float() + torch.cat([-keys[:, half:], keys[:, :half]], dim=-1) * sin[0].float()
+            turned = _turned_by_the_model(model, cached, head)
             error = (cached.rotated()[0, head].float() - turned).norm() / turned.norm()
             assert error < 0.01  # one bfloat16 rounding (2^-8 a value) of each rotated key

@@ -10,7 +10,7 @@ import torch
 from engine import ContextFull, Session, SessionConfig, load_model
 from engine.step import Frames, step
 from demo_training import scenes
-from tests.support import needs_demo
+from tests.support import answer_together, fault_at_call, needs_demo
 
 
 SEED = 20240  # held-out scenes (training draws from seeds [0, 1] and [0, 2])
@@ -30,20 +30,6 @@ def _streamed(model, config: SessionConfig, frames: int, seed: int) -> Session:
     session = Session(model, config)
     session.append_frames(_frames(frames, seed), [float(t) for t in range(frames)])
     return session
-
-
-def _answer_together(answers) -> list[str]:
-    """Every answer to its end, their questions run as one forward, then each step's tokens."""
-    texts: list[list[str]] = [[] for _ in answers]
-    live = list(range(len(answers)))
-    while live:
-        pieces = step([answers[i] for i in live])
-        assert not any(isinstance(piece, Exception) for piece in pieces), pieces
-        for i, piece in zip(live, pieces):
-            if piece is not None:
-                texts[i].append(piece)
-        live = [i for i, piece in zip(live, pieces) if piece is not None]
-    return ["".join(text) for text in texts]
 
 
 def _same_cache(a: Session, b: Session) -> None:
@@ -93,7 +79,7 @@ def test_answers_run_together_are_the_answers_run_alone(llava, monkeypatch):
     together = sessions()
     answers = [s.ask(question, max_new_tokens=10) for s, (*_, question) in zip(together, CASES)]
     widths = _forward_widths(llava, monkeypatch)
-    assert _answer_together(answers) == expected
+    assert answer_together(answers) == expected
     monkeypatch.undo()
     assert [a.tokens for a in answers] == [10, 10, 10, 10]
     # the questions in one forward, then 9 of a token each, then the four turns closed in one
@@ -174,7 +160,7 @@ def test_a_failed_batched_forward_leaves_every_session_as_it_was(llava, monkeypa
     second = step(answers)  # the batched forward fails: each token runs alone instead
     monkeypatch.undo()
     assert not any(isinstance(piece, Exception) for piece in first + second)
-    rest = _answer_together(answers)
+    rest = answer_together(answers)
     assert [a + b + c for a, b, c in zip(first, second, rest)] == expected
 
 
@@ -212,7 +198,7 @@ def test_question_starts_answer_tokens_and_frames_share_a_step(llava):
     second = together[1].ask("Where?", max_new_tokens=5)
     mixed = step([first, second, Frames(together[2], _frames(2, 30), [9.0, 10.0])])
     assert mixed[2] is None and not any(isinstance(piece, Exception) for piece in head + mixed)
-    rest = _answer_together([first, second])
+    rest = answer_together([first, second])
     assert [head[0] + mixed[0] + rest[0], mixed[1] + rest[1]] == expected
     for a, b in zip(alone, together):
         _same_cache(a, b)
@@ -246,16 +232,7 @@ def test_a_prompt_that_fails_midway_through_its_chunks_leaves_the_session_as_it_
     config = SessionConfig(policy="infmllm", budget_tokens=200, prefill_chunk_tokens=7)
     session, reference = _streamed(llava, config, 2, 0), _streamed(llava, config, 2, 0)
     before = session.stats()
-    layer = llava.hf.model.language_model.layers[1]
-    original, calls = layer.forward, []
-
-    def broken(hidden, *args, **kwargs):  # a device fault in the third forward of the frame's prompt
-        calls.append(hidden.shape[1])
-        if len(calls) == 3:
-            raise RuntimeError("device fault")
-        return original(hidden, *args, **kwargs)
-
-    monkeypatch.setattr(layer, "forward", broken)
+    fault_at_call(llava.hf.model.language_model.layers[1], monkeypatch, 3)  # in the third forward of the frame's prompt
     with pytest.raises(RuntimeError, match="device fault"):
         session.append_frames(_frames(1, 40), [3.0])
     monkeypatch.undo()
@@ -284,7 +261,7 @@ def test_the_demo_model_answers_the_same_together_and_alone():
 
     expected = ["".join(s.ask(q, max_new_tokens=16)) for s, q in zip(sessions(), questions)]
     assert all(expected)
-    assert _answer_together([s.ask(q, max_new_tokens=16) for s, q in zip(sessions(), questions)]) == expected
+    assert answer_together([s.ask(q, max_new_tokens=16) for s, q in zip(sessions(), questions)]) == expected
 
 
 # -- state made in a batched step, changed in a lone one (and back) ------------------------------
@@ -346,7 +323,7 @@ def test_a_question_run_together_then_alone(llava):
     for session, second in zip(sessions, (100.0, 130.0)):  # the next question's time is past 64 s
         session.append_frames(_frames(1, 7), [second])
     answers = [s.ask("What came first?", max_new_tokens=3) for s in sessions]
-    assert _answer_together(answers)
+    assert answer_together(answers)
     assert [a.tokens for a in answers] == [3, 3]
     assert _inference_tensors(sessions[0]) == []
     sessions[0].append_frames(_frames(1, 8), [131.0])  # alone
@@ -360,7 +337,7 @@ def test_restored_then_together_then_alone(llava):
     times = [140.0]  # past what the restored counters hold
     assert step([Frames(s, _frames(1, i), times) for i, s in enumerate(restored)]) == [None, None]
     answers = [s.ask("What is it?", max_new_tokens=2) for s in restored]
-    _answer_together(answers)
+    answer_together(answers)
     assert all(_inference_tensors(s) == [] for s in restored)
     restored[1].append_frames(_frames(1, 5), [141.0])  # alone
     assert len(list(restored[1].ask("Now?", max_new_tokens=2))) == 2
