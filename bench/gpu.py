@@ -239,7 +239,8 @@ def build_model(shape: str, device: str) -> Model:
         vision = Vision.of(FAMILIES["llava_onevision"], config, SIGLIP_MEAN, SIGLIP_STD)
         name = f"llava-onevision-qwen2-{shape}-random"
     model = Model(name, hf, tokenizer, chat_format(tokenizer, None), vision, device)
-    model.frame_markers = (VISION_START, VISION_END) if qwen else ("", "")  # the ASCII tokenizer's own
+    if qwen:  # the published ids of its vision markers lie outside the ASCII tokenizer: the tokenizer's own
+        model.frame_markers = (VISION_START, VISION_END)
     model.stop_ids = frozenset()  # random weights: every answer runs to its max_new_tokens
     return model
 

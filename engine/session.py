@@ -277,7 +277,7 @@ class Session:
             parts, times = [], []
             for group, tokens in enumerate(visual[start : start + each], start):
                 group_times = [float(t) for t in times_s[group * size : (group + 1) * size]]
-                before, after = self.model.frame_text(group_times + group_times[-1:] * (size - len(group_times)))
+                before, after = self.model.frame_text(group_times)
                 embeds, deepstack = self.model.split_visual(tokens[None])
                 t = group_times[0]
                 parts += [self._text(before, t), Part(embeds, FRAME, t, grid, deepstack), self._text(after, t)]

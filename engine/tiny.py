@@ -134,51 +134,37 @@ QWEN_PREPROCESSOR = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}  # frames o
 QWEN3_PREPROCESSOR = {"size": {"shortest_edge": 2 * 64 * 64, "longest_edge": 2 * 128 * 128}}  # a pair's pixels: 4x4 merged patches at most
 
 
-def tiny_qwen2_5_vl(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Qwen2.5-VL: its windowed vision tower (patches of 14, 2x2 merge, temporal patch 2) and its
-    language model with 3-D rotary positions in sections of (time, height, width)."""
+def _tiny_qwen(config_class: type, model_class: type, vision: dict, seed: int, **text: object):
+    """A Qwen model of `config_class` and `model_class` over the ASCII tokenizer with Qwen's vision
+    markers: `vision` its vision tower's fields, `text` its language model's beyond the tiny ones."""
     tokenizer = ascii_tokenizer((VISION_START, VISION_END))
     ids = tokenizer.convert_tokens_to_ids
-    text = _text_config(
-        dict, tokenizer, bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
-    )
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config={
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "tokens_per_second": 2,
-            "window_size": 56, "fullatt_block_indexes": [1],
-        },
+    config = config_class(
+        text_config=_text_config(dict, tokenizer, bos_token_id=None, **text),
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2, **vision},
         image_token_id=ids(IMAGE),
         video_token_id=ids(VIDEO),
         vision_start_token_id=ids(VISION_START),
         vision_end_token_id=ids(VISION_END),
     )
-    return _seeded(lambda: Qwen2_5_VLForConditionalGeneration(config), seed), tokenizer
+    return _seeded(lambda: model_class(config), seed), tokenizer
+
+
+def tiny_qwen2_5_vl(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Qwen2.5-VL: its windowed vision tower (patches of 14, 2x2 merge, temporal patch 2) and its
+    language model with 3-D rotary positions in sections of (time, height, width)."""
+    vision = {"depth": 2, "patch_size": 14, "tokens_per_second": 2, "window_size": 56, "fullatt_block_indexes": [1]}
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
+    return _tiny_qwen(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, vision, seed, rope_parameters=rope)
 
 
 def tiny_qwen3_vl(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Qwen3-VL: its vision tower (patches of 16, 2x2 merge, temporal patch 2, deep-stack features
     added to the language model's first layers) and 3-D rotary positions with interleaved sections."""
-    tokenizer = ascii_tokenizer((VISION_START, VISION_END))
-    ids = tokenizer.convert_tokens_to_ids
-    text = _text_config(
-        dict, tokenizer, bos_token_id=None, head_dim=16,
-        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True},
-    )
-    config = Qwen3VLConfig(
-        text_config=text,
-        vision_config={
-            "depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
-            "deepstack_visual_indexes": [0, 1],
-        },
-        image_token_id=ids(IMAGE),
-        video_token_id=ids(VIDEO),
-        vision_start_token_id=ids(VISION_START),
-        vision_end_token_id=ids(VISION_END),
-    )
-    return _seeded(lambda: Qwen3VLForConditionalGeneration(config), seed), tokenizer
+    vision = {"depth": 3, "patch_size": 16, "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]}
+    rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+    return _tiny_qwen(Qwen3VLConfig, Qwen3VLForConditionalGeneration, vision, seed, head_dim=16, rope_parameters=rope)
 
 
 def tiny_llama(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
