@@ -465,7 +465,7 @@ class KVCache:
             rows = torch.cat([torch.stack([self.hf.layers[layer].layout.rows[:, :, :held] for layer in mine], dim=1),
                               unpack(got.grids, got.order)], dim=3)  # (FIELDS, layers, kv_heads, held + k)
             rows = rows.gather(3, merge[None].expand(FIELDS, -1, -1, -1))
-            rows[:GROUP] = torch.stack([compact(rows[GROUP, i], rows[GRID_ROW, i], rows[GRID_COLUMN, i]) for i in range(len(mine))], dim=1)
+            rows[:GROUP] = compact(*(rows[field].flatten(0, 1) for field in (GROUP, GRID_ROW, GRID_COLUMN))).view(3, *rows.shape[1:])
             layouts = rows.unbind(1)
         return MergePlan(first, got.keys, got.values, merge, kinds.unbind(), times.unbind(),
                          order.gather(2, merge).unbind(), (merge >= held).unbind(), layouts)
@@ -493,9 +493,8 @@ class KVCache:
                     [received[:, :width].gather(1, keep.to(received.device)), received[:, width:]], dim=1
                 )
             self.borrowed[layer] = None
-            if cached.layout is not None:  # 3-D: the others keep their positions (the next eviction re-encodes)
-                held = cached.layout.rows
-                cached.layout.rows = torch.cat([held[:, :, :width].gather(2, keep[None].expand(FIELDS, -1, -1)), held[:, :, width:]], dim=2)
+            if cached.layout is not None:  # 3-D: the others keep their positions, so no query moves
+                cached.layout.give_back(keep, width)
                 continue
             queries = self._queries[layer].read()
             if queries is not None:  # every one is of a token after the borrowed ones: move them back
@@ -561,7 +560,7 @@ class KVCache:
             left = (take(cached.keys, rows)[0], take(cached.values, rows)[0])
             left += tuple(meta[layer].gather(1, gone) for meta in (self.kinds, self.times, self.order))
             if cached.layout is not None:
-                left += (pack(cached.layout.rows.gather(2, gone[None].expand(FIELDS, -1, -1)), left[4]),)
+                left += (pack(cached.layout.take(gone), left[4]),)
         rows = keep.to(cached.keys.device)
         cached.keys, cached.values = take(cached.keys, rows), take(cached.values, rows)
         if cached.layout is not None:

@@ -103,7 +103,8 @@ def _rank_within(group: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 def compact(group: torch.Tensor, grid_row: torch.Tensor, grid_column: torch.Tensor) -> torch.Tensor:
     """(3, kv_heads, n) the re-encoded s, row and column of kept tokens, in stream order per KV
-    head, given each one's group and place on its group's grid (kv_heads, n)."""
+    head, given each one's group and place on its group's grid (kv_heads, n). Each row is its
+    own: the layers' KV heads may come as one (layers * kv_heads, n)."""
     if group.shape[1] == 0:
         return torch.zeros(3, *group.shape, dtype=torch.long)
     row, column = _rank_within(group, grid_row), _rank_within(group, grid_column)
@@ -162,9 +163,19 @@ class Layout:
         if count < self._length:
             self._length, self._next = count, None
 
+    def take(self, index: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """(FIELDS, kv_heads, k) the rows of the tokens at `index` (kv_heads, k) among the first
+        `width` (all when None)."""
+        return self.rows[:, :, :width].gather(2, index.cpu()[None].expand(FIELDS, -1, -1))
+
     def keep(self, index: torch.Tensor) -> None:
         """Hold the tokens at `index` (kv_heads, k), ascending per KV head, re-encoded (`compact`)."""
-        self.hold(self.rows.gather(2, index.cpu()[None].expand(FIELDS, -1, -1)))
+        self.hold(self.take(index))
+
+    def give_back(self, index: torch.Tensor, width: int) -> None:
+        """Hold the tokens at `index` (kv_heads, k) among the first `width`, then those after them,
+        each at its position (a borrowing given back leaves gaps, which the next eviction closes)."""
+        self.rows = torch.cat([self.take(index, width), self.rows[:, :, width:]], dim=2)
 
     def hold(self, rows: torch.Tensor, encoded: bool = False) -> None:
         """Hold these tokens' rows (FIELDS, kv_heads, k), in stream order per KV head, re-encoded
