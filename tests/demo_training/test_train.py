@@ -1,0 +1,113 @@
+"""The demo model's trainer: a schedule stopped and resumed from its saved state, in new trainers as
+new processes would be, goes on exactly as one that never stopped; and the tokens before a needle's
+first scene, run without a graph, give the loss of one pass over the whole.
+
+The real SmolLM2 and a fresh projector; images are random features (what they show does not matter
+here), so no image is encoded."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support import needs_demo
+
+CONFIG = dict(
+    steps=4, warm_steps=3, polish_steps=3, batch=2, eval_every=2, eval_per_task=2, long_frames=(6, 12),
+    long_batch_frames=14, mix={"scene": 1.0, "needle": 1.0, "long": 1.0}, polish_mix={"scene": 1.0, "long": 1.0},
+    bfloat16=False,
+)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    from demo_training.data import RealFrame, build_pool
+    from engine.demo.model import FEATURE_CHANNELS, assemble
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = assemble("cpu", projector_weights=None)  # a fresh projector, seeded
+    noise = torch.Generator().manual_seed(1)
+    frames = [RealFrame("clip.mp4", i, i / 25, np.zeros((8, 8, 3), np.uint8)) for i in range(40)]
+    pool = build_pool(lambda images: (torch.randn(len(images), 9, FEATURE_CHANNELS, generator=noise),
+                                      torch.randn(len(images), 1000, generator=noise)),
+                      frames, scene_count=40, crops_per_frame=0, rng=np.random.default_rng(0), plain_per_colour=2)
+    return model, pool, {k: v.clone() for k, v in model.hf.model.multi_modal_projector.state_dict().items()}
+
+
+def trainer_of(parts):
+    from demo_training.train import TrainConfig, Trainer
+
+    model, pool, _ = parts
+    return Trainer(model, TrainConfig(**CONFIG), pool, pool, [f"thing {k}" for k in range(1000)])
+
+
+@needs_demo
+def test_a_schedule_resumed_from_its_saved_state_goes_on_exactly_as_one_that_never_stopped(parts, tmp_path):
+    from demo_training.checkpoint import Checkpoint
+
+    model, _, first = parts
+    projector = model.hf.model.multi_modal_projector
+    projector.load_state_dict(first)
+    whole = trainer_of(parts)
+    checkpoint = whole.begin("fresh")
+    whole.resume(checkpoint)
+    uninterrupted = whole.run(checkpoint, save=lambda c: None)
+    assert uninterrupted.done and [run["steps"] for run in uninterrupted.runs] == [10]
+    weights = {k: v.clone() for k, v in projector.state_dict().items()}
+
+    # the same schedule in three runs: stopped inside the main stage and inside the polish, each
+    # resumed from the file by a new trainer after the projector was reset to other weights
+    projector.load_state_dict(first)
+    state = tmp_path / "state.pt"
+    trainer = trainer_of(parts)
+    checkpoint = trainer.begin("fresh")
+    trainer.resume(checkpoint)
+    trainer.run(checkpoint, save=lambda c: c.save(state), max_steps=5)
+    for steps in (3, None):
+        projector.load_state_dict({k: torch.zeros_like(v) for k, v in first.items()})
+        saved = Checkpoint.load(state)
+        assert not saved.done and saved.stage == ("main" if steps else "polish")
+        trainer = trainer_of(parts)
+        trainer.resume(saved)
+        resumed = trainer.run(saved, save=lambda c: c.save(state), max_steps=steps)
+    assert resumed.done and [(run["from"], run["steps"]) for run in resumed.runs] == [("warm 0", 5), ("main 2", 3), ("polish 1", 2)]
+
+    losses = [(h["stage"], h["step"], h.get("kind")) for h in resumed.history if "loss" in h]
+    assert losses == [(h["stage"], h["step"], h.get("kind")) for h in uninterrupted.history if "loss" in h]
+    assert [s for s, _, _ in losses] == ["warm"] * 3 + ["main"] * 4 + ["polish"] * 3
+    assert {kind for _, _, kind in losses} == {None, "scene", "needle", "long"}  # every kind drawn, so each path resumed
+    again = [h["loss"] for h in resumed.history if "loss" in h]
+    assert again == pytest.approx([h["loss"] for h in uninterrupted.history if "loss" in h], abs=1e-6)
+    assert [h for h in resumed.history if "held_out" in h] == [h for h in uninterrupted.history if "held_out" in h]
+    for name, tensor in projector.state_dict().items():
+        torch.testing.assert_close(tensor, weights[name], rtol=0, atol=1e-6)
+
+
+@needs_demo
+def test_a_needles_real_frames_before_its_first_scene_run_without_a_graph_for_the_same_loss(parts):
+    """With real frames detached, the positions before the first scene run without a graph; the
+    loss is the one pass's, and only the scenes' tokens give the projector a gradient."""
+    from demo_training.data import Samples
+
+    model, pool, first = parts
+    model.hf.model.multi_modal_projector.load_state_dict(first)
+    trainer = trainer_of(parts)
+    rng = np.random.default_rng(3)
+    batch = [Samples(pool, trainer.names).needle(rng, frames=20) for _ in range(2)]
+    first_scene = min(next(i for i, (item, _) in enumerate(s.frames) if pool.scenes[item] is not None) for s in batch)
+    assert first_scene >= 2  # so that some real frames come first
+    projector = trainer.projector
+    losses, grads = [], []
+    for detach in (False, True):
+        projector.zero_grad(set_to_none=True)
+        for parameter in projector.parameters():
+            parameter.requires_grad_(True)
+        loss, right, count, tokens = trainer.batch_loss(pool, batch, detach_real=detach)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(projector.linear_1.weight.grad.clone())
+        for parameter in projector.parameters():
+            parameter.requires_grad_(False)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert not torch.allclose(grads[0], grads[1])  # the real frames' part of the gradient is gone
+    assert grads[1].abs().sum() > 0
