@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway bench-needle bench-recall bench-fairness bench-chaos bench-pool bench-gpu train-demo
+.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway bench-needle bench-recall bench-fairness bench-chaos bench-pool bench-gpu bench-training train-demo
 
 run: $(STAMP)
 	$(BIN)/python -m streamvqa.run
@@ -58,10 +58,16 @@ bench-pool: $(STAMP)
 bench-gpu: $(STAMP)
 	$(BIN)/python -m bench.gpu $(BENCH_ARGS)
 
-# Trains streamvqa-demo's projector from scratch on CPU (about 55 minutes on 2 cores with AMX) and
-# overwrites the committed weights, engine/demo/projector.safetensors; see docs/demo-model.md.
+# A training step of the demo model on this machine, by precision, whole and with the needles'
+# real frames detached (needs run/demo, which the first training run encodes).
+bench-training: $(STAMP)
+	$(BIN)/python -m bench.training $(BENCH_ARGS)
+
+# Goes on with the demo model's training schedule saved in demo_training/state.pt for at most 150
+# minutes (TRAIN_ARGS="--minutes 60"), or starts one where none is; the finished schedule's weights
+# go to run/demo/projector.safetensors. See docs/demo-model.md.
 train-demo: $(STAMP)
-	$(BIN)/python -m demo_training.train $(TRAIN_ARGS)
+	$(BIN)/python -m demo_training.train $$(test -f demo_training/state.pt && echo --resume) $(TRAIN_ARGS)
 
 # torch first, so that its build is the one TORCH_SPEC names (a CPU wheel here; see README).
 $(STAMP): pyproject.toml

@@ -76,7 +76,7 @@ class TrainConfig:
     detach_real: bool = True  # needles' real frames carry no gradient: only the scenes' tokens learn from them
     bfloat16: bool = True  # the frozen language model's matmuls in bfloat16 (autocast); main() sets it by the CPU
     mix: dict[str, float] = field(
-        default_factory=lambda: {"scene": 0.3, "real": 0.1, "needle": 0.15, "long": 0.35, "moment": 0.05, "video": 0.05}
+        default_factory=lambda: {"scene": 0.4, "real": 0.1, "needle": 0.1, "long": 0.3, "moment": 0.05, "video": 0.05}
     )
     polish_steps: int = 150
     polish_lr: float = 5e-4
