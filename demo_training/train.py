@@ -153,7 +153,7 @@ def pools(config: TrainConfig, tower, cache: Path) -> tuple[Pool, Pool]:
             log(event="encode", done=done, total=total, s=round(time.monotonic() - started, 1))
 
     def encode(images):
-        return pooled_features(tower, images)
+        return tuple(t.cpu() for t in pooled_features(tower, images))
 
     train = build_pool(encode, [f for f in frames if not f.held_out], config.scenes, config.crops_per_frame,
                        np.random.default_rng([config.seed, 1]), config.plain_per_colour, progress=progress)
@@ -167,6 +167,7 @@ def pools(config: TrainConfig, tower, cache: Path) -> tuple[Pool, Pool]:
 class Trainer:
     def __init__(self, model, config: TrainConfig, train: Pool, held_out: Pool, names: list[str]) -> None:
         self.model, self.config = model, config
+        self.device = model.device  # the language model's and projector's; the pools stay on the CPU
         self.lm = model.hf.model.language_model
         self.head = model.hf.lm_head
         self.projector = model.hf.model.multi_modal_projector
@@ -179,6 +180,7 @@ class Trainer:
         # the colour channels would be drowned by the encoder's 1280: standardised louder (a probe
         # of figure colour, before the figure and border channels: 68% at gain 1, 88% at 8)
         self.std[ENCODER_CHANNELS:] /= COLOUR_GAIN
+        self.mean, self.std = self.mean.to(self.device), self.std.to(self.device)
         with torch.no_grad():
             opening = self.layout.opening(DEFAULT_SYSTEM_PROMPT)
             self.opening = DynamicCache()
@@ -207,11 +209,12 @@ class Trainer:
             frames = (ids[r] == VISUAL).nonzero().view(-1, TOKENS_PER_FRAME)  # (frames, 9) positions
             for item, at in zip(row_items, frames, strict=True):
                 learns[r, at] = not (detach_real and pool.scenes[item] is None)
+        ids, targets, learns = ids.to(self.device), targets.to(self.device), learns.to(self.device)
         visual = ids == VISUAL
         with torch.no_grad():
             embeds = self.lm.embed_tokens(ids.clamp(min=0))  # (B, L, hidden)
         items = [item for _, row_items, _ in rows for item in row_items]
-        features = pool.features[items].float().flatten(0, 1)  # (frames * 9, FEATURE_CHANNELS), in order
+        features = pool.features[items].to(self.device).float().flatten(0, 1)  # (frames * 9, FEATURE_CHANNELS), in order
         tokens = self.projector((features - self.mean) / self.std)  # (frames * 9, hidden)
         tokens = torch.where(learns[visual][:, None], tokens, tokens.detach())
         embeds = embeds.masked_scatter(visual[..., None], tokens.to(embeds.dtype))
@@ -221,7 +224,7 @@ class Trainer:
         cache = DynamicCache()
         for layer, past in enumerate(self.opening.layers):
             cache.update(past.keys.expand(len(rows), -1, -1, -1), past.values.expand(len(rows), -1, -1, -1), layer)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bfloat16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bfloat16):
             if split:
                 with torch.no_grad():
                     self.lm(inputs_embeds=embeds[:, :split].detach(), cache=cache, use_cache=True)
@@ -231,7 +234,7 @@ class Trainer:
         loss = F.cross_entropy(logits, targets[trained], reduction="sum")
         right = torch.zeros_like(targets, dtype=torch.bool)
         right[trained] = logits.argmax(dim=-1) == targets[trained]
-        stop = torch.isin(targets, torch.tensor(sorted(self.model.stop_ids)))
+        stop = torch.isin(targets, torch.tensor(sorted(self.model.stop_ids), device=self.device))
         answer = trained & ~stop
         per_sample = lambda mask: torch.stack([(right & mask).sum(dim=1), mask.sum(dim=1)], dim=1)  # noqa: E731
         counts = torch.stack([per_sample(answer), per_sample(stop)], dim=1)  # (B, 2 kinds, [right, all])
@@ -260,7 +263,7 @@ class Trainer:
         words = {item: self.words(self.train, item) for item in range(len(self.train))}
         named = sorted({w for ids in words.values() for w in ids})
         others = np.setdiff1d(rng.permutation(self.lm.embed_tokens.num_embeddings)[: 2 * len(named) + 4096], named)
-        candidates = torch.tensor(named + others.tolist())
+        candidates = torch.tensor(named + others.tolist(), device=self.device)
         column = {w: c for c, w in enumerate(named)}
         vocab = F.normalize(self.lm.embed_tokens.weight[candidates], dim=-1)  # (C, hidden)
         return words, column, vocab, self.lm.embed_tokens.weight.norm(dim=-1).mean()
@@ -273,7 +276,7 @@ class Trainer:
         reads a frame roughly as those words, and the main schedule starts from there."""
         words, column, vocab, norm = targets
         items = rng.integers(len(self.train), size=self.config.warm_batch).tolist()
-        features = self.train.features[items].float()  # (B, 9, FEATURE_CHANNELS)
+        features = self.train.features[items].to(self.device).float()  # (B, 9, FEATURE_CHANNELS)
         tokens = self.projector((features - self.mean) / self.std)  # (B, 9, hidden)
         logp = (F.normalize(tokens, dim=-1) @ vocab.T / WARM_TEMPERATURE).log_softmax(dim=-1)  # (B, 9, C)
         rows, cols = zip(*[(b, column[w]) for b, item in enumerate(items) for w in words[item]], strict=True)
@@ -342,7 +345,8 @@ class Trainer:
         monotonic time `until_s` or after `max_steps` steps, else at the end of the schedule. A
         run that resumes the saved state goes on exactly as if it had not stopped."""
         stages = self.stages()
-        run = {"cpu": cpu_name(), "bfloat16": self.config.bfloat16, "threads": torch.get_num_threads(),
+        run = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "bfloat16": self.config.bfloat16,
+               "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
                "from": f"{checkpoint.stage} {checkpoint.step}", "steps": 0, "s": 0.0}
         checkpoint.runs.append(run)
         started = last_save = time.monotonic()
@@ -485,10 +489,16 @@ def main() -> None:
     parser.add_argument("--init", type=Path, help="start from these weights (skip the warm start with --warm-steps 0)")
     parser.add_argument("--engine-eval", type=int, default=30, help="held-out questions per task through the engine")
     parser.add_argument("--precision", choices=("auto", "bfloat16", "float32"), default="auto",
-                        help="the language model's matmuls: bfloat16 autocast where the CPU has AMX or AVX-512 BF16 (auto)")
+                        help="the language model's matmuls: bfloat16 autocast where the CPU has AMX or AVX-512 BF16, or on a GPU (auto)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the language model and projector run (a CUDA GPU where there is one)")
     args = parser.parse_args()
     started = time.monotonic()
-    bfloat16 = bfloat16_in_hardware() if args.precision == "auto" else args.precision == "bfloat16"
+    device = torch.device(args.device)
+    if args.precision != "auto":
+        bfloat16 = args.precision == "bfloat16"
+    else:
+        bfloat16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else bfloat16_in_hardware()
     if args.resume:
         if not args.state.exists():
             raise SystemExit(f"no training state at {args.state}: start a schedule without --resume")
@@ -502,10 +512,10 @@ def main() -> None:
                              **({"mix": {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}} if args.mix else {}))
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(config.seed)
-    model = assemble("cpu", projector_weights=None if args.resume else args.init)
+    model = assemble(str(device), projector_weights=None if args.resume else args.init)
     names = imagenet_names()
     train, held_out = pools(config, model.hf.model.vision_tower, args.cache)
-    log(event="data", bfloat16=config.bfloat16, train_items=len(train), held_out_items=len(held_out), s=round(time.monotonic() - started, 1))
+    log(event="data", device=str(device), bfloat16=config.bfloat16, train_items=len(train), held_out_items=len(held_out), s=round(time.monotonic() - started, 1))
     trainer = Trainer(model, config, train, held_out, names)
     if args.resume:
         if checkpoint.data != data_key(config):

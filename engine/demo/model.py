@@ -167,7 +167,7 @@ def pooled_features(tower: EfficientNetTower, frames: list[np.ndarray]) -> tuple
     """What the projector reads for each frame, and the ImageNet head's logits of the frame.
 
     Returns (N, 9, FEATURE_CHANNELS) pooled features and (N, 1000) logits, preprocessed as the engine does."""
-    pixels = to_pixels(frames, IMAGE_SIZE, MEAN, STD)
+    pixels = to_pixels(frames, IMAGE_SIZE, MEAN, STD).to(next(tower.parameters()).device)
     grid = tower(pixels).hidden_states[-1]  # (N, 49, FEATURE_CHANNELS)
     return _pool(grid, POOL_STRIDE, POOL_MODE), tower.classify(grid)
 
