@@ -111,3 +111,15 @@ def test_a_needles_real_frames_before_its_first_scene_run_without_a_graph_for_th
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert not torch.allclose(grads[0], grads[1])  # the real frames' part of the gradient is gone
     assert grads[1].abs().sum() > 0
+
+
+@needs_demo
+def test_long_needles_grow_from_the_shortest_to_the_longest_over_the_main_stage(parts):
+    """long_frames (6, 12) over the first 60% of the stage, each step from the upper half of the
+    range so far, as many conversations as 14 frames hold."""
+    trainer = trainer_of(parts)
+    rng = np.random.default_rng(4)
+    for progress, lengths in ((0.0, {6}), (0.3, {6, 7, 8, 9}), (0.6, set(range(6, 13))), (1.0, set(range(6, 13)))):
+        drawn = [trainer.draw(trainer.samples, "long", 8, rng, progress) for _ in range(60)]
+        assert {len(batch[0].frames) for batch in drawn} == lengths
+        assert all(len(batch) == 14 // len(batch[0].frames) and batch[0].task.startswith("long-") for batch in drawn)
