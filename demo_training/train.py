@@ -506,6 +506,8 @@ def main() -> None:
         settings = {k: tuple(v) if isinstance(v, list) else v for k, v in checkpoint.config.items()}
         config = replace(TrainConfig(**settings), bfloat16=bfloat16)  # the schedule's; the precision is this machine's
     else:
+        if args.state.exists():
+            raise SystemExit(f"{args.state} holds a schedule under way: --resume goes on with it; --state PATH starts another")
         config = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr, scenes=args.scenes,
                              eval_every=args.eval_every, warm_steps=args.warm_steps, bfloat16=bfloat16,
                              polish_steps=args.polish_steps,
