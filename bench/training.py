@@ -6,8 +6,9 @@ Draws needle conversations of each length from the trainer's own data (`run/demo
 first `python -m demo_training.train`), as many as one step of long needles holds, and times a
 training step on them (forward and backward through the frozen SmolLM2 into the projector): in
 one pass over the whole, and with the real frames detached so that what comes before the first
-scene runs once without a graph, each conversation on its own (the trainer's way). Prints a JSON line per case: tokens, seconds
-per step (the median of `--repeats`), tokens a second, and the speed-up of the detached way.
+scene runs once without a graph, each conversation on its own (the trainer's way). Prints a JSON
+line per case: tokens, seconds per step (the median of `--repeats`), tokens a second, and the
+speed-up of the detached way.
 bfloat16 autocast is only worth it where the CPU multiplies bfloat16 itself (AMX or AVX-512
 BF16); elsewhere it is emulated, 20 times slower, and skipped unless asked for.
 """
@@ -23,7 +24,6 @@ import numpy as np
 import torch
 
 from bench.common import emit, split_list
-from demo_training.data import Samples
 from demo_training.train import TrainConfig, Trainer, bfloat16_in_hardware, cpu_name, pools
 from engine.demo.model import assemble, imagenet_names
 
@@ -54,10 +54,9 @@ def main() -> None:
     emit(event="machine", cpu=cpu_name(), threads=torch.get_num_threads(), bfloat16_in_hardware=bfloat16_in_hardware())
     for precision in precisions:
         trainer = Trainer(model, replace(config, bfloat16=precision == "bfloat16"), train, held_out, names)
-        samples = Samples(train, names)
         for frames in split_list(args.frames, int):
             rng = np.random.default_rng(frames)
-            batch = [samples.needle(rng, frames) for _ in range(max(1, config.long_batch_frames // frames))]
+            batch = [trainer.samples.needle(rng, frames) for _ in range(max(1, config.long_batch_frames // frames))]
             tokens = sum(len(trainer.layout.ids(s)[0]) for s in batch)
             step_s(trainer, batch, True)  # warm-up
             whole = statistics.median(step_s(trainer, batch, False) for _ in range(args.repeats))

@@ -34,11 +34,6 @@ class Checkpoint:
     def done(self) -> bool:
         return self.stage == "done"
 
-    def steps_done(self, stage_steps: dict[str, int]) -> int:
-        """Steps done over the whole schedule, given each stage's length."""
-        before = STAGES[: STAGES.index(self.stage)]
-        return sum(stage_steps.get(s, 0) for s in before) + self.step
-
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")

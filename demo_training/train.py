@@ -327,12 +327,16 @@ class Trainer:
             "polish": Stage("polish", c.polish_steps, c.polish_lr, 1, c.polish_mix, 6),
         }
 
+    def next_stage(self, after: str | None = None) -> str:
+        """The first stage with steps after `after` (from the start when None), else "done"."""
+        stages = self.stages()
+        later = STAGES[:-1] if after is None else STAGES[STAGES.index(after) + 1 : -1]
+        return next((s for s in later if stages[s].steps), "done")
+
     def begin(self, init: str) -> Checkpoint:
         """A new schedule from the projector as it is now (fresh, or saved weights unfolded)."""
-        stages = self.stages()
-        first = next((s for s in STAGES[:-1] if stages[s].steps), "done")
         projector = {k: v.detach().clone() for k, v in self.projector.state_dict().items()}
-        return Checkpoint(asdict(self.config), data_key(self.config), init, first, 0, projector)
+        return Checkpoint(asdict(self.config), data_key(self.config), init, self.next_stage(), 0, projector)
 
     def resume(self, checkpoint: Checkpoint) -> None:
         self.projector.load_state_dict(checkpoint.projector)
@@ -391,8 +395,7 @@ class Trainer:
                     if time.monotonic() - last_save >= save_every_s:
                         keep(optimizer, rng)
                         last_save = time.monotonic()
-                later = [s for s in STAGES[STAGES.index(stage.name) + 1 : -1] if stages[s].steps]
-                checkpoint.stage, checkpoint.step = (later[0] if later else "done"), 0
+                checkpoint.stage, checkpoint.step = self.next_stage(stage.name), 0
                 keep(None, None)
                 last_save = time.monotonic()
         finally:
@@ -401,7 +404,7 @@ class Trainer:
         return checkpoint
 
     def report(self, checkpoint: Checkpoint, stage: Stage, started: float) -> None:
-        """A progress line every 10 steps: the mean loss and the tokens a second since the last."""
+        """A progress line every 10 steps: their mean loss and the tokens they ran."""
         if checkpoint.step % 10 and checkpoint.step != stage.steps:
             return
         lines = [h for h in checkpoint.history[-10:] if h.get("stage") == stage.name and "loss" in h]
