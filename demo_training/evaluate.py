@@ -37,11 +37,16 @@ def ask(model: Model, frames: Sequence[np.ndarray], times_s: Sequence[float], qu
 
 
 def first_named(answer: str, choices: Sequence[str]) -> str | None:
-    """The choice the answer names first (whole words; "grey" is gray; plurals count)."""
+    """The choice the answer names first (whole words; "grey" is gray; plurals count). A digit
+    counts only as a number of its own: the 0 of "188.0s", "0:42" or "10" names no digit."""
     text = answer.lower().replace("grey", "gray")
     found = []
     for choice in choices:
-        match = re.search(rf"(?<![\w]){re.escape(choice.lower())}(e?s)?(?![\w])", text)
+        if choice.isdigit():
+            pattern = rf"(?<![\w.:,]){choice}(?![\w:]|[.,]\d)"
+        else:
+            pattern = rf"(?<![\w]){re.escape(choice.lower())}(e?s)?(?![\w])"
+        match = re.search(pattern, text)
         if match:
             found.append((match.start(), choice))
     return min(found)[1] if found else None

@@ -37,6 +37,11 @@ def test_answers_are_scored_by_the_first_choice_they_name():
     assert first_named("Three stars.", scenes.SHAPES) == "star"
     assert first_named("It is 7.", scenes.DIGITS) == "7"
     assert first_named("Nothing.", scenes.SHAPES) is None
+    # a digit inside a time or a longer number names nothing
+    assert first_named("188.0s\nYou have a\n[189.0s", scenes.DIGITS) is None
+    assert first_named("At 0:42 I saw a 3.", scenes.DIGITS) == "3"
+    assert first_named("I saw 10 stars, then a 4.", scenes.DIGITS) == "4"
+    assert first_named("The digit was 0.", scenes.DIGITS) == "0"
 
 
 def test_adaptive_pooling_averages_equal_overlapping_windows():
