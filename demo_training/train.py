@@ -488,6 +488,8 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path("run/demo"), help="where encoded images are cached")
     parser.add_argument("--out", type=Path, default=Path("run/demo/projector.safetensors"),
                         help="where the finished schedule's weights go (the shipped ones are engine/demo/projector.safetensors)")
+    parser.add_argument("--detach-real", action=argparse.BooleanOptionalAction, default=defaults.detach_real,
+                        help="needles' real frames carry no gradient (--no-detach-real: they learn from needles too)")
     parser.add_argument("--mix", help="kinds of conversation and their weights, e.g. scene=0.5,real=0.25,needle=0.25")
     parser.add_argument("--init", type=Path, help="start from these weights (skip the warm start with --warm-steps 0)")
     parser.add_argument("--engine-eval", type=int, default=30, help="held-out questions per task through the engine")
@@ -513,7 +515,7 @@ def main() -> None:
             raise SystemExit(f"{args.state} holds a schedule under way: --resume goes on with it; --state PATH starts another")
         config = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr, scenes=args.scenes,
                              eval_every=args.eval_every, warm_steps=args.warm_steps, bfloat16=bfloat16,
-                             polish_steps=args.polish_steps,
+                             polish_steps=args.polish_steps, detach_real=args.detach_real,
                              **({"mix": {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}} if args.mix else {}))
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(config.seed)
