@@ -50,7 +50,7 @@ WARM_TEMPERATURE = 0.05
 COLOUR_GAIN = 8.0
 VIDEOS = ("bigbuckbunny.mp4", "bikes.mp4", "carphone_distorted.mp4", "carphone_pristine.mp4")
 NEEDLES = ("needle", "long")  # the kinds of conversation whose real frames carry no gradient (detach_real)
-STATE = Path(__file__).with_name("state.pt")  # the schedule under way, committed between runs
+STATE = Path(__file__).with_name("state.pt")  # the schedule, under way or finished, committed between runs
 
 
 @dataclass(frozen=True)
@@ -512,7 +512,7 @@ def main() -> None:
         config = replace(TrainConfig(**settings), bfloat16=bfloat16)  # the schedule's; the precision is this machine's
     else:
         if args.state.exists():
-            raise SystemExit(f"{args.state} holds a schedule under way: --resume goes on with it; --state PATH starts another")
+            raise SystemExit(f"{args.state} holds a schedule: --resume goes on with it (or writes its weights again); --state PATH starts another")
         config = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr, scenes=args.scenes,
                              eval_every=args.eval_every, warm_steps=args.warm_steps, bfloat16=bfloat16,
                              polish_steps=args.polish_steps, detach_real=args.detach_real,
