@@ -29,6 +29,7 @@ class Checkpoint:
     torch_rng: torch.Tensor = field(default_factory=torch.get_rng_state)
     history: list[dict] = field(default_factory=list)  # a line per step (loss, tokens) and per held-out check
     runs: list[dict] = field(default_factory=list)  # a line per run: the machine, its precision, steps, seconds
+    earlier: list[dict] = field(default_factory=list)  # the init weights' lineage (train.lineage), oldest first
 
     @property
     def done(self) -> bool:

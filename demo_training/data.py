@@ -26,6 +26,7 @@ IGNORE = -100  # a position whose prediction is not trained
 NEEDLE_FRAMES = 24  # the longest short needle conversation, in frames (384 visual tokens)
 MAX_SCENES = 40  # scenes in one needle conversation, at most
 DISTRACTOR_SHARE = 0.4  # of a needle conversation's frames, at most, are scenes
+LONE_SHARE = 0.5  # of needle conversations with several scenes: one is the only one of its kind, and often asked about
 HELD_OUT_EVERY = 10  # real frames whose index % 10 == 7 are never trained on: they test naming
 HELD_OUT_PHASE = 7
 
@@ -214,6 +215,9 @@ class Samples:
         self.pool, self.names = pool, names
         allowed = set(range(len(pool)) if items is None else items)
         self.scene = [i for i in pool.scene_items() if i in allowed and pool.scenes[i].kind != "plain"]
+        families = sorted({_family(pool.scenes[i]) for i in self.scene})
+        self.of_family = {f: [i for i in self.scene if _family(pool.scenes[i]) == f] for f in families}
+        self.besides = {f: [i for i in self.scene if _family(pool.scenes[i]) != f] for f in families}
         self.plain: dict[str, list[int]] = {}  # colour -> plain frames of it
         for i in pool.scene_items("plain"):
             if i in allowed:
@@ -269,15 +273,26 @@ class Samples:
         and a few plain frames alone; then one to three questions in turn, each about one frame:
         named by what came right before it ("What came right after the red background?"), by its
         time ("What was shown at 0:42?"), or by its kind where it is the only one of its kind
-        ("What colour was the digit?", "What shape did you see?")."""
+        ("What colour was the digit?", "What shape did you see?").
+
+        Drawn freely, several scenes are seldom all of other kinds than one of them (with 20, one
+        digit among shapes and letters comes in about 1 of 250), so the kind question would come
+        only where there are few scenes. In LONE_SHARE of conversations with several, one scene
+        (the "lone" one) is the only one of its kind; half the questions are about it, and half of
+        those by its kind."""
         count = frames or int(rng.integers(3, NEEDLE_FRAMES + 1))
         start = 0.0 if rng.random() < 0.5 else float(rng.integers(1, 150))  # streams run for minutes
         walk = self._walk(rng, count)
         most = max(1, min(MAX_SCENES, int(DISTRACTOR_SHARE * count)))
         shown = 1 if rng.random() < 0.25 else int(rng.integers(1, most + 1))
         slots = [int(at) for at in rng.permutation(count)[:shown]]
+        lone = slots[0] if shown > 1 and len(self.of_family) > 1 and rng.random() < LONE_SHARE else None
+        family = _pick(rng, sorted(self.of_family)) if lone is not None else None
         for at in slots:
-            walk[at] = _pick(rng, self.scene)
+            if lone is None:
+                walk[at] = _pick(rng, self.scene)
+            else:
+                walk[at] = _pick(rng, self.of_family[family] if at == lone else self.besides[family])
         # plain frames of distinct colours: right before some scenes (after-questions), and alone
         free = sorted(set(range(count)) - set(slots))
         colours = list(rng.permutation(list(self.plain))) if self.plain else []
@@ -297,21 +312,22 @@ class Samples:
         times = [start + i for i in range(count)]
         turns: list[tuple[str, str, str]] = []
         for _ in range(int(rng.integers(1, 4))):
-            asked = self._needle_question(rng, walk, times, slots, before)
+            asked = self._needle_question(rng, walk, times, slots, before, lone)
             if asked[1:] not in [t[1:] for t in turns]:
                 turns.append(asked)
         return Sample(list(zip(walk, times, strict=True)), [t[1:] for t in turns], turns[-1][0])
 
     def _needle_question(self, rng: np.random.Generator, walk: list[int], times: list[float], slots: list[int],
-                         before: dict[int, str]) -> tuple[str, str, str]:
+                         before: dict[int, str], lone: int | None) -> tuple[str, str, str]:
         """(task, question, answer) about one frame of a needle conversation: a scene named by the
-        plain frame before it, by its time, or by its kind; now and then a real frame by its time."""
+        plain frame before it, by its time, or by its kind; now and then a real frame by its time.
+        Half of them are about the `lone` scene, where there is one, and half of those by its kind."""
         if rng.random() < 0.1:
             at = int(rng.integers(len(walk)))
             if self.pool.scenes[walk[at]] is None:
                 question = _pick(rng, TIME_QUESTIONS).format(when=_clock(rng, times[at]))
                 return "needle-time", question, _past(self.label(walk[at]))
-        at = _pick(rng, slots)
+        at = lone if lone is not None and rng.random() < 0.5 else _pick(rng, slots)
         scene = self.pool.scenes[walk[at]]
         description = scene.describe()
         saw = f"I saw {description[0].lower()}{description[1:]}"
@@ -320,6 +336,8 @@ class Samples:
         if len(family) == 1:
             styles.append("kind")
         style = _pick(rng, styles + ["kind", "kind"] * ("kind" in styles) + ["after", "after"] * ("after" in styles))
+        if at == lone and rng.random() < 0.5:
+            style = "kind"
         if style == "after":
             return "needle-after", _pick(rng, AFTER).format(colour=before[at]), saw
         if style == "time":

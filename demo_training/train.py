@@ -36,6 +36,7 @@ import av
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from transformers import DynamicCache
 
 from demo_training import evaluate
@@ -333,10 +334,12 @@ class Trainer:
         later = STAGES[:-1] if after is None else STAGES[STAGES.index(after) + 1 : -1]
         return next((s for s in later if stages[s].steps), "done")
 
-    def begin(self, init: str) -> Checkpoint:
-        """A new schedule from the projector as it is now (fresh, or saved weights unfolded)."""
+    def begin(self, init: str, earlier: list[dict] | None = None) -> Checkpoint:
+        """A new schedule from the projector as it is now (fresh, or saved weights unfolded, with
+        their lineage as `earlier`)."""
         projector = {k: v.detach().clone() for k, v in self.projector.state_dict().items()}
-        return Checkpoint(asdict(self.config), data_key(self.config), init, self.next_stage(), 0, projector)
+        return Checkpoint(asdict(self.config), data_key(self.config), init, self.next_stage(), 0, projector,
+                          earlier=list(earlier or []))
 
     def resume(self, checkpoint: Checkpoint) -> None:
         self.projector.load_state_dict(checkpoint.projector)
@@ -529,11 +532,12 @@ def main() -> None:
             raise SystemExit(f"{args.state} trained on other data ({checkpoint.data}, here {data_key(config)})")
         log(event="resume", stage=checkpoint.stage, step=checkpoint.step, runs=len(checkpoint.runs))
     else:
-        init = "fresh"
+        init, earlier = "fresh", []
         if args.init:
             trainer.unfold_normalisation()
             init = f"{args.init} sha256:{hashlib.sha256(args.init.read_bytes()).hexdigest()[:16]}"
-        checkpoint = trainer.begin(init)
+            earlier = lineage(args.init)
+        checkpoint = trainer.begin(init, earlier)
     trainer.resume(checkpoint)
     checkpoint = trainer.run(checkpoint, save=lambda c: c.save(args.state), save_every_s=60 * args.save_minutes,
                              until_s=started + 60 * args.minutes)
@@ -544,13 +548,24 @@ def main() -> None:
     export(trainer, checkpoint, args, model, names)
 
 
+def lineage(path: Path) -> list[dict]:
+    """What the weights at `path` were trained from, oldest first, ending with themselves: each
+    one's metadata (config, init, runs, scores) and the file it was written to."""
+    metadata = dict(safe_open(str(path), "pt").metadata() or {})
+    earlier = json.loads(metadata.pop("earlier", "[]"))
+    return earlier + [metadata | {"file": str(path)}]
+
+
 def export(trainer: Trainer, checkpoint: Checkpoint, args: argparse.Namespace, model, names: list[str]) -> None:
     """The finished schedule's weights (fp16, the standardisation folded in) to `args.out`, with
-    the config, the runs and the closing scores through the engine in their metadata."""
+    the config, the runs, the closing scores through the engine and, when it started from saved
+    weights, their lineage (`earlier`) in their metadata."""
     trainer.fold_normalisation()
     train_s = sum(run["s"] for run in checkpoint.runs)
     metadata = {"config": json.dumps(checkpoint.config), "init": checkpoint.init, "train_s": f"{train_s:.0f}",
                 "runs": json.dumps(checkpoint.runs)}
+    if checkpoint.earlier:
+        metadata["earlier"] = json.dumps(checkpoint.earlier)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_projector(trainer.projector, args.out, metadata)
     log(event="saved", path=str(args.out), bytes=args.out.stat().st_size, train_s=round(train_s, 1))

@@ -92,7 +92,7 @@ def test_a_needles_real_frames_before_its_first_scene_run_without_a_graph_for_th
     model, pool, first = parts
     model.hf.model.multi_modal_projector.load_state_dict(first)
     trainer = trainer_of(parts)
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(4)
     batch = [Samples(pool, trainer.names).needle(rng, frames=20) for _ in range(2)]
     first_scene = min(next(i for i, (item, _) in enumerate(s.frames) if pool.scenes[item] is not None) for s in batch)
     assert first_scene >= 2  # so that some real frames come first
@@ -123,3 +123,26 @@ def test_long_needles_grow_from_the_shortest_to_the_longest_over_the_main_stage(
         drawn = [trainer.draw(trainer.samples, "long", 8, rng, progress) for _ in range(60)]
         assert {len(batch[0].frames) for batch in drawn} == lengths
         assert all(len(batch) == 14 // len(batch[0].frames) and batch[0].task.startswith("long-") for batch in drawn)
+
+
+def test_weights_trained_from_saved_weights_name_every_schedule_before_them(tmp_path):
+    """`lineage` of weights reads their metadata and that of every set they were trained from,
+    oldest first; a schedule started from them keeps it in its saved state for the export."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from demo_training.checkpoint import Checkpoint
+    from demo_training.train import lineage
+
+    first, second = tmp_path / "first.safetensors", tmp_path / "second.safetensors"
+    save_file({"w": torch.zeros(2)}, str(first), metadata={"init": "fresh", "train_s": "6957"})
+    save_file({"w": torch.ones(2)}, str(second), metadata={
+        "init": f"{first} sha256:0123", "train_s": "1127", "earlier": json.dumps(lineage(first))})
+    assert lineage(second) == [
+        {"init": "fresh", "train_s": "6957", "file": str(first)},
+        {"init": f"{first} sha256:0123", "train_s": "1127", "file": str(second)},
+    ]
+    state = tmp_path / "state.pt"
+    Checkpoint({}, "key", f"{second} sha256:4567", "main", 0, {}, earlier=lineage(second)).save(state)
+    assert [e["train_s"] for e in Checkpoint.load(state).earlier] == ["6957", "1127"]

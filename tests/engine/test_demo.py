@@ -110,7 +110,9 @@ def test_the_figure_and_border_channels_name_held_out_scenes_colours(demo):
 def test_needle_conversations_ask_about_one_scene_among_several_by_what_preceded_it_its_time_or_its_kind():
     """Needle conversations: frames one second apart, one or more scenes among real frames. A
     question names exactly one frame: the scene right after the only plain frame of a colour, the
-    frame at a time, or the only scene of its kind; the answer describes that one."""
+    frame at a time, or the only scene of its kind; the answer describes that one. The only scene
+    of its kind is asked about among many others too (the one digit among eight shapes and
+    letters), not only where there are few."""
     from demo_training.data import RealFrame, Samples, build_pool
 
     frames = [RealFrame("clip.mp4", i, i / 25, np.zeros((32, 32, 3), np.uint8)) for i in range(80)]
@@ -118,7 +120,7 @@ def test_needle_conversations_ask_about_one_scene_among_several_by_what_preceded
                       scene_count=60, crops_per_frame=0, rng=np.random.default_rng(0), plain_per_colour=2)
     samples = Samples(pool, names=["thing"] * 1000)
     rng = np.random.default_rng(1)
-    asked = {"after": 0, "time": 0, "kind": 0}
+    asked = {"after": 0, "time": 0, "kind": 0, "kind among 6 or more": 0}
     most_scenes = 0
     for _ in range(60):
         sample = samples.needle(rng, frames=30)
@@ -152,6 +154,7 @@ def test_needle_conversations_ask_about_one_scene_among_several_by_what_preceded
                 words = {"digit": ("digit", "number"), "letter": ("letter",), "shape": ("shape", *scenes.SHAPES)}
                 thing = next(k for k, named in words.items() if any(word in question for word in named))
                 assert kinds.count(thing) == 1, (question, kinds)
+                asked["kind among 6 or more"] += len(shown) >= 6
     assert min(asked.values()) >= 10 and most_scenes >= 8, (asked, most_scenes)
 
 
