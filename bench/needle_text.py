@@ -1,6 +1,6 @@
-"""The needle as text: what the demo model's frozen language model finds by itself.
+"""The needle as text: what the demo model's language model finds by itself.
 
-    python -m bench.needle_text [--minutes 3] [--trials 2] [--depths 0.1,0.5,0.9] [--distractors 0]
+    python -m bench.needle_text [--minutes 3] [--trials 2] [--depths 0.1,0.5,0.9] [--distractors 0] [--adapter]
 
 bench.needle's streams and questions, with every frame given to SmolLM2-135M-Instruct as the
 words `streamvqa-demo` is trained to say of it instead of as visual tokens: a real frame as the
@@ -10,8 +10,10 @@ frames, after the same opening. The questions are asked in turn, each answer kep
 conversation, greedy, 24 tokens, judged as bench.needle judges them.
 
 Words are what the projector's warm start aims a frame's visual tokens at, so this says how much
-of the needle the frozen language model can find with no help from the projector. Prints one
-JSON line per cell (accuracy, by question kind) and with `--verbose` one per answer.
+of the needle the language model can find with no help from the projector: SmolLM2 as published,
+or with `--adapter` with the shipped weights' adapter merged in (the language model
+`streamvqa-demo` runs). Prints one JSON line per cell (accuracy, by question kind) and with
+`--verbose` one per answer.
 """
 
 import argparse
@@ -35,9 +37,10 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--distractors", type=int, default=0)
+    parser.add_argument("--adapter", action="store_true", help="SmolLM2 with the shipped weights' adapter merged in")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
-    model = assemble("cpu")
+    model = assemble("cpu", merge_adapter=args.adapter)
     tower, names, layout = model.hf.model.vision_tower, imagenet_names(), Layout(model)
     real = sample_videos()
     by_kind: dict[str, list[bool]] = {}
@@ -67,7 +70,7 @@ def main() -> None:
                     emit(run="text", depth=depth, trial=trial, needle_s=stream.needle_s, question=question.text,
                          expected=question.expected, answer=answer, right=right)
     answered = [r for rights in by_kind.values() for r in rights]
-    emit(model="smollm2-135m-instruct (text)", minutes=args.minutes, distractors=args.distractors,
+    emit(model="smollm2-135m-instruct" + (" with the adapter" if args.adapter else "") + " (text)", minutes=args.minutes, distractors=args.distractors,
          accuracy=round(sum(answered) / len(answered), 3), questions=len(answered),
          **{f"accuracy_{kind}": f"{sum(r)}/{len(r)}" for kind, r in sorted(by_kind.items())})
 

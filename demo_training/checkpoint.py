@@ -1,6 +1,7 @@
 """The trainer's whole state between runs, so that a schedule of hours goes on across runs of a few
 minutes to two hours, on different machines, and a run that resumes goes on exactly as one that
-never stopped: the projector, the optimizer, where the stage stands, and every random state.
+never stopped: the projector (and the language model's adapter), the optimizer, where the stage
+stands, and every random state.
 
 Small enough to commit (`demo_training/state.pt`, about 13 MB: the projector in float32 and AdamW's
 two moments of it). Saved by writing a new file and renaming it over the old, so that a run killed
@@ -30,6 +31,7 @@ class Checkpoint:
     history: list[dict] = field(default_factory=list)  # a line per step (loss, tokens) and per held-out check
     runs: list[dict] = field(default_factory=list)  # a line per run: the machine, its precision, steps, seconds
     earlier: list[dict] = field(default_factory=list)  # the init weights' lineage (train.lineage), oldest first
+    adapter: dict[str, torch.Tensor] = field(default_factory=dict)  # the language model's adapter (adapter.Adapter.state), if it has one
 
     @property
     def done(self) -> bool:

