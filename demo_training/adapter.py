@@ -56,7 +56,7 @@ class Adapter:
                 for name, module in self.modules.items() for part in ("a", "b")}
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
-        if set(state) != set(self.state()):
+        if set(state) != {f"{name}.{part}" for name in self.modules for part in ("a", "b")}:
             raise ValueError(f"the adapter's layers or rank differ from this one's (rank {self.rank} on {', '.join(TARGETS)})")
         with torch.no_grad():
             for key, tensor in state.items():

@@ -4,8 +4,8 @@ EfficientNet-Lite0 (ImageNet, frozen) sees each frame; its 7x7x1280 features are
 to 3x3 visual tokens; a trained two-layer projector maps them into the embedding space of
 SmolLM2-135M-Instruct, which answers, a trained low-rank adapter merged into its attention. It
 is a LLaVA model in the engine's sense: the same adapter, cache and policies as every other
-model. Training (`python -m demo_training.train`, a
-package of its own) and its data: docs/demo-model.md.
+model. Training (`python -m demo_training.train`, a package of its own) and its data:
+docs/demo-model.md.
 
 Here, found without loading the model or importing its packages: what it needs installed, and
 where its weights and the sample videos are (for the tests' skip, the trainer and the benchmarks).
