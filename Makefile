@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway bench-needle bench-recall bench-fairness bench-chaos bench-pool bench-gpu bench-training train-demo
+.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway bench-needle bench-evidence bench-recall bench-fairness bench-chaos bench-pool bench-gpu bench-training train-demo
 
 run: $(STAMP)
 	$(BIN)/python -m streamvqa.run
@@ -36,6 +36,10 @@ bench-gateway: $(STAMP)
 
 bench-needle: $(STAMP)
 	$(BIN)/python -m bench.needle $(BENCH_ARGS)
+
+# Real videos uploaded whole and asked about their end, middle, opening...: where each answer's evidence points.
+bench-evidence: $(STAMP)
+	$(BIN)/python -m bench.evidence $(BENCH_ARGS)
 
 # Facts planted in long streams of real prose, asked after the stream, with and without recall.
 bench-recall: $(STAMP)
