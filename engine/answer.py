@@ -13,11 +13,11 @@ answer is a step of one per piece. Nothing changes the cache but these calls: an
 open is ended by its session's next call."""
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.evidence import Contrast, Evidence
 from engine.sampling import Sampling
 from engine.step import step
 
@@ -25,14 +25,6 @@ if TYPE_CHECKING:
     from engine.session import Part, Session
 
 MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the host tier
-EVIDENCE_FLOOR = 0.2  # a time is evidence only if its attention per token held is at least this share of the best's
-
-
-@dataclass(frozen=True)
-class Evidence:
-    time_s: float  # video time of a frame
-    weight: float  # its share of the attention the answer paid to frames (0..1)
-
 
 class Answer(Iterator[str]):
     """One piece of text per generated token; after the last, `tokens` and `evidence` are final.
@@ -57,7 +49,8 @@ class Answer(Iterator[str]):
         self._unfed: list[int] = []  # the token chosen last, not yet run through the model
         self._stopping = False  # the last token is chosen: only the rest and the end remain
         self._over = False
-        self._attention: dict[float, tuple[float, int]] = {}  # paid to frames, and their tokens held, by video time
+        self._contrast = Contrast()  # what the question's queries paid each frame time, then the answer's excess
+        self._unweighed = 0  # the answer's tokens run since its evidence was last read (engine/evidence.py)
         self.finish_reason = "stop"  # `stop`: the model ended its turn, or a stop string came;
         # `length`: it reached `max_new_tokens`, or the model's context
         self.prompt_tokens = 0  # tokens the question added to the cache, with the markers of its turn
@@ -85,6 +78,8 @@ class Answer(Iterator[str]):
     def question_ran(self) -> None:
         """The question's prompt ran: the answer begins from the logits after it."""
         self._ran = True
+        cache = self.session.cache
+        self._contrast.question(cache.frame_attention(self.prompt_tokens), cache.between_frames)
         if self.session.policy.evict_on_question:
             self.session.cache.evict()
         self._fed = self.session.logits
@@ -102,6 +97,7 @@ class Answer(Iterator[str]):
     def fed(self, logits: torch.Tensor) -> None:
         """The token chosen last ran: the logits (vocab,) after it (h2o evicts after every one)."""
         self._fed, self._unfed = logits, []
+        self._unweighed += 1
         if self.session.policy.evicts_every_decode_step:
             self._weigh_frames()
             self.session.cache.evict()
@@ -163,10 +159,11 @@ class Answer(Iterator[str]):
     def closed(self) -> None:
         """The closing prompt ran: its evidence read, what it borrowed given back; it is over."""
         session, cache = self.session, self.session.cache
+        self._unweighed += len(self._unfed) + self._closing.tokens
         self._weigh_frames()
         cache.give_back()
         cache.evict()
-        self.evidence = self._top_evidence(session.config.evidence_top_k)
+        self.evidence = self._contrast.top(session.config.evidence_top_k)
         if self.borrowed:
             self.recalled_s = sorted(cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
         self._finish()
@@ -205,22 +202,8 @@ class Answer(Iterator[str]):
     # -- evidence ------------------------------------------------------------------------------
 
     def _weigh_frames(self) -> None:
-        for time_s, (mass, held) in self.session.cache.frame_attention().items():
-            before = self._attention.get(time_s, (0.0, 0))
-            self._attention[time_s] = (before[0] + mass, before[1] + held)
-
-    def _top_evidence(self, k: int) -> list[Evidence]:
-        return top_evidence(self._attention, k)
-
-
-def top_evidence(attention: dict[float, tuple[float, int]], k: int) -> list[Evidence]:
-    """From the attention paid to the frames of each video time and their tokens held: the `k`
-    times whose frames drew the most attention per token held, of those that drew at least
-    EVIDENCE_FLOOR of the most; each weighted by its share of the attention per token of every
-    time (docs/engine.md, "Evidence")."""
-    per_token = {t: mass / held for t, (mass, held) in attention.items() if held}
-    total = sum(per_token.values())
-    if total <= 0:
-        return []
-    best = sorted(per_token.items(), key=lambda item: -item[1])[:k]
-    return [Evidence(round(t, 3), round(w / total, 4)) for t, w in best if w >= EVIDENCE_FLOOR * best[0][1]]
+        """The attention of the answer's tokens run since the last call (and of the markers
+        closing it), against its question's (engine/evidence.py)."""
+        rows, self._unweighed = self._unweighed, 0
+        if rows:
+            self._contrast.answer(self.session.cache.frame_attention(rows))

@@ -52,6 +52,7 @@ back) with each token's kind, time and place, which must move together.
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -85,6 +86,14 @@ class MergePlan:
 
     def __len__(self) -> int:
         return self.merge.shape[0]
+
+
+class FrameAttention(NamedTuple):
+    """The attention some queries paid the frames held, by video time (`KVCache.frame_attention`)."""
+
+    times: torch.Tensor  # (T,) the frames' video times, ascending
+    mass: torch.Tensor  # (w, T) per query: the attention paid to each time's tokens, over layers and heads
+    held: torch.Tensor  # (T,) each time's tokens held, over layers and KV heads
 
 
 def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -158,6 +167,8 @@ class KVCache:
         self.evicted_tokens = 0
         self.evict_s = 0.0
         self.max_position = -1
+        # What the text between frames of the last frame prompt paid the frames held, by time (read_between_frames)
+        self.between_frames: FrameAttention | None = None
 
     def _homes(self, layer: int) -> tuple[torch.Tensor | None, ...]:
         if self.lease is None:
@@ -574,26 +585,46 @@ class KVCache:
 
     # -- read ----------------------------------------------------------------------------------
 
-    def frame_attention(self) -> dict[float, tuple[float, int]]:
-        """By the frame's video time: the attention the last queries (up to `evidence_window`)
-        paid to its tokens still held, summed over layers, heads and queries, and how many of
-        its tokens the layers' KV heads hold (a token held in two heads counts twice)."""
-        if self._queries[0].read() is None:
-            return {}
-        mass: dict[float, tuple[float, int]] = {}
+    def frame_attention(self, queries: int | None = None, kind: int | None = None) -> FrameAttention | None:
+        """What the last `queries` queries (all those kept when None; at most `evidence_window`)
+        paid the frames still held, by the frame's video time: per query, summed over layers and
+        heads, and how many tokens of each time the layers' KV heads hold (a token held in two
+        heads counts twice); with `kind`, only the queries of tokens of that kind; None when no
+        query is kept."""
+        window = self.evidence_window if queries is None else min(queries, self.evidence_window)
+        if window <= 0 or self._queries[0].read() is None:
+            return None
+        rows = None
+        if kind is not None:  # the queries kept are of the cache's last tokens, the same in every head
+            count = self._queries[0].read()[:, -window:].shape[1]
+            rows = (self.kinds[0][0, -count:] == kind).nonzero()[:, 0]
+            if rows.numel() == 0:
+                return None
+        parts = []  # per layer: the frame tokens' times (M,) and the attention each query paid them (w, M)
         for layer in range(self.num_layers):
             frames = self.kinds[layer] == FRAME
             if not frames.any():  # text alone: nothing to weigh
                 continue
-            queries = self._queries[layer].read()[:, -self.evidence_window :]
-            received = causal_attention(queries, self.rotated_keys(layer), self._scaling[layer]).sum(dim=(1, 2)).cpu()
-            times, weights = self.times[layer][frames], received[frames]
-            unique, slot, counts = torch.unique(times, return_inverse=True, return_counts=True)
-            per_time = torch.zeros(unique.shape[0]).index_add_(0, slot, weights)
-            for t, w, n in zip(unique.tolist(), per_time.tolist(), counts.tolist()):
-                before = mass.get(t, (0.0, 0))
-                mass[t] = (before[0] + w, before[1] + n)
-        return mass
+            kept = self._queries[layer].read()[:, -window:]
+            received = causal_attention(kept, self.rotated_keys(layer), self._scaling[layer]).sum(dim=1).cpu()  # (kv_heads, w, N)
+            received = received if rows is None else received[:, rows]
+            parts.append((self.times[layer][frames], received.permute(1, 0, 2)[:, frames]))
+        if not parts:
+            return None
+        times = torch.unique(torch.cat([t for t, _ in parts]))
+        mass = torch.zeros(parts[0][1].shape[0], times.shape[0])
+        held = torch.zeros(times.shape[0])
+        for frame_times, paid in parts:
+            slot = torch.searchsorted(times, frame_times)
+            mass.index_add_(1, slot, paid)
+            held.index_add_(0, slot, torch.ones_like(frame_times))
+        return FrameAttention(times, mass, held)
+
+    def read_between_frames(self) -> None:
+        """After a frame prompt ran, before it is evicted: keep what its text tokens (the times
+        and newlines between frames, the same whatever is asked) paid each frame time held, as
+        the part of every answer's baseline that follows the stream (engine/evidence.py)."""
+        self.between_frames = self.frame_attention(kind=TEXT)
 
     def held_per_second(self, kind: int, seconds: int) -> torch.Tensor:
         """(seconds,) tokens of `kind` still held from each second of video, averaged over the
@@ -628,6 +659,7 @@ class KVCache:
             "counters": [self.evictions, self.evicted_tokens, self.evict_s, self.max_position],
             "layout": [cached.layout.rows.clone() for cached in self.hf.layers] if self.positions_3d else None,
             "retrieval": [self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages],
+            "between_frames": None if self.between_frames is None else tuple(self.between_frames),
         }
 
     def load(self, state: dict, device: torch.device, read_page: Callable[[int], dict] | None = None) -> None:
@@ -658,5 +690,7 @@ class KVCache:
         for window, queries in zip(self._queries, here(state["queries"]), strict=True):
             window.set(queries)
         self.pins = state.get("pins", [])
+        between = state.get("between_frames")  # a snapshot of a version without it: read again at the next frame
+        self.between_frames = None if between is None else FrameAttention(*between)
         self._scaling = state["scaling"]
         self.evictions, self.evicted_tokens, self.evict_s, self.max_position = state["counters"]

