@@ -105,6 +105,14 @@ class Tokens:
 
 
 @dataclass
+class Cached:
+    """What a layer's device cache holds, as a question borrows."""
+
+    keys: torch.Tensor  # (kv_heads, n, head_dim), before the rotary embedding
+    order: torch.Tensor  # (kv_heads, n) int64, each token's place in the stream
+
+
+@dataclass
 class Retrieval:
     """What one question brought back to one layer, and to the layers after it that borrow what
     it chose (the last scored layer's choice is every later layer's)."""
@@ -351,26 +359,27 @@ class HostTier:
         if held:
             self._before[[slot for _, slot in held]] = torch.tensor([self.slot_of.get(page - 1, -1) for page, _ in held])
 
-    def retrieve(self, layer: int, keys: torch.Tensor, count: int) -> Retrieval | None:
+    def retrieve(self, layer: int, keys: torch.Tensor, count: int, cached: Cached | None = None) -> Retrieval | None:
         """`count` tokens (at most `available()`) of `layer` for the question's keys (kv_heads, c,
         head_dim) (before the rotary embedding): for each KV head, what it holds of the best pages
-        by the scores pooled so far, best first, in stream order. The first SCORED_LAYERS layers
-        score the pages. The first layer chooses for itself and the other scoring layers, the
+        by the scores pooled so far, best first, in stream order; `cached`: what the layer's
+        cache holds on the device, whose tokens score their pages too (`score`). The first
+        SCORED_LAYERS layers score the pages. The first layer chooses for itself and the other scoring layers, the
         last of them for every layer after it, and what it retrieves is theirs too (one copy for
         all of them), from `layer` on. None: the layer borrows what an earlier one's retrieval
         brought it (its keys still scored the pages, if it is a scoring layer)."""
         chosen = self._chosen
         if layer < SCORED_LAYERS or chosen is None:
-            self._pool(layer, keys)
+            self._pool(layer, keys, cached)
         if chosen is not None and self._chosen_from <= layer < self._chosen_from + chosen[0].shape[0]:
             return None
         last = self.held.shape[0] if layer >= SCORED_LAYERS - 1 else SCORED_LAYERS - 1
         self._chosen, self._chosen_from = self._choose(layer, last, count), layer
         return self._lend(layer, *self._chosen, keys.device)
 
-    def _pool(self, layer: int, keys: torch.Tensor) -> None:
+    def _pool(self, layer: int, keys: torch.Tensor, cached: Cached | None = None) -> None:
         """Add the layer's page scores (over the heads that hold something of a page) to the pool."""
-        scores = self.score(layer, keys)  # (kv_heads, slots), -inf where a head holds nothing of a page
+        scores = self.score(layer, keys, cached)  # (kv_heads, slots), -inf where a head holds nothing of a page
         scored = scores.isfinite()
         mine, heads_scored = scores.masked_fill(~scored, 0.0).sum(0), scored.sum(0)
         if self._pooled is None:
@@ -430,11 +439,12 @@ class HostTier:
         inherited = (scores[before.clamp_min(0)] * FOLLOWER_SHARE).masked_fill(before < 0, float("-inf"))
         return torch.maximum(scores, inherited)
 
-    def score(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+    def score(self, layer: int, keys: torch.Tensor, cached: Cached | None = None) -> torch.Tensor:
         """(kv_heads, slots) how much the question's keys (kv_heads, c, head_dim) want each page of
         `layer`, per KV head (-inf where the head holds nothing of it). In the first EXACT_LAYERS
         layers a page is matched by every key it holds (from host memory), elsewhere by its
-        representatives."""
+        representatives; with `cached`, also by every key of its span that the device cache
+        still holds, and a head holding any of the span there has a say."""
         heads, slots = self.held.shape[1:3]
         if layer < EXACT_LAYERS:
             held = self.present[layer]  # (kv_heads, slots, page_tokens)
@@ -451,8 +461,29 @@ class HostTier:
             near = torch.einsum("hcd,hskd->hcsk", wanted, block)  # (kv_heads, c, step, keys a page)
             near /= block.norm(dim=-1).clamp_min(1e-6)[:, None]  # cosine, without a normalized copy of the keys
             similarity[:, :, start : start + step] = near.masked_fill_(~held[:, None, start : start + step], float("-inf")).amax(-1)
+        if cached is not None:
+            similarity = torch.maximum(similarity, self._cached_similarity(wanted, cached).to(similarity.device))
         share = (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).nan_to_num(0.0)
-        return share.mean(dim=1).masked_fill(~held.any(-1), float("-inf")).to(keys.device)
+        return share.mean(dim=1).masked_fill(similarity.isinf().all(1), float("-inf")).to(keys.device)
+
+    def _cached_similarity(self, wanted: torch.Tensor, cached: Cached) -> torch.Tensor:
+        """(kv_heads, c, slots) per question key (unit length, (kv_heads, c, head_dim)) the cosine
+        similarity of its closest key that the device cache holds of each page's span (-inf where
+        it holds none). A policy that scores per head keeps part of a sentence and evicts the
+        rest: the words a question repeats stay (a fact's subject), the word it asks for goes
+        (the number). The page is then the sentence's all the same, and so it is found."""
+        heads, count = wanted.shape[:2]
+        page = cached.order.to(wanted.device) // self.page_tokens  # (kv_heads, n)
+        numbers = torch.tensor(self.pages, dtype=torch.int64, device=wanted.device)
+        slots = torch.tensor([self.slot_of[n] for n in self.pages], dtype=torch.int64, device=wanted.device)
+        at = torch.searchsorted(numbers, page).clamp_max(len(numbers) - 1)
+        paged = numbers[at] == page  # the token's page is held here
+        keys = cached.keys.float().to(wanted.device)  # (kv_heads, n, head_dim)
+        near = torch.einsum("hcd,hnd->hcn", wanted, keys) / keys.norm(dim=-1).clamp_min(1e-6)[:, None]
+        near = near.masked_fill_(~paged[:, None], float("-inf"))
+        similarity = torch.full((heads, count, self.slots + 1), float("-inf"), device=wanted.device)
+        into = torch.where(paged, slots[at], self.slots)[:, None].expand(-1, count, -1)  # the spare column: no page
+        return similarity.scatter_reduce_(2, into, near, "amax")[:, :, : self.slots]
 
     # -- read ----------------------------------------------------------------------------------
 

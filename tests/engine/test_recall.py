@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import Session, SessionConfig, load_model
-from engine.host_tier import SCORED_LAYERS, HostTier, Tokens
+from engine.host_tier import SCORED_LAYERS, Cached, HostTier, Tokens
 
 BUDGET = 160
 FRAME_TOKENS = 23  # tiny-random-llava: 16 visual tokens, "[1.0s]" and "\n"
@@ -209,6 +209,27 @@ def test_a_question_brings_back_the_pages_whose_keys_match_its_own():
     assert set(range(8, 16)) <= set(more[0].tolist()) and more[0].tolist() == sorted(more[0].tolist())
     assert len({place // 8 for place in more[0].tolist()}) == 2
     assert torch.equal(more[0], more[1])  # every head borrows from the same pages
+
+
+def test_a_sentence_whose_words_the_device_still_holds_is_found_by_them_and_its_evicted_number_comes_back():
+    """A policy that scores per head keeps a fact's words (which its question repeats) and evicts
+    its number: the page is scored by the words the device cache holds of its span too, so the
+    number comes back. By the evicted tokens alone (the number), another page wins."""
+    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
+    torch.manual_seed(0)
+    every = tokens(0, 64, heads=2, dim=16)
+    left = (torch.arange(64) // 8 != 5) | (torch.arange(64) >= 46)  # of page 5 only places 46 and 47 left the device
+    tier.add(Tokens(*(getattr(every, name)[:, :, left] for name in Tokens.FIELDS)))
+    words = every.keys[0, :, 40:46]
+    device = Cached(words, torch.arange(40, 46).expand(2, 6))  # what the device holds (with the rest of the stream)
+    question = torch.cat([words[:, :4] + 0.05 * torch.randn(2, 4, 16), every.keys[0, :, 16:17]], dim=1)  # and like page 2
+    alone = asked(tier, 0, question, count=8)
+    assert alone.pages == [2]
+    tier.begin_question()
+    got = tier.retrieve(0, question, 8, device)
+    assert got.pages[0] == 5
+    for head in range(2):
+        assert {46, 47} <= set(got.tokens.order[0, head].tolist())
 
 
 def pages_of(retrieval, layer: int) -> set[int]:
