@@ -43,18 +43,23 @@ def english_text() -> str:
     return "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
 
 
-PROSE = ("pydoc", "idle")  # texts every Python install ships (besides a path to any UTF-8 text file)
+PROSE = ("pydoc", "idle", "licenses")  # besides a path to any UTF-8 text file
 IDLE_TEXTS = ("NEWS.txt", "NEWS2x.txt", "HISTORY.txt", "README.txt")  # IDLE's change notes and guide
+LICENSES = "/usr/share/common-licenses"  # Debian's (base-files): every machine of this project has them
 
 
 def prose_text(name: str) -> str:
     """Real English to stream: "pydoc" (`english_text`), "idle" (IDLE's news and readme: change
-    notes in prose, about 25k tokens, unlike the reference pages), or a path to a text file."""
+    notes in prose, about 25k tokens, unlike the reference pages), "licenses" (the licence texts
+    Debian ships: legal prose, about 60k tokens), or a path to a text file."""
     if name == "pydoc":
         return english_text()
     if name == "idle":
         folder = os.path.dirname(importlib.util.find_spec("idlelib").origin)
         return "\n\n".join(open(os.path.join(folder, n), encoding="utf-8").read() for n in IDLE_TEXTS)
+    if name == "licenses":
+        names = sorted(n for n in os.listdir(LICENSES) if not os.path.islink(os.path.join(LICENSES, n)))
+        return "\n\n".join(open(os.path.join(LICENSES, n), encoding="utf-8").read() for n in names)
     with open(name, encoding="utf-8") as text:
         return text.read()
 

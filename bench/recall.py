@@ -2,7 +2,8 @@
 
     python -m bench.recall [--policies sliding,h2o,snapkv,tova,knorm,infmllm] [--budgets 512,1024]
                            [--ratios 2,8,32] [--facts 6] [--depths 0.97] [--trials 1] [--chunk 256]
-                           [--prose pydoc|idle|PATH] [--page-keys 2]
+                           [--prose pydoc|idle|licenses|PATH] [--page-keys 2]
+                           [--distances 64,128,256,384,512,1024,2048]
                            [--host-multiple 16] [--host-drop novel,oldest] [--pin-turns 0] [--sequential]
                            [--quick]
 
@@ -52,6 +53,7 @@ the same snapshots in the same run (`ttft_recall_vs_without`), and one comparing
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -188,15 +190,18 @@ def restored(model, snapshot: bytes, recall: bool, pool: KVPool | None = None) -
     return session
 
 
-def asked(session: Session, fact: Fact, answer_tokens: int, others: list[Fact] = (), places: range = range(0)) -> dict:
+def asked(session: Session, fact: Fact, answer_tokens: int, others: list[Fact] = (), places: range = range(0),
+          where: Callable[[Session, range], dict] | None = None) -> dict:
     """Ask about `fact`; `others`, the stream's other facts, tell a wrong fact's number; `places`,
-    the fact's stream places, what share of it the cache holds when the answer begins."""
+    the fact's stream places, what share of it the cache holds when the answer begins (and
+    `where(session, places)` then, if given)."""
     before = session.stats()
     started = time.perf_counter()
     answer = session.ask(f"\n\n{fact.question}", max_new_tokens=answer_tokens)
     pieces = [next(answer, "")]
     ttft_ms = 1000 * (time.perf_counter() - started)
     held = held_share(session, places)
+    whereabouts = where(session, places) if where is not None else {}
     text = "".join(pieces + list(answer))
     after = session.stats()
     return {
@@ -207,6 +212,7 @@ def asked(session: Session, fact: Fact, answer_tokens: int, others: list[Fact] =
         "retrieval_ms": after.retrieval_ms - before.retrieval_ms,
         "retrieved_tokens": after.retrieved_tokens - before.retrieved_tokens,
         "answer": text,
+        **whereabouts,
     }
 
 
@@ -243,7 +249,9 @@ def cell(policy: str, recall: bool, budget: int | None, ratio: float | None, str
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0], policies="sliding,h2o,snapkv,tova,knorm,infmllm", budgets="512,1024")
-    args.add_argument("--ratios", default="2,8,32", help="stream lengths, as multiples of the budget")
+    args.add_argument("--ratios", help="stream lengths, as multiples of the budget (default 2,8,32; with --distances 8)")
+    args.add_argument("--distances", help="instead of --facts: one fact this many tokens before the stream's end, per "
+                                          "stream (e.g. 64,128,256,384,512,1024,2048): bench/retention.py")
     args.add_argument("--facts", type=int, default=6, help="facts planted in each stream")
     args.add_argument("--depths", help="where the facts are planted, as shares of the stream (e.g. 0.97); "
                                        "default: --facts of them from 0.1 to 0.9")
@@ -268,6 +276,15 @@ def main() -> None:
         opts.policies, opts.budgets, opts.ratios, opts.facts = QUICK["policies"], QUICK["budgets"], QUICK["ratios"], QUICK["facts"]
     model = load_model(opts.model, "cpu")
     prose = model.tokenize(prose_text(opts.prose))
+    if opts.distances:
+        from bench import retention  # it builds on this module's facts and questions
+
+        opts.distances = split_list(opts.distances, int)
+        opts.policy_list = [p for p in opts.policies.split(",") if p == retention.DEFAULT or split_list(p)]
+        opts.budget_list, opts.ratio_list = split_list(opts.budgets, int), split_list(opts.ratios or "8", float)
+        retention.run(model, prose, opts)
+        return
+    opts.ratios = opts.ratios or "2,8,32"
     context = model.hf.config.get_text_config().max_position_embeddings
     longest = (context - ANSWER_RESERVE_TOKENS) // opts.chunk * opts.chunk  # the longest stream `full` runs
     longest = min(longest, opts.full_tokens or longest)
