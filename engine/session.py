@@ -48,7 +48,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 EVIDENCE_WINDOW = 32  # the last queries of an answer whose attention picks its evidence
 SNAPSHOT_FORMAT = 3  # 3: host pages by stream place; 2: with stream order and the host tier; 1 and 2 are still read
-HOST_BUDGET_MULTIPLE = 16  # host_budget_tokens when not given: this many times the budget
+HOST_BUDGET_MULTIPLE = 4  # host_budget_tokens when not given: this many times the budget
 
 
 class ContextFull(ValueError):
@@ -91,7 +91,7 @@ class SessionConfig:
     prefill_chunk_tokens: int = 512  # the longest run of tokens in one forward
     evidence_top_k: int = 3  # video times returned as an answer's evidence
     recall: bool = False  # keep what the cache evicts in a host tier; each question borrows from it
-    host_budget_tokens: int | None = None  # the host tier's bound, per layer; None: 16x the budget
+    host_budget_tokens: int | None = None  # the host tier's bound, per layer; None: 4x the budget
     retrieval_tokens: int | None = None  # borrowed per question, per layer; None: half the budget
     page_tokens: int = 32  # evicted tokens per host page: the unit retrieved
     page_keys: int = 4  # representative keys a page is scored by (bench.recall: 2, 4 and 8 compared)

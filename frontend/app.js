@@ -36,7 +36,7 @@ const LIVE_MEDIA = new Set(["frames", "webm", "mp4"]);
 // The warnings a session keeps (its record's `warnings`) that the status card shows, by code,
 // with their headings; others are a passing note under Source.
 const KEPT_WARNINGS = { truncated_media: "Incomplete file" };
-const HOST_BUDGET_MULTIPLE = 16; // with recall, the host tier's default size: 16 x the budget
+const HOST_BUDGET_MULTIPLE = 4; // with recall, the host tier's default size: 4 x the budget
 
 const ui = {
   connection: $("#connection"),
@@ -199,8 +199,8 @@ function describePolicy() {
 
 function describeRecall() {
   const full = ui.policy.value === "full";
+  if (full !== ui.recall.disabled) ui.recall.checked = !full; // on by default for a policy that evicts
   ui.recall.disabled = full;
-  if (full) ui.recall.checked = false;
   ui.recallHint.textContent = full
     ? "The full cache evicts nothing, so there is nothing to recall."
     : "Keeps what the cache evicts in host memory; questions bring back what they need.";
@@ -243,9 +243,9 @@ async function loadModels() {
 function sessionOptions() {
   const options = { fps: Number(ui.fps.value), policy: ui.policy.value };
   if (options.policy !== "full" && ui.budget.value) options.budget_tokens = Number(ui.budget.value);
-  if (options.policy !== "full" && ui.recall.checked) {
-    options.recall = true;
-    if (ui.hostBudget.value) options.host_budget_tokens = Number(ui.hostBudget.value);
+  if (options.policy !== "full") {
+    options.recall = ui.recall.checked;
+    if (ui.recall.checked && ui.hostBudget.value) options.host_budget_tokens = Number(ui.hostBudget.value);
   }
   if (ui.model.value) options.model = ui.model.value;
   return options;

@@ -103,10 +103,11 @@ class SessionOptions(BaseModel):
     system_prompt: str | None = Field(
         None, min_length=1, max_length=MAX_SYSTEM_PROMPT_CHARS, description="Replaces the model's default system prompt."
     )
-    recall: bool = Field(
-        False, strict=True,
+    recall: bool | None = Field(
+        None, strict=True,
         description="Keep what the cache evicts in a bounded host tier (CPU memory), and let each question "
-        "bring back the parts of the past it needs for its answer. Needs a policy that evicts.",
+        "bring back the parts of the past it needs for its answer. Needs a policy that evicts; when absent, "
+        "on for a policy that evicts (what was said just before the budget's span is then still answered).",
     )
     host_budget_tokens: int | None = Field(
         None, ge=32, le=MAX_HOST_BUDGET_TOKENS, strict=True,
@@ -126,6 +127,8 @@ class SessionOptions(BaseModel):
 
     @model_validator(mode="after")
     def _recall_options(self) -> SessionOptions:
+        if self.recall is None:
+            self.recall = self.policy != "full"
         if not self.recall:
             given = [name for name in ("host_budget_tokens", "retrieval_tokens") if getattr(self, name) is not None]
             if given:

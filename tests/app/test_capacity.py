@@ -96,10 +96,10 @@ def _create_at_once(stack: Stack, count: int, **options: object) -> tuple[list[C
 
 
 @pytest.mark.parametrize(("env", "options", "memory"), [
-    # tiny-random-llava: a 2,048-token budget peaks at 2,048 + 2,048 + 1,024 tokens (budget, a
+    # tiny-random-llava: a 2,048-token budget (without recall) peaks at 2,048 + 2,048 + 1,024 tokens (budget, a
     # prompt, an answer), x 512 bytes x 1.5 (the rotated copy of the keys): 3,932,160 bytes; two
     # fit in 10 MB, a third does not
-    ({"KV_MEMORY": "10MB"}, {"budget_tokens": 2048}, "cache"),
+    ({"KV_MEMORY": "10MB"}, {"budget_tokens": 2048, "recall": False}, "cache"),
     # a 200,000-token host tier takes 200,000 x 536 bytes: 107,200,000; two fit in 250 MB, a
     # third does not (their index, 4 MB each on the device, fits the cache memory)
     ({"HOST_MEMORY": "250MB"}, {"budget_tokens": 256, "recall": True, "host_budget_tokens": 200_000}, "host tier"),

@@ -80,7 +80,7 @@ def create_session(
     policy: str | None = None,
     budget: int | None = None,
     fps: float | None = None,
-    recall: bool = False,
+    recall: bool | None = None,
     host_budget: int | None = None,
 ) -> None:
     page.wait_for_selector("#model option[value='tiny-random-llava']", state="attached")
@@ -90,8 +90,8 @@ def create_session(
         page.fill("#budget", str(budget))
     if fps:
         page.fill("#fps", str(fps))
-    if recall:
-        page.get_by_label("Recall").check()
+    if recall is not None:
+        page.get_by_label("Recall").set_checked(recall)
     if host_budget:
         page.fill("#host-budget", str(host_budget))
     page.get_by_role("button", name="Create session").click()
@@ -227,7 +227,7 @@ def test_the_camera_streams_frames_at_the_sessions_fps_and_is_asked_about(launch
 
 def test_the_memory_view_shows_evicted_seconds_apart_from_held_ones(page):
     # 40 frames of 16 tokens in a 256-token budget: the sliding window keeps only the latest
-    create_session(page, policy="sliding", budget=256, fps=4)
+    create_session(page, policy="sliding", budget=256, fps=4, recall=False)
     assert page.text_content("#policy-hint").startswith("Keeps the first and the latest tokens only")
     upload(page, sample_video("bikes.mp4"))
     page.wait_for_selector("#status [data-field='state']:has-text('ingested')")
@@ -300,11 +300,13 @@ def test_with_recall_the_memory_view_shows_device_host_and_dropped_seconds_and_w
     page.select_option("#policy", "full")
     assert page.is_disabled("#recall") and not page.is_checked("#recall")  # nothing is evicted, so nothing to recall
     page.select_option("#policy", "sliding")
+    assert page.is_checked("#recall")  # on again for a policy that evicts: the default
+    page.get_by_label("Recall").uncheck()
     assert page.is_hidden("#host-budget")
     page.get_by_label("Recall").check()
-    assert page.get_attribute("#host-budget", "placeholder") == "16 × budget"  # the budget is the model's
+    assert page.get_attribute("#host-budget", "placeholder") == "4 × budget"  # the budget is the model's
     page.fill("#budget", "8192")
-    assert page.get_attribute("#host-budget", "placeholder") == "131,072 (16 × budget)"
+    assert page.get_attribute("#host-budget", "placeholder") == "32,768 (4 × budget)"
     page.fill("#budget", "")
     # 40 frames of 16 tokens (and 7 of text) in a 256-token budget: the latest seconds stay on the
     # device, 256 tokens evicted wait in the host tier, the rest are dropped
