@@ -1,16 +1,17 @@
-"""An answer's evidence: the video times its own tokens attend to beyond what reading its question did.
+"""An answer's evidence: the video times its own tokens attend to beyond what any query would.
 
 Every query of a chat pays some frames a share of its attention whatever it is about: the
 opening frames (attention sinks) and the newest ones. Summed, those shares put the first second
 and the last seconds among the evidence of nearly every answer on real video (docs/engine.md,
 "Evidence"). So each query's attention is taken as shares: per token held of each video time,
-the share of what it paid all frame times (a row summing to 1). The question's queries (its
-tokens and the markers closing it, which run before a word of the answer) give the baseline:
-their mean share of each time. An answer query's excess is its share of a time less that
-baseline, where positive; a time's evidence is the excess of every answer query summed. A time
-that every query attends to alike draws no excess however much it draws; a time the question
-alone attends to (the frame a conversation is already about) stays evidence when the answer's
-tokens attend to it more than the question's did.
+the share of what it paid all frame times (a row summing to 1). The baseline of a time is the
+mean share of the question's queries (its tokens and the markers closing it, which run before
+a word of the answer) plus BETWEEN_FRAMES_SCALE times the mean share of the text between the
+last frames (its time and newline, the same whatever is asked: the pull of the newest frames).
+An answer query's excess is its share of a time less that baseline, where positive; a time's
+evidence is the excess of every answer query summed. A time that every query attends to alike
+draws no excess however much it draws; a time the question already attends to (the frame a
+conversation is about) stays evidence where some answer tokens attend to it more still.
 
 State of one answer, bounded by the frame times the cache holds; the answer (engine/answer.py)
 reads the cache and hands the attention in.

@@ -57,7 +57,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from engine.host_tier import SCORED_LAYERS, Cached, HostTier, Tokens
+from engine.host_tier import SCORED_LAYERS, HostTier, Tokens
 from engine.kv_buffers import LayerStore, PositionTable, PreRopeLayer, QueryWindow, outside_inference, rotate, take
 from engine.kv_pool import KEYS, ROTATED, VALUES, Lease
 from engine.layout import FIELDS, GRID_COLUMN, GRID_ROW, GROUP, Layout, compact, pack, positions_of, unpack
@@ -96,16 +96,21 @@ class FrameAttention(NamedTuple):
     held: torch.Tensor  # (T,) each time's tokens held, over layers and KV heads
 
 
-def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float, rows: torch.Tensor | None = None) -> torch.Tensor:
     """(kv_heads, group, w, N) softmax attention of the last w tokens' queries (q_heads, w, d)
-    over all N keys (kv_heads, N, d), each query seeing the keys up to its own position."""
-    q_heads, window, head_dim = queries.shape
+    over all N keys (kv_heads, N, d), each query seeing the keys up to its own position; with
+    `rows` (r,), only those of the w queries: (kv_heads, group, r, N)."""
+    window = queries.shape[1]
     kv_heads, total = keys.shape[:2]
-    grouped = queries.float().view(kv_heads, q_heads // kv_heads, window, head_dim)
+    mine = torch.arange(window, device=keys.device) if rows is None else rows.to(keys.device)
+    if rows is not None:
+        queries = queries[:, rows]
+    q_heads, count, head_dim = queries.shape
+    grouped = queries.float().view(kv_heads, q_heads // kv_heads, count, head_dim)
     logits = torch.einsum("hgwd,hnd->hgwn", grouped, keys.float()).mul_(scaling)  # in place: one buffer fewer
     # a query may not see only the keys after it, all among the window's own: mask those alone
-    hidden = torch.arange(window, device=keys.device)[None, :] > torch.arange(window, device=keys.device)[:, None]
-    logits[..., total - window :].masked_fill_(hidden, float("-inf"))  # (w, w)
+    hidden = torch.arange(window, device=keys.device)[None, :] > mine[:, None]
+    logits[..., total - window :].masked_fill_(hidden, float("-inf"))  # (r, w)
     return logits.softmax(dim=-1)
 
 
@@ -400,7 +405,7 @@ class KVCache:
         new = queries.shape[1]
         held = cached.keys.shape[2] - new  # cached before these tokens
         question = cached.keys[0, :, held : held + min(self._question_tokens, new)]  # (kv_heads, q, head_dim)
-        retrieval = self.host.retrieve(layer, question, cached.pending, Cached(cached.keys[0, :, :held], self.order[layer]))
+        retrieval = self.host.retrieve(layer, question, cached.pending)
         if retrieval is not None:
             if layer == 0:
                 self.retrieved_pages += len(retrieval.pages)
@@ -606,8 +611,7 @@ class KVCache:
             if not frames.any():  # text alone: nothing to weigh
                 continue
             kept = self._queries[layer].read()[:, -window:]
-            received = causal_attention(kept, self.rotated_keys(layer), self._scaling[layer]).sum(dim=1).cpu()  # (kv_heads, w, N)
-            received = received if rows is None else received[:, rows]
+            received = causal_attention(kept, self.rotated_keys(layer), self._scaling[layer], rows).sum(dim=1).cpu()  # (kv_heads, w, N)
             parts.append((self.times[layer][frames], received.permute(1, 0, 2)[:, frames]))
         if not parts:
             return None

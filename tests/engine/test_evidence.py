@@ -60,6 +60,16 @@ def model():
     return load_model("tiny-random-llava", "cpu")
 
 
+def test_after_each_frame_the_cache_keeps_what_the_text_between_frames_paid(model):
+    """The baseline's second part: the queries of the last frame prompt's text ("[4.0s]" and
+    the newline, 7 tokens of the tiny model's), not of its frame's 16 visual tokens."""
+    session = Session(model, SessionConfig(policy="full"))
+    rng = np.random.default_rng(1)
+    session.append_frames([rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(5)], TIMES.tolist())
+    between = session.cache.between_frames
+    assert between.times.tolist() == TIMES.tolist() and between.mass.shape == (7, 5)
+
+
 def test_an_answer_weighs_its_own_tokens_against_its_question_s(model):
     """Through a session: the question's prompt (its tokens and the markers closing it) gives
     the baseline; the answer's tokens and the markers closing its turn give the excess, even
