@@ -57,7 +57,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from engine.host_tier import SCORED_LAYERS, HostTier, Tokens
+from engine.host_tier import SCORED_LAYERS, Cached, HostTier, Tokens
 from engine.kv_buffers import LayerStore, PositionTable, PreRopeLayer, QueryWindow, outside_inference, rotate, take
 from engine.kv_pool import KEYS, ROTATED, VALUES, Lease
 from engine.layout import FIELDS, GRID_COLUMN, GRID_ROW, GROUP, Layout, compact, pack, positions_of, unpack
@@ -405,7 +405,7 @@ class KVCache:
         new = queries.shape[1]
         held = cached.keys.shape[2] - new  # cached before these tokens
         question = cached.keys[0, :, held : held + min(self._question_tokens, new)]  # (kv_heads, q, head_dim)
-        retrieval = self.host.retrieve(layer, question, cached.pending)
+        retrieval = self.host.retrieve(layer, question, cached.pending, Cached(cached.keys[0, :, :held], self.order[layer]))
         if retrieval is not None:
             if layer == 0:
                 self.retrieved_pages += len(retrieval.pages)
