@@ -14,7 +14,7 @@ from engine.host_pool import HostPool
 from engine.kv_pool import KVPool, PoolFull
 
 HOST_PAGE_TOKENS = SessionConfig.page_tokens  # 32
-TIER_PAGES = 16 * 160 // HOST_PAGE_TOKENS  # a tier's bound is 16 times the budget of 160: 80 pages
+TIER_PAGES = 4 * 160 // HOST_PAGE_TOKENS  # a tier's bound is 4 times the budget of 160: 20 pages
 
 
 @pytest.fixture(scope="module")

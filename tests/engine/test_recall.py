@@ -353,7 +353,7 @@ def test_bad_recall_options_are_refused(changes, message):
 
 def test_recall_defaults_follow_the_budget():
     chosen = config()
-    assert (chosen.host_tokens, chosen.borrowed_tokens) == (16 * BUDGET, BUDGET // 2)
+    assert (chosen.host_tokens, chosen.borrowed_tokens) == (4 * BUDGET, BUDGET // 2)
     assert (config(recall=False).host_tokens, config(recall=False).borrowed_tokens) == (0, 0)
 
 

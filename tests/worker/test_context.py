@@ -24,7 +24,7 @@ def test_a_bounded_cache_that_cannot_fit_the_context_is_refused_with_the_limit(s
         {
             "field": "body.budget_tokens",
             "message": "tiny-random-llava: budget_tokens 4096 does not fit the model's 700-token context beside a "
-            "2048-token prompt and a 1024-token answer: at most 0",
+            "2048-token prompt and a 1024-token answer and what a question retrieves: at most 0",
         }
     ]
     reply = user.create()  # no budget: none fits beside a prompt and an answer
