@@ -49,7 +49,7 @@ class WorkerMemory(BaseModel):
     host_memory_bytes: int = Field(description="Host memory it offers host tiers now.")
     host_free_bytes: int = Field(description="Of that, what its sessions have not reserved.")
     ram_free_bytes: int = Field(description="RAM free (to anyone) when it last looked.")
-    default_sessions: int = Field(description="Sessions of the default budget its cache memory holds.")
+    default_sessions: int = Field(description="Sessions with the default options its cache memory holds.")
     warning: str | None = Field(description="Set while that is under 2: why, and what to do.")
     pool_pages: int = Field(0, description="Pages of its KV pool, allocated once at start: every session's cache is a run of them.")
     pool_free_pages: int = Field(0, description="Of those, the pages no session leases.")

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 FREE_SHARE = 0.9  # of the memory free now, what sessions may take; the rest is left to others and to a step's activations
 AUTO_KV_SHARE = {"cuda": 0.9, "cpu": 0.5}  # KV_MEMORY=auto: of the GPU's memory, or of the RAM on a CPU
 AUTO_HOST_SHARE = {"cuda": 0.5, "cpu": 0.25}  # HOST_MEMORY=auto: of the RAM (on a CPU the caches take RAM too)
-MIN_DEFAULT_SESSIONS = 2  # fewer sessions of the default budget than this in the cache memory: a warning
+MIN_DEFAULT_SESSIONS = 2  # fewer sessions with the default options than this in the cache memory: a warning
 RELOG_CHANGE = 0.125  # the memory offered is logged again once it changed by this share
 
 
@@ -121,10 +121,7 @@ class Capacity:
         kv, host = MemorySize.parse(settings.kv_memory), MemorySize.parse(settings.host_memory)
         self.kv = Offer.of(kv, device.total_bytes, AUTO_KV_SHARE[kind])
         self.host = Offer.of(host, ram.total_bytes, AUTO_HOST_SHARE[kind])
-        self.default_session_bytes = protocol.reserved_device_bytes(
-            min(protocol.peak_cache_tokens(protocol.DEFAULT_BUDGET_TOKENS), self.context_tokens), 0,
-            self.kv_bytes_per_token, 0,
-        )
+        self.default_session_bytes = self._default_session_bytes()
         self.warning: str | None = None  # said in the registry while the cache memory is short
         self._warned_sessions = -1
         self._model = model
@@ -155,9 +152,20 @@ class Capacity:
     def host_memory_bytes(self) -> int:
         return self.host.offered_bytes
 
+    def _default_session_bytes(self) -> int:
+        """What a session with the default options reserves on the device (its budget, what a
+        question borrows and its host tier's index); for a context too small for a bounded cache,
+        the context's."""
+        try:
+            default = protocol.SessionOptions().within(self.context_tokens)
+        except ValueError:
+            return protocol.reserved_device_bytes(self.context_tokens, 0, self.kv_bytes_per_token, 0)
+        return protocol.reserved_device_bytes(default.peak_tokens(self.context_tokens), default.host_tokens,
+                                              self.kv_bytes_per_token, self.index_bytes_per_host_token)
+
     @property
     def default_sessions(self) -> int:
-        """Sessions of the default budget (a bounded policy's, without recall) the cache memory holds."""
+        """Sessions with the default options (a bounded policy's, with recall) the cache memory holds."""
         return self.kv.offered_bytes // self.default_session_bytes if self.default_session_bytes else 0
 
     def refresh(self, held: Iterable[SessionRecord]) -> None:
@@ -165,7 +173,7 @@ class Capacity:
         this process took since it started serving (its sessions use it) plus FREE_SHARE of what
         is free, less what the other kind reserved where both take the same RAM. Logs a change
         of an eighth or more; warns (and says in `warning`) when the cache memory holds fewer than
-        MIN_DEFAULT_SESSIONS sessions of the default budget."""
+        MIN_DEFAULT_SESSIONS sessions with the default options."""
         held = list(held)
         kv_reserved = sum(self.device_bytes(record) for record in held)
         host_reserved = sum(record.host_budget_tokens for record in held) * self.host_bytes_per_token
@@ -184,13 +192,13 @@ class Capacity:
         short = self.default_sessions < MIN_DEFAULT_SESSIONS
         if short and (self.warning is None or self.default_sessions != self._warned_sessions):
             log.warning(
-                "%s for caches (%s) holds %d session(s) of the default budget (%d tokens, %s each): set KV_MEMORY, "
+                "%s for caches (%s) holds %d session(s) with the default options (%s each): set KV_MEMORY, "
                 "or free memory", _mib(self.kv.offered_bytes), self.kv.why(), self.default_sessions,
-                protocol.DEFAULT_BUDGET_TOKENS, _mib(self.default_session_bytes),
+                _mib(self.default_session_bytes),
             )
         self._warned_sessions = self.default_sessions
         self.warning = (
-            f"room for {self.default_sessions} session(s) of the default budget in {_mib(self.kv.offered_bytes)} "
+            f"room for {self.default_sessions} session(s) with the default options in {_mib(self.kv.offered_bytes)} "
             f"for caches: {self.kv.why()}" if short else None
         )
 

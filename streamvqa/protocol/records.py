@@ -228,7 +228,7 @@ class WorkerInfo(BaseModel):
     host_memory: str = ""
     host_memory_bytes: int = 0
     ram_free_bytes: int = 0
-    default_sessions: int = 0  # sessions of the default budget its cache memory holds
+    default_sessions: int = 0  # sessions with the default options its cache memory holds
     memory_warning: str | None = None  # set while that is under 2
     # its KV pool (engine/kv_pool.py): pages of `pool_page_tokens` cache tokens each, allocated once at start
     # (0 pages: it has none); each session it holds leases a run of them (`pool_session_pages`, by session)

@@ -49,15 +49,16 @@ def test_a_worker_started_beside_others_grows_its_caches_memory_once_they_leave_
     memory = Memory(16 * GIB, 10 * MIB, 1 * GIB)  # others hold nearly all of it
     capacity = Capacity(WorkerSettings(kv_memory="0.5", host_memory="1GiB"), tiny, read=memory)
     assert capacity.kv_memory_bytes == 9 * MIB  # 90% of what is free, not the 8 GiB stated
-    # the default budget's session: 8,192 + 2,048 + 1,024 tokens x 512 bytes x 1.5 = 8,650,752 bytes
-    assert capacity.default_sessions == 1
-    assert capacity.warning.startswith("room for 1 session(s) of the default budget in 9 MiB for caches")
-    assert "holds 1 session(s) of the default budget" in caplog.text
+    # a session with the default options: (8,192 + 4,096 borrowed + 2,048 + 1,024) tokens x 512
+    # bytes x 1.5 = 11,796,480 bytes, and its 32,768-token host tier's index, 655,360: 12,451,840
+    assert capacity.default_sessions == 0
+    assert capacity.warning.startswith("room for 0 session(s) with the default options in 9 MiB for caches")
+    assert "holds 0 session(s) with the default options" in caplog.text
     assert "less than the 8,192 MiB stated (0.5 of 16,384 MiB)" in caplog.text
 
     memory.reading = Reading(16 * GIB, 12 * GIB, 1 * GIB)  # the others left
     capacity.refresh([])
-    assert (capacity.kv_memory_bytes, capacity.default_sessions, capacity.warning) == (8 * GIB, 992, None)
+    assert (capacity.kv_memory_bytes, capacity.default_sessions, capacity.warning) == (8 * GIB, 689, None)
     assert "memory for the sessions' caches: 8,192 MiB, as stated (0.5 of 16,384 MiB)" in caplog.text
 
     # its own sessions take 3 GiB of the RAM (caches and host tiers share it on a CPU): their
@@ -71,7 +72,7 @@ def test_a_worker_started_beside_others_grows_its_caches_memory_once_they_leave_
 
     memory.reading = Reading(16 * GIB, 100 * MIB, 1 * GIB)  # others come back: it never takes what they use
     capacity.refresh([])
-    assert capacity.kv_memory_bytes == 90 * MIB and capacity.default_sessions == 10
+    assert capacity.kv_memory_bytes == 90 * MIB and capacity.default_sessions == 7
 
 
 def test_models_says_what_each_worker_offers_and_warns_when_its_caches_hold_under_two_sessions(redis_url, tmp_path):
@@ -83,8 +84,8 @@ def test_models_says_what_each_worker_offers_and_warns_when_its_caches_hold_unde
             "host_memory": "64MiB", "host_memory_bytes": 64 * MIB,
         }
         assert memory["device_free_bytes"] > 0 and memory["ram_free_bytes"] > 0
-        assert memory["default_sessions"] == 0  # 8,650,752 bytes each
-        assert memory["warning"].startswith("room for 0 session(s) of the default budget in 4 MiB for caches")
+        assert memory["default_sessions"] == 0  # 12,451,840 bytes each
+        assert memory["warning"].startswith("room for 0 session(s) with the default options in 4 MiB for caches")
         log = stack.log("worker")
         assert "memory for the sessions' caches: 4 MiB, as stated (4MiB)" in log
-        assert "holds 0 session(s) of the default budget (8192 tokens, 8 MiB each): set KV_MEMORY" in log
+        assert "holds 0 session(s) with the default options (12 MiB each): set KV_MEMORY" in log
