@@ -478,15 +478,16 @@ class HostTier:
         rest: the words a question repeats stay (a fact's subject), the word it asks for goes
         (the number). The page is then the sentence's all the same, and so it is found."""
         heads, count = wanted.shape[:2]
-        page = cached.order.to(wanted.device) // self.page_tokens  # (kv_heads, n)
-        numbers = torch.tensor(self.pages, dtype=torch.int64, device=wanted.device)
-        slots = torch.tensor([self.slot_of[n] for n in self.pages], dtype=torch.int64, device=wanted.device)
+        device = cached.keys.device  # where the cache's keys are: only the (kv_heads, c, slots) result moves
+        page = cached.order.to(device) // self.page_tokens  # (kv_heads, n)
+        numbers = torch.tensor(self.pages, dtype=torch.int64, device=device)
+        slots = torch.tensor([self.slot_of[n] for n in self.pages], dtype=torch.int64, device=device)
         at = torch.searchsorted(numbers, page).clamp_max(len(numbers) - 1)
         paged = numbers[at] == page  # the token's page is held here
-        keys = cached.keys.float().to(wanted.device)  # (kv_heads, n, head_dim)
-        near = torch.einsum("hcd,hnd->hcn", wanted, keys) / keys.norm(dim=-1).clamp_min(1e-6)[:, None]
+        keys = cached.keys.float()  # (kv_heads, n, head_dim)
+        near = torch.einsum("hcd,hnd->hcn", wanted.to(device), keys) / keys.norm(dim=-1).clamp_min(1e-6)[:, None]
         near = near.masked_fill_(~paged[:, None], float("-inf"))
-        similarity = torch.full((heads, count, self.slots + 1), float("-inf"), device=wanted.device)
+        similarity = torch.full((heads, count, self.slots + 1), float("-inf"), device=device)
         into = torch.where(paged, slots[at], self.slots)[:, None].expand(-1, count, -1)  # the spare column: no page
         return similarity.scatter_reduce_(2, into, near, "amax")[:, :, : self.slots]
 
