@@ -22,17 +22,19 @@ of its places, in bfloat16, so that 4 of them cost the device what 2 in float32 
 A question scores the pages in each layer's KV heads by its own keys there (its tokens' keys,
 as stored, of the question's words only, not the chat template's): a page matches a question
 key by the cosine similarity of its closest representative (in the first EXACT_LAYERS layers,
-of its closest key held: there keys are the words' own, and a mean of 8 words hides one), or
-of the closest key of its span that the device cache still holds, if closer; per question key,
-a softmax over the pages (sharpened by SIMILARITY_SHARPNESS); a page's score is that share
-averaged over the question's keys. A page is the span of the stream it was, wherever its
-tokens are: a policy that scores per head keeps a fact's words in one head and evicts them in
-another, and often keeps the words a question repeats (the subject) while it evicts the one
-asked for (the number); scored by its evicted tokens alone, such a page ranked below pages of
-prose, and the fact said just before the budget's span was lost (docs/benchmarks.md,
-"Retention"). A page is the same span in every layer and head, so the scores pool: the first
-SCORED_LAYERS layers score in turn, each adding the mean score over its heads that hold
-something of the span (here or on the device). The first layer chooses by its own scores for itself and
+of its closest key held: there keys are the words' own, and a mean of 8 words hides one);
+per question key, a softmax over the pages (sharpened by SIMILARITY_SHARPNESS); a page's score
+is that share averaged over the question's keys. A page is the same span of the stream in
+every layer and head, so the scores pool: the first SCORED_LAYERS layers score in turn, each
+adding the mean score over its heads that hold something of the page (a head that holds the
+page's tokens on the device has no say). Beside that tally the layers keep a second, of each
+page scored by its whole span (the keys of it that the device cache still holds too, and every
+head holding any of it has a say), whose best SPAN_PAGES go first: a policy that scores per
+head keeps a fact's words in one head and evicts them in another, and often keeps the words a
+question repeats while it evicts the one asked for (the number); scored by its evicted tokens
+alone, that page ranked below pages of prose, and the fact said just before the budget's span
+was lost. Ranking every page by its whole span instead let the pages the device holds most of
+crowd out facts evicted long ago (docs/benchmarks.md, "Retention"). The first layer chooses by its own scores for itself and
 the other scoring layers; the last of them chooses by all of theirs for every layer after it at
 once, which borrow without scoring (on bench.recall's streams, 52 of 60 answers against 51 when
 every layer scored, and a third less time to the first token: docs/benchmarks.md).
@@ -83,6 +85,9 @@ DROP_RULES = ("novel", "oldest")
 EXACT_LAYERS = 1  # layers whose pages are scored by every key held, not by representatives
 SCORED_LAYERS = 4  # layers that score the pages; the last of them chooses for every layer after it at once
 CANDIDATE_PAGES = 4  # a question's places are chosen among the best pages that could lend 4 times what it borrows
+# a question's places go first to the best page by its whole span (the device cache's tokens of
+# it too): a sentence a head kept the words of and evicted the number of (engine/host_tier.py docstring)
+SPAN_PAGES = 1
 FOLLOWER_SHARE = 0.99  # the page after a matched page scores this share of it, when that is more than its own
 NOVEL_DROP_SHARE = 8  # under "novel", the least novel 1/8 of the pages leave together (amortises the scoring)
 NOVEL_KEEP_SHARE = 4  # ... never one of the 1/4 of the pages used most recently
@@ -168,8 +173,8 @@ class HostTier:
         self.key_sums = None  # (layers, kv_heads, slots, page_keys, head_dim) INDEX_DTYPE, device
         # The question's page scores summed over the layers' KV heads so far, and how many of
         # those heads held something of each page (slots,); the page before each page's slot
-        self._pooled: torch.Tensor | None = None
-        self._pooled_heads: torch.Tensor | None = None
+        self._pooled: list[torch.Tensor | None] = [None, None]  # by the tier's tokens, by the whole span (`_pool`)
+        self._pooled_heads: list[torch.Tensor | None] = [None, None]
         self._before = torch.full((self.slots,), -1, dtype=torch.int64)
         self.changed: set[int] = set()  # page numbers written since `take_changed` (held pages only)
         if pool is not None:
@@ -356,7 +361,8 @@ class HostTier:
 
     def begin_question(self) -> None:
         """A new question: its layers' scores pool from the first layer on."""
-        self._pooled = self._pooled_heads = None
+        self._pooled: list[torch.Tensor | None] = [None, None]  # summed page scores: by the tier's tokens, by the whole span
+        self._pooled_heads: list[torch.Tensor | None] = [None, None]
         self._chosen = None  # what the layers from `_chosen_from` on borrow: places (layers, kv_heads, count) and their order
         self._chosen_from = 0
         self._before = torch.full((self.slots,), -1, dtype=torch.int64)  # slot -> the slot of the page before, -1: not held
@@ -383,20 +389,29 @@ class HostTier:
         return self._lend(layer, *self._chosen, keys.device)
 
     def _pool(self, layer: int, keys: torch.Tensor, cached: Cached | None = None) -> None:
-        """Add the layer's page scores (over the heads that hold something of a page) to the pool."""
-        scores = self.score(layer, keys, cached)  # (kv_heads, slots), -inf where a head holds nothing of a page
-        scored = scores.isfinite()
-        mine, heads_scored = scores.masked_fill(~scored, 0.0).sum(0), scored.sum(0)
-        if self._pooled is None:
-            self._pooled, self._pooled_heads = mine, heads_scored
-        else:
-            self._pooled, self._pooled_heads = self._pooled + mine, self._pooled_heads + heads_scored
+        """Add the layer's page scores (over the heads that hold something of a page) to the pool:
+        by what the tier holds of each page, and with `cached`, by its whole span (`SPAN_PAGES`)."""
+        tallies = [self.score(layer, keys)] + ([self.score(layer, keys, cached)] if cached is not None else [])
+        for index, scores in enumerate(tallies):  # (kv_heads, slots), -inf where a head holds nothing of a page
+            scored = scores.isfinite()
+            mine, heads_scored = scores.masked_fill(~scored, 0.0).sum(0), scored.sum(0)
+            if self._pooled[index] is None:
+                self._pooled[index], self._pooled_heads[index] = mine, heads_scored
+            else:
+                self._pooled[index], self._pooled_heads[index] = self._pooled[index] + mine, self._pooled_heads[index] + heads_scored
 
     def _choose(self, first: int, last: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For layers first..last-1, each KV head's `count` places (into slots * page_tokens) of the
         best pages by the pooled scores, and their places in the stream, both (layers, kv_heads,
         count) on the CPU, in stream order."""
-        scores = self._with_followers(self._pooled / self._pooled_heads.clamp_min(1))  # (slots,)
+        scores = self._with_followers(self._pooled[0] / self._pooled_heads[0].clamp_min(1))  # (slots,)
+        if self._pooled[1] is not None:  # the best pages by their whole span go first
+            spanned = self._pooled[1] / self._pooled_heads[1].clamp_min(1)
+            lead = spanned.topk(min(SPAN_PAGES, self.slots)).indices
+            lead = lead[spanned[lead] > 0]
+            scores = scores.clone()
+            scores[lead] = scores.max() + 1 + spanned[lead]
+            scores = self._with_followers(scores)
         held = self.held[first:last]  # (layers, kv_heads, slots, page_tokens)
         # Among the best pages only, when every head holds enough of them: the same choice, in a fraction of the places
         best = scores.topk(min(self.slots, CANDIDATE_PAGES * -(-count // self.page_tokens))).indices
