@@ -361,8 +361,7 @@ class HostTier:
 
     def begin_question(self) -> None:
         """A new question: its layers' scores pool from the first layer on."""
-        self._pooled: list[torch.Tensor | None] = [None, None]  # summed page scores: by the tier's tokens, by the whole span
-        self._pooled_heads: list[torch.Tensor | None] = [None, None]
+        self._pooled, self._pooled_heads = [None, None], [None, None]
         self._chosen = None  # what the layers from `_chosen_from` on borrow: places (layers, kv_heads, count) and their order
         self._chosen_from = 0
         self._before = torch.full((self.slots,), -1, dtype=torch.int64)  # slot -> the slot of the page before, -1: not held
@@ -391,8 +390,9 @@ class HostTier:
     def _pool(self, layer: int, keys: torch.Tensor, cached: Cached | None = None) -> None:
         """Add the layer's page scores (over the heads that hold something of a page) to the pool:
         by what the tier holds of each page, and with `cached`, by its whole span (`SPAN_PAGES`)."""
-        tallies = [self.score(layer, keys)] + ([self.score(layer, keys, cached)] if cached is not None else [])
-        for index, scores in enumerate(tallies):  # (kv_heads, slots), -inf where a head holds nothing of a page
+        for index, scores in enumerate(self.score(layer, keys, cached)):  # (kv_heads, slots), -inf where a head holds nothing of a page
+            if scores is None:
+                continue
             scored = scores.isfinite()
             mine, heads_scored = scores.masked_fill(~scored, 0.0).sum(0), scored.sum(0)
             if self._pooled[index] is None:
@@ -459,12 +459,12 @@ class HostTier:
         inherited = (scores[before.clamp_min(0)] * FOLLOWER_SHARE).masked_fill(before < 0, float("-inf"))
         return torch.maximum(scores, inherited)
 
-    def score(self, layer: int, keys: torch.Tensor, cached: Cached | None = None) -> torch.Tensor:
+    def score(self, layer: int, keys: torch.Tensor, cached: Cached | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(kv_heads, slots) how much the question's keys (kv_heads, c, head_dim) want each page of
         `layer`, per KV head (-inf where the head holds nothing of it). In the first EXACT_LAYERS
         layers a page is matched by every key it holds (from host memory), elsewhere by its
-        representatives; with `cached`, also by every key of its span that the device cache
-        still holds, and a head holding any of the span there has a say."""
+        representatives. With `cached`, a second score: by every key of its span, those the
+        device cache still holds too (a head holding any of the span there has a say); else None."""
         heads, slots = self.held.shape[1:3]
         if layer < EXACT_LAYERS:
             held = self.present[layer]  # (kv_heads, slots, page_tokens)
@@ -481,10 +481,18 @@ class HostTier:
             near = torch.einsum("hcd,hskd->hcsk", wanted, block)  # (kv_heads, c, step, keys a page)
             near /= block.norm(dim=-1).clamp_min(1e-6)[:, None]  # cosine, without a normalized copy of the keys
             similarity[:, :, start : start + step] = near.masked_fill_(~held[:, None, start : start + step], float("-inf")).amax(-1)
+        spanned = None
         if cached is not None:
-            similarity = torch.maximum(similarity, self._cached_similarity(wanted, cached).to(similarity.device))
+            spanned = torch.maximum(similarity, self._cached_similarity(wanted, cached).to(similarity.device))
+        return tuple(None if near is None else self._shares(near).to(keys.device) for near in (similarity, spanned))
+
+    @staticmethod
+    def _shares(similarity: torch.Tensor) -> torch.Tensor:
+        """(kv_heads, slots) per page the share of the question keys' softmax over the pages
+        (similarity (kv_heads, c, slots), -inf where a head holds nothing of a page), averaged
+        over the keys; -inf where the head holds nothing of it."""
         share = (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).nan_to_num(0.0)
-        return share.mean(dim=1).masked_fill(similarity.isinf().all(1), float("-inf")).to(keys.device)
+        return share.mean(dim=1).masked_fill(similarity.isinf().all(1), float("-inf"))
 
     def _cached_similarity(self, wanted: torch.Tensor, cached: Cached) -> torch.Tensor:
         """(kv_heads, c, slots) per question key (unit length, (kv_heads, c, head_dim)) the cosine
