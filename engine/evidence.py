@@ -46,6 +46,7 @@ class Contrast:
     def __init__(self) -> None:
         self.baseline: dict[float, float] = {}  # by video time: the question's queries' mean share
         self.excess: dict[float, float] = {}  # by video time: the answer's queries' excess, summed
+        self.paid: dict[float, float] = {}  # by video time: the answer's queries' shares, summed
 
     def question(self, attention: FrameAttention | None, between_frames: FrameAttention | None = None) -> None:
         """The baseline: the mean share of the question's queries (its tokens and the markers
@@ -63,12 +64,16 @@ class Contrast:
             return
         times = attention.times.tolist()
         baseline = torch.tensor([self.baseline.get(t, 0.0) for t in times])
-        excess = (shares(attention) - baseline).clamp(min=0).sum(dim=0)
-        for t, e in zip(times, excess.tolist()):
+        paid = shares(attention)
+        excess = (paid - baseline).clamp(min=0).sum(dim=0)
+        for t, e, p in zip(times, excess.tolist(), paid.sum(dim=0).tolist()):
             self.excess[t] = self.excess.get(t, 0.0) + e
+            self.paid[t] = self.paid.get(t, 0.0) + p
 
     def top(self, k: int) -> list[Evidence]:
-        return top_evidence(self.excess, k)
+        """The times of most excess; when no time drew any (the answer attended to the frames as
+        its question did), those it paid most per token held."""
+        return top_evidence(self.excess, k) or top_evidence(self.paid, k)
 
 
 def top_evidence(excess: dict[float, float], k: int) -> list[Evidence]:
