@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from bench.common import emit
-from bench.recall import SYSTEM, Fact, Stream, asked, fact_places, make_facts
+from bench.facts import SYSTEM, Fact, Stream, asked, fact_places, make_facts
 from engine import Session, SessionConfig
 from engine.kv_pool import KVPool
 from streamvqa.protocol import POOL_PAGE_TOKENS, SessionOptions, peak_cache_tokens

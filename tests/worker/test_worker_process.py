@@ -67,7 +67,7 @@ def test_the_worker_keeps_serving_after_redis_loses_its_data(small_stack):
 
 
 def test_sessions_fit_the_worker_s_cache_memory(redis_url, tmp_path):
-    # tiny-random-llava: 512 bytes per cached token; a 256-token budget peaks at 256 + 2048 + 1024
+    # tiny-random-llava: 512 bytes per cached token; a 256-token budget without recall peaks at 256 + 2048 + 1024
     # tokens (budget, a prompt, an answer), and with the rotated copy of their keys takes
     # 3328 x 512 x 1.5 = 2,555,904 bytes: two fit in 6 MB, a third does not
     with running_stack(
@@ -86,14 +86,14 @@ def test_sessions_fit_the_worker_s_cache_memory(redis_url, tmp_path):
         assert small.wait_for_state("ready")["host_budget_tokens"] == 50_000
         small.delete()
         deadline = time.monotonic() + 10
-        while (reply := users[0].create(budget_tokens=256)).status_code != 201:  # its room is given back
+        while (reply := users[0].create(budget_tokens=256, recall=False)).status_code != 201:  # its room is given back
             assert time.monotonic() < deadline, reply.text
             time.sleep(0.2)
-        assert users[1].create(budget_tokens=256).status_code == 201
+        assert users[1].create(budget_tokens=256, recall=False).status_code == 201
         for user in users[:2]:
             user.wait_for_state("ready")
         deadline = time.monotonic() + 10
-        while (reply := users[2].create(budget_tokens=256)).status_code != 503:  # the registry catches up
+        while (reply := users[2].create(budget_tokens=256, recall=False)).status_code != 503:  # the registry catches up
             assert time.monotonic() < deadline, reply.text
             users[2].delete()
             time.sleep(0.2)
@@ -102,7 +102,7 @@ def test_sessions_fit_the_worker_s_cache_memory(redis_url, tmp_path):
         assert (big.status_code, big.json()["code"]) == (503, "no_capacity")
         users[0].delete()  # its worker frees the room within a heartbeat
         deadline = time.monotonic() + 10
-        while (reply := users[2].create(budget_tokens=256)).status_code != 201:
+        while (reply := users[2].create(budget_tokens=256, recall=False)).status_code != 201:
             assert time.monotonic() < deadline, reply.text
             time.sleep(0.2)
         assert users[2].wait_for_state("ready")["budget_tokens"] == 256
