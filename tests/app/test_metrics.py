@@ -68,11 +68,13 @@ def test_tokens_queue_time_and_answers_move_as_users_asked(stack, client):
     assert list(memory["pool_session_pages"]) == [client.id]
     assert free == pages - memory["pool_session_pages"][client.id] < pages
     assert value(samples, "streamvqa_worker_kv_pool_bytes") == memory["pool_bytes"] > 0
-    # and its host pool beside it, for host tiers: this session has none, so none of its pages is leased
+    # and its host pool beside it, for host tiers: this session recalls (the default), and its tier leases a run of it
     host_pages = value(samples, "streamvqa_worker_host_pool_pages")
-    assert host_pages == memory["host_pool_pages"] == value(samples, "streamvqa_worker_host_pool_free_pages") > 0
+    assert host_pages == memory["host_pool_pages"] > 0
+    assert list(memory["host_pool_session_pages"]) == [client.id]
+    leased = memory["host_pool_session_pages"][client.id]
+    assert value(samples, "streamvqa_worker_host_pool_free_pages") == host_pages - leased < host_pages
     assert value(samples, "streamvqa_worker_host_pool_bytes") == memory["host_pool_bytes"] > 0
-    assert memory["host_pool_session_pages"] == {}
     # the gateway's: three questions, three answers (the one read twice is counted once)
     assert value(samples, "streamvqa_gateway_questions_total", 'via="openai"') == 2
     assert value(samples, "streamvqa_gateway_questions_total", 'via="sse"') == 1
