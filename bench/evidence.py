@@ -28,11 +28,8 @@ and its top-3 evidence), then one per video and one `overall` with:
 """
 
 import argparse
-import os
-import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +37,9 @@ import av
 import numpy as np
 
 from bench.common import emit
+from bench.stack import serving
 from engine.demo import sample_video
-from streamvqa import children
 from streamvqa.client import Client
-from streamvqa.redis_server import EmbeddedRedis, free_port
-from streamvqa.run import wait_until_serving
 from streamvqa.sampling import FrameSampler
 
 START_TIMEOUT_S = 600
@@ -181,31 +176,14 @@ def main() -> None:
         else:
             videos[name] = source(name)
 
-    embedded = None if os.environ.get("REDIS_URL") else EmbeddedRedis(folder / "redis")
-    redis_url = os.environ.get("REDIS_URL") or embedded.start()
-    prefix = f"svqa-evidence-{uuid.uuid4().hex[:8]}:"
-    port = free_port()
-    env = {
-        **os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": prefix, "PORT": str(port), "MODEL": args.model,
-        "LOG_LEVEL": "WARNING", "SPOOL_DIR": str(folder / "spool"), "SNAPSHOT_DIR": str(folder / "snapshots"),
-        "RATE_LIMIT_PER_S": NEVER_LIMITED, "RATE_LIMIT_BURST": NEVER_LIMITED, "WS_MESSAGES_PER_S": NEVER_LIMITED,
-    }
-    processes = [children.spawn([sys.executable, "-m", module], env) for module in ("worker", "app")]
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_serving(f"{url}/healthz", redis_url, prefix, processes, START_TIMEOUT_S)
+    limits = {"RATE_LIMIT_PER_S": NEVER_LIMITED, "RATE_LIMIT_BURST": NEVER_LIMITED, "WS_MESSAGES_PER_S": NEVER_LIMITED}
+    with serving("evidence", args.model, START_TIMEOUT_S, **limits) as stack, Client(stack.base, timeout_s=600) as client:
         started, everything = time.monotonic(), []
-        with Client(url, timeout_s=600) as client:
-            for name, path in videos.items():
-                rows = ask_all(client, name, path, args.fps, args.policy, args.verbose)
-                everything += rows
-                emit(video=name, duration_s=rows[0]["duration_s"], **shares(rows))
+        for name, path in videos.items():
+            rows = ask_all(client, name, path, args.fps, args.policy, args.verbose)
+            everything += rows
+            emit(video=name, duration_s=rows[0]["duration_s"], **shares(rows))
         emit(overall=True, videos=list(videos), **shares(everything), s=round(time.monotonic() - started, 1))
-    finally:
-        for process in reversed(processes):
-            children.stop(process)
-        if embedded is not None:
-            embedded.stop()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ class Stack:
 
 
 @contextlib.contextmanager
-def serving(name: str, model: str, **settings: str) -> Iterator[Stack]:
+def serving(name: str, model: str, start_timeout_s: float = 300, **settings: str) -> Iterator[Stack]:
     """One gateway and one worker of `model` (with `settings` as further environment), keys under
     a prefix of their own and files in a fresh folder, serving until the block ends; then
     stopped, with the embedded Redis if one was started."""
@@ -41,7 +41,7 @@ def serving(name: str, model: str, **settings: str) -> Iterator[Stack]:
     gateway = children.spawn([sys.executable, "-m", "app"], env)
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_until_serving(f"{base}/healthz", redis_url, prefix, [worker, gateway], 300)
+        wait_until_serving(f"{base}/healthz", redis_url, prefix, [worker, gateway], start_timeout_s)
         yield Stack(base, redis_url, prefix, worker, gateway)
     finally:
         for process in (gateway, worker):
