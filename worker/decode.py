@@ -23,6 +23,7 @@ MAX_SOURCE_PIXELS = 8192 * 8192  # larger video frames are refused before they a
 MAX_IMAGE_PIXELS = 4096 * 4096
 STREAM_BUFFER_BYTES = 4096  # PyAV's read size on live streams: small, so frames come out promptly
 DECORD_BATCH_FRAMES = 8  # frames decord fetches per call
+SPAN_SLACK = 2.0  # decord's frame times are trusted while they span at most this times the frames' length at its mean rate (+1 s)
 # A file whose frames end more than this before the duration its container states was cut short
 # (a download or copy that stopped part-way): its frames are taken, and the session warned.
 TRUNCATION_MARGIN_S = 0.5
@@ -156,6 +157,10 @@ def _sample_with_decord(
     starts = stamps[:, 0]
     if not np.all(np.isfinite(starts)) or np.any(np.diff(starts) < 0):
         raise ValueError("timestamps out of order")  # PyAV decodes in presentation order
+    rate = reader.get_avg_fps()
+    if rate > 0 and starts[-1] - starts[0] > SPAN_SLACK * len(reader) / rate + 1.0:
+        # Packets with no time (MPEG-4 with B-frames in an AVI) read as about -3.8e17 s
+        raise ValueError(f"timestamps span {starts[-1] - starts[0]:.3g} s for {len(reader)} frames at {rate:.3g} fps")
     starts, ends = starts - starts[0], stamps[:, 1] - starts[0]
     sampler = FrameSampler(fps)
     chosen = [i for i, start in enumerate(starts) if sampler.keep(float(start))]
@@ -183,11 +188,12 @@ def _sample_with_pyav(
     """The sampled frames, every frame decoded in order; `reached` hears where each one ends, in s."""
     with _open_container(str(path)) as container:
         stream = _video_stream(container)
-        start_s = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+        start_s = None  # the first frame's time, as decord's (an AVI's first frame may come a frame after its start)
         rate = stream.average_rate or stream.guessed_rate
         mean_length_s = float(1 / rate) if rate else 0.0
         sampler = FrameSampler(fps)
         for frame, time_s in _decoded(container, stream):
+            start_s = time_s if start_s is None else start_s
             length_s = float(frame.duration * stream.time_base) if frame.duration else mean_length_s
             reached(max(0.0, time_s - start_s) + length_s)
             if sampler.keep(max(0.0, time_s - start_s)):

@@ -126,3 +126,27 @@ def test_the_sample_videos_are_not_cut_short(name, end_s):
     frames = sample_file(sample_video(name), 1.0, max_side=320)
     list(frames)
     assert (round(frames.end_s, 3), frames.cut_short) == (end_s, False)
+
+
+def _avi_with_b_frames(path, seconds: float, rate: int = 10):
+    """MPEG-4 Part 2 with B-frames in an AVI (as OpenCV's Megamind.avi sample): the first
+    packets carry no time, and decord reads about -3.8e17 s for their frames."""
+    from tests.media import picture
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 160, 120, "yuv420p"
+        stream.codec_context.max_b_frames = 2
+        for i in range(round(seconds * rate)):
+            frame = av.VideoFrame.from_ndarray(picture(i), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return path
+
+
+def test_an_avi_whose_first_frames_have_no_time_gives_its_own_times(tmp_path):
+    """Not a video time of about 4e17 s: frame times an index cannot give are read by decoding."""
+    frames = sample_file(_avi_with_b_frames(tmp_path / "b-frames.avi", 5.0), 1.0, max_side=768)
+    assert [round(f.time_s, 2) for f in frames] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert (round(frames.end_s, 3), frames.cut_short) == (5.0, False)
