@@ -10,10 +10,10 @@ consecutive pages, as many as its tier's bound, when it opens (`engine/page_runs
 tier is then views of that run, a page's slot is a page of the run, and moving a page in or
 out is a copy of that page. The run goes back when the session ends.
 
-So a worker's host memory is what it states at start, whatever sessions come and go: on a CPU
-the pool is allocated with `torch.empty`, and the operating system gives its pages memory only
-when first written, so resident memory grows with the pages used up to the pool's size and is
-then reused, never given back and taken again. A tier made without a pool (a session alone)
+Where the pool is not pinned (beside a CPU's caches), it is allocated with `torch.empty`: the
+operating system gives its pages memory only when first written, and a run's pages are given
+back when it goes back (`engine/resident.py`), so resident memory follows the tiers held, up to
+the pool's size. Pinned, it is taken whole at start. A tier made without a pool (a session alone)
 makes one of its own, of exactly its bound, at its first eviction.
 """
 
@@ -21,6 +21,7 @@ import torch
 
 from engine.kv_buffers import outside_inference
 from engine.page_runs import PageRuns, Run
+from engine.resident import give_back
 
 PLACE_BYTES = 1 + 4 + 1  # per place, layer and KV head beside its key and value: kind (int8), time (float32), held (bool)
 GRID_BYTES = 8  # and with 3-D positions, its place on its group's grid (int64, `engine/layout.py`'s `pack`)
@@ -60,6 +61,15 @@ class HostPool(PageRuns):
     def nbytes(self) -> int:
         parts = (self.keys, self.values, self.kinds, self.times, self.present, self.grids)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def give_back(self, first_page: int, pages: int) -> None:
+        """Not pinned, the pages' places go back to the operating system (a new lease marks
+        them not held: `lease`)."""
+        if self.device.type == "cuda":  # pinned
+            return
+        for part in (self.keys, self.values, self.kinds, self.times, self.present, self.grids):
+            if part is not None:
+                give_back(part, 2, first_page, first_page + pages)
 
     def lease(self, tokens: int, owner: object | None = None) -> Run:
         """A run of pages for `tokens` places, none of them held yet; PoolFull when none is

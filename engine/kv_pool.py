@@ -16,9 +16,9 @@ among the free pages (`engine/page_runs.py`), and admission asks for one (`can_l
 runs of one length, which leave no holes another such session cannot fill.
 
 The pool is allocated with `torch.empty`: on a CPU the operating system gives its pages
-memory only when first written, so resident memory grows with the sessions held up to the
-pool's size and stays there (it is reused, never given back and taken again); on a GPU it is
-taken whole at start, as vLLM takes its KV cache. The host tiers' pages are in a pool of their
+memory only when first written, and a run's pages are given back when it goes back
+(`engine/resident.py`), so resident memory follows the sessions held, up to the pool's size; on
+a GPU it is taken whole at start, as vLLM takes its KV cache. The host tiers' pages are in a pool of their
 own beside it, in host memory (`host`, `engine/host_pool.py`).
 """
 
@@ -29,6 +29,7 @@ import torch
 
 from engine.kv_buffers import outside_inference, rotate
 from engine.page_runs import PageRuns, PoolFull, Run
+from engine.resident import give_back
 
 if TYPE_CHECKING:
     from engine.host_pool import HostPool
@@ -145,6 +146,11 @@ class KVPool(PageRuns):
     @property
     def page_bytes(self) -> int:
         return self.nbytes // self.total_pages
+
+    def give_back(self, first_page: int, pages: int) -> None:
+        """On a CPU, the pages' slots of every part, layer and KV head go back to the operating
+        system (a new lease zeroes what it reads first anyway: `Lease.clean`)."""
+        give_back(self.storage, 3, first_page * self.page_tokens, (first_page + pages) * self.page_tokens)
 
     def lease(self, tokens: int, owner: object | None = None) -> Lease:
         """A run of pages for `tokens` slots; PoolFull when none is free. With `owner`, the

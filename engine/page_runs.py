@@ -5,7 +5,7 @@ A pool of a worker (its KV pool on the device, `engine/kv_pool.py`; its host poo
 pages, so that its part of the pool is a view, read in place with no page table. A run is found
 first-fit among the free pages; sessions of one size take runs of one length, which leave no
 holes another such session cannot fill. A run goes back with `release`, or when its owner is
-collected.
+collected; a pool in RAM then gives its pages' memory back to the operating system.
 """
 
 import weakref
@@ -82,10 +82,15 @@ class PageRuns:
         return lease
 
     def release(self, lease: Run) -> None:
-        """Give the run back (again: nothing)."""
+        """Give the run back (again: nothing), and its pages' memory (`give_back`)."""
         if self.leases.get(lease.first_page) is lease:
             del self.leases[lease.first_page]
             self.free[lease.first_page : lease.first_page + lease.pages] = True
+            self.give_back(lease.first_page, lease.pages)
+
+    def give_back(self, first_page: int, pages: int) -> None:
+        """What a pool does with the memory of pages no run holds now: nothing here; a pool in
+        RAM gives it to the operating system (`engine/resident.py`)."""
 
     def _first_fit(self, pages: int) -> int | None:
         if pages > self.total_pages:

@@ -4,6 +4,7 @@ lends and answers exactly as a tier of its own, through eviction, borrowing, sna
 and takeover, and a full pool refuses a session with recall at once."""
 
 import gc
+import sys
 
 import numpy as np
 import pytest
@@ -128,3 +129,22 @@ def test_a_session_restored_in_the_same_or_another_workers_pools_holds_and_answe
     assert len(answers) == 1 and taken.cache.retrieved_tokens == restored.cache.retrieved_tokens == 48
     taken.release(), restored.release()
     assert (pool.host.free_pages, other.host.free_pages) == (TIER_PAGES + 5, 300)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are given back on Linux only")
+def test_a_host_tier_that_goes_back_gives_its_memory_back_to_the_operating_system(llava):
+    shape = (llava.num_layers, llava.kv_heads, llava.head_dim)
+    pool = HostPool(*shape, 8192, HOST_PAGE_TOKENS, llava.dtype, llava.device)  # 536 bytes a place: 134 MiB
+    assert pool.nbytes == 8192 * HOST_PAGE_TOKENS * 536
+    with open("/proc/self/statm") as statm:
+        before = int(statm.read().split()[1]) * 4096
+    run = pool.lease(8192 * HOST_PAGE_TOKENS)
+    for part in (pool.keys, pool.values, pool.kinds, pool.times):
+        part.fill_(1)
+    with open("/proc/self/statm") as statm:
+        assert int(statm.read().split()[1]) * 4096 - before > 120 * 2**20
+    run.release()
+    with open("/proc/self/statm") as statm:
+        assert int(statm.read().split()[1]) * 4096 - before < 8 * 2**20
+    pool.lease(HOST_PAGE_TOKENS)
+    assert not pool.present[:, :, 0].any()

@@ -3,6 +3,7 @@ back; a session in the pool holds, attends and answers exactly as one with buffe
 alone and together, through eviction, borrowing, give-back, a failed forward and a restore."""
 
 import gc
+import sys
 from functools import partial
 
 import numpy as np
@@ -16,6 +17,13 @@ from engine.model import _tiny
 from engine.step import Frames, step
 
 PAGE_TOKENS = 16
+MIB = 2**20
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are given back on Linux only")
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +293,17 @@ def test_borrowing_everything_in_the_pool_answers_as_the_full_cache(deep, pool_m
     # (evidence is not compared: its baseline is partly read when the last frames came, when
     # the bounded cache held fewer seconds than the question borrows; engine/evidence.py)
     assert len(pool_merges) == 1
+
+
+@linux
+def test_a_run_that_goes_back_gives_its_memory_back_to_the_operating_system(llava):
+    pool = _pool(llava, 16_384)  # tiny-random-llava: 12,288 bytes a page of 16 slots, 192 MiB in all
+    assert pool.nbytes == 192 * MIB
+    before = resident_bytes()
+    lease = pool.lease(16_384 * PAGE_TOKENS)
+    lease.clean(0, lease.tokens)  # every slot written (zeros)
+    assert resident_bytes() - before > 180 * MIB
+    lease.release()
+    assert resident_bytes() - before < 8 * MIB
+    again = pool.lease(100 * PAGE_TOKENS)  # its pages read as zeros, and take memory as they are written
+    assert not again.rows(0, 0).any() and resident_bytes() - before < 8 * MIB
