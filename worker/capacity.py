@@ -4,7 +4,10 @@ what it has done since it started: both go into its entry in the worker registry
 Memory is sized from a stated setting (KV_MEMORY, HOST_MEMORY: a share of the whole memory, or
 bytes), never above what the worker holds for its sessions now plus FREE_SHARE of what is free:
 read again each time it advertises (as sessions come and go, and at each heartbeat), so that it
-neither takes memory others use nor keeps a small size it once found."""
+neither takes memory others use nor keeps a small size it once found; and never above what its
+pools hold. On a GPU the pools are taken at start, from the memory offered then; on a CPU they
+are as large as stated, take RAM only as sessions use their pages and give it back as they end
+(`engine/resident.py`), so what is offered can grow as memory is freed."""
 
 from __future__ import annotations
 
@@ -17,9 +20,9 @@ from pathlib import Path
 import torch
 
 from engine import Model, SessionConfig
-from engine.host_pool import GRID_BYTES, HostPool
+from engine.host_pool import GRID_BYTES, HostPool, host_page_bytes
 from engine.host_tier import index_bytes_per_token
-from engine.kv_pool import KVPool
+from engine.kv_pool import KVPool, page_bytes
 from streamvqa import protocol
 from streamvqa.protocol import (
     QUEUE_TIME_BUCKETS_S, STEP_SESSIONS_BUCKETS, TIME_PER_OUTPUT_TOKEN_BUCKETS_S, Histogram, SessionRecord,
@@ -29,8 +32,11 @@ from worker.settings import MemorySize, WorkerSettings
 log = logging.getLogger(__name__)
 
 FREE_SHARE = 0.9  # of the memory free now, what sessions may take; the rest is left to others and to a step's activations
-AUTO_KV_SHARE = {"cuda": 0.9, "cpu": 0.5}  # KV_MEMORY=auto: of the GPU's memory, or of the RAM on a CPU
+AUTO_KV_SHARE = {"cuda": 0.9, "cpu": 0.5}  # KV_MEMORY=auto: of the GPU's memory, or at most this of the RAM on a CPU
 AUTO_HOST_SHARE = {"cuda": 0.5, "cpu": 0.25}  # HOST_MEMORY=auto: of the RAM (on a CPU the caches take RAM too)
+# On a CPU, auto is at most this much of each (a laptop's RAM is the user's too): with the demo
+# model, three sessions with the default options and recall in each (vLLM's CPU backend: 4 GiB of KV)
+AUTO_CPU_BYTES = 2 * 2**30
 MIN_DEFAULT_SESSIONS = 2  # fewer sessions with the default options than this in the cache memory: a warning
 RELOG_CHANGE = 0.125  # the memory offered is logged again once it changed by this share
 
@@ -73,20 +79,32 @@ class Offer:
     setting: MemorySize
     target_bytes: int  # what the setting states
     stated: str  # how: "8GiB", "0.5 of 16,384 MiB", "auto: 0.9 of 81,920 MiB"
-    offered_bytes: int = 0  # now: the target, or less when memory is short
+    offered_bytes: int = 0  # now: the target, or less when memory is short or its pool holds less
     free_bytes: int = 0  # free to anyone in that memory when last read
+    pool_bytes: int | None = None  # what its pool holds, once made
     logged_bytes: int = -1  # the offer last logged
 
     @classmethod
-    def of(cls, setting: MemorySize, whole_bytes: int, auto_share: float) -> Offer:
+    def of(cls, setting: MemorySize, whole_bytes: int, auto_share: float, auto_most_bytes: int | None = None) -> Offer:
+        """`auto_most_bytes`: auto is at most this (None: the share alone)."""
         stated = setting.text
+        target = setting.of(whole_bytes, auto_share)
         if setting.bytes is None:
             share = f"auto: {auto_share}" if setting.share is None else setting.text
             stated = f"{share} of {_mib(whole_bytes)}"
-        return cls(setting, setting.of(whole_bytes, auto_share), stated)
+            if setting.share is None and auto_most_bytes is not None and auto_most_bytes < target:
+                target, stated = auto_most_bytes, f"auto: {_mib(auto_most_bytes)}, at most {auto_share} of {_mib(whole_bytes)}"
+        return cls(setting, target, stated)
+
+    def offer(self, room_bytes: int, free_bytes: int) -> None:
+        """Offer the target, or less: `room_bytes` (what memory is free for it now) or what its pool holds."""
+        self.offered_bytes = max(0, min(self.target_bytes, room_bytes, self.pool_bytes if self.pool_bytes is not None else room_bytes))
+        self.free_bytes = free_bytes
 
     def why(self) -> str:
         if self.offered_bytes < self.target_bytes:
+            if self.pool_bytes is not None and self.offered_bytes == self.pool_bytes:
+                return f"less than the {_mib(self.target_bytes)} stated ({self.stated}): its pool, made at start, holds that"
             return f"less than the {_mib(self.target_bytes)} stated ({self.stated}): {_mib(self.free_bytes)} free now"
         return f"as stated ({self.stated}), {_mib(self.free_bytes)} free now"
 
@@ -98,9 +116,11 @@ def _mib(n: int) -> str:
 class Capacity:
     """Each session reserves its peak cache (and its index of the host tier) on the device, and
     its host tier's bound in host memory; `refresh` sizes both memories again. The caches
-    themselves live in the worker's KV pool and the host tiers in its host pool (`make_pool`),
-    both allocated once from the memory offered at start: a session is taken only when its
-    bytes fit what is offered now and a run of each pool's pages is free for it."""
+    themselves live in the worker's KV pool and the host tiers in its host pool (`make_pool`):
+    on a GPU allocated at start from the memory offered then (pinned, for the host pool), on a
+    CPU as large as stated (RAM is taken only as pages are used, and given back). What is
+    offered is never more than a pool holds: a session is taken only when its bytes fit what is
+    offered now and a run of each pool's pages is free for it."""
 
     def __init__(self, settings: WorkerSettings, model: Model, read: ReadMemory = read_memory) -> None:
         self.kv_bytes_per_token = model.kv_bytes_per_token
@@ -119,8 +139,10 @@ class Capacity:
         self._held_at_start = {"device": device.held_bytes, "ram": ram.held_bytes}  # the model is loaded by now
         kind = "cuda" if self.device.type == "cuda" else "cpu"
         kv, host = MemorySize.parse(settings.kv_memory), MemorySize.parse(settings.host_memory)
-        self.kv = Offer.of(kv, device.total_bytes, AUTO_KV_SHARE[kind])
-        self.host = Offer.of(host, ram.total_bytes, AUTO_HOST_SHARE[kind])
+        most = AUTO_CPU_BYTES if kind == "cpu" else None
+        self.kv = Offer.of(kv, device.total_bytes, AUTO_KV_SHARE[kind], most)
+        self.host = Offer.of(host, ram.total_bytes, AUTO_HOST_SHARE[kind], most)
+        self._ram_total_bytes = ram.total_bytes
         self.default_session_bytes = self._default_session_bytes()
         self.warning: str | None = None  # said in the registry while the cache memory is short
         self._warned_sessions = -1
@@ -129,19 +151,31 @@ class Capacity:
         self.refresh([])
 
     def make_pool(self) -> KVPool:
-        """The worker's KV pool, as many pages as the cache memory offered now holds, with its
-        host pool beside it, as many host tier pages as the host memory offered now holds."""
+        """The worker's KV pool with its host pool beside it: on a GPU as many pages as the
+        memory offered now holds (taken now), on a CPU as many as the setting states, at most
+        the RAM (taken as sessions use them, given back as they end); then offers again."""
         model = self._model
         shape = (model.num_layers, model.kv_heads, model.head_dim)
-        host = HostPool.sized(
-            self.host.offered_bytes, *shape, SessionConfig.page_tokens, model.dtype, model.device, model.position_axes == 3
+        lazy = model.device.type == "cpu"
+        positions_3d = model.position_axes == 3
+        kv_bytes, host_bytes = (
+            (min(offer.target_bytes, self._ram_total_bytes) for offer in (self.kv, self.host)) if lazy
+            else (self.kv.offered_bytes, self.host.offered_bytes)
         )
-        self.pool = KVPool.sized(self.kv.offered_bytes, *shape, protocol.POOL_PAGE_TOKENS, model.dtype, model.device, host)
-        for name, pool, taken in (
-            ("KV pool", self.pool, "taken now" if model.device.type == "cuda" else "RAM taken as sessions first use it"),
-            ("host pool", host, "pinned now" if model.device.type == "cuda" else "RAM taken as sessions first use it"),
-        ):
+        # whole pages, at least what is offered (sessions reserve whole pages of the KV pool)
+        kv_page = page_bytes(*shape, protocol.POOL_PAGE_TOKENS, model.dtype)
+        host_page = host_page_bytes(*shape, SessionConfig.page_tokens, model.dtype, positions_3d)
+        host = HostPool.sized(
+            -(-host_bytes // host_page) * host_page, *shape, SessionConfig.page_tokens, model.dtype, model.device, positions_3d
+        )
+        self.pool = KVPool.sized(
+            -(-kv_bytes // kv_page) * kv_page, *shape, protocol.POOL_PAGE_TOKENS, model.dtype, model.device, host
+        )
+        self.kv.pool_bytes, self.host.pool_bytes = self.pool.nbytes, host.nbytes
+        taken = "RAM taken as sessions use it, given back as they end" if lazy else "taken now"
+        for name, pool in (("KV pool", self.pool), ("host pool", host)):
             log.info("%s: %d pages of %d tokens, %s (%s)", name, pool.total_pages, pool.page_tokens, _mib(pool.nbytes), taken)
+        self.refresh([])
         return self.pool
 
     @property
@@ -171,7 +205,8 @@ class Capacity:
     def refresh(self, held: Iterable[SessionRecord]) -> None:
         """Size both memories again, from what is free now: each offers its target, or less: what
         this process took since it started serving (its sessions use it) plus FREE_SHARE of what
-        is free, less what the other kind reserved where both take the same RAM. Logs a change
+        is free, less what the other kind reserved where both take the same RAM; never more than
+        its pool holds. Logs a change
         of an eighth or more; warns (and says in `warning`) when the cache memory holds fewer than
         MIN_DEFAULT_SESSIONS sessions with the default options."""
         held = list(held)
@@ -183,8 +218,7 @@ class Capacity:
             (self.kv, device, self._held_at_start["device"], host_reserved if self.shared else 0),
             (self.host, ram, self._held_at_start["ram"], kv_reserved if self.shared else 0),
         ):
-            room = max(0, reading.held_bytes - start) + int(reading.free_bytes * FREE_SHARE) - other
-            offer.offered_bytes, offer.free_bytes = max(0, min(offer.target_bytes, room)), reading.free_bytes
+            offer.offer(max(0, reading.held_bytes - start) + int(reading.free_bytes * FREE_SHARE) - other, reading.free_bytes)
         for name, offer in (("caches", self.kv), ("host tiers", self.host)):
             if abs(offer.offered_bytes - offer.logged_bytes) > RELOG_CHANGE * max(offer.logged_bytes, 1):
                 log.info("memory for the sessions' %s: %s, %s", name, _mib(offer.offered_bytes), offer.why())

@@ -69,14 +69,15 @@ class WorkerSettings(CommonSettings):
     kv_memory: str = Field(
         "auto", validation_alias=AliasChoices("kv_memory", "kv_memory_bytes"),
         description=f"Memory for the sessions' caches (each reserves its peak): {MEMORY_FORMAT}; a share is of the "
-        "GPU's memory (of the machine's RAM on a CPU); auto: 0.9 of the GPU, 0.5 of the RAM on a CPU. Never more "
-        "than what the worker holds for its sessions plus 90% of what is free, read again as sessions come and go.",
+        "GPU's memory (of the machine's RAM on a CPU); auto: 0.9 of the GPU, 2 GiB on a CPU (at most half the RAM). "
+        "Never more than what the worker holds for its sessions plus 90% of what is free, read again as sessions come "
+        "and go, nor than its KV pool holds (taken at start on a GPU; on a CPU RAM is taken and given back as sessions come and go).",
     )
     host_memory: str = Field(
         "auto", validation_alias=AliasChoices("host_memory", "host_memory_bytes"),
         description=f"Host memory for the sessions' host tiers (recall; each reserves its bound): {MEMORY_FORMAT}; "
-        "a share is of the machine's RAM; auto: 0.5 of it beside a GPU, 0.25 on a CPU (where the caches take RAM too). "
-        "Capped by what is free as KV_MEMORY is.",
+        "a share is of the machine's RAM; auto: 0.5 of it beside a GPU, 2 GiB on a CPU (at most a quarter of the RAM: "
+        "the caches take RAM too). Capped by what is free and by its pool as KV_MEMORY is.",
     )
     lease_ttl_s: float = Field(15.0, ge=1.0, description="A session whose worker is silent this long is free.")
     idle_release_s: float = Field(

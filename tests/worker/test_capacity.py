@@ -2,13 +2,16 @@
 never above what is free, read again as sessions come and go, and said in GET /models."""
 
 import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from engine import load_model
 from streamvqa.protocol import SessionRecord
-from tests.support import running_stack
+from tests.support import Client, Stack, delete_prefix, running_stack
 from worker.capacity import Capacity, Reading
 from worker.settings import MemorySize, WorkerSettings
 
@@ -89,3 +92,47 @@ def test_models_says_what_each_worker_offers_and_warns_when_its_caches_hold_unde
         log = stack.log("worker")
         assert "memory for the sessions' caches: 4 MiB, as stated (4MiB)" in log
         assert "holds 0 session(s) with the default options (12 MiB each): set KV_MEMORY" in log
+
+
+def _memory_when(stack: Stack, ready, timeout_s: float = 15.0) -> dict:
+    """The worker's memory in GET /models once `ready(memory)` (or after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (model,) = httpx.get(f"{stack.url}/models").json()["models"]
+        (memory,) = model["memory"]
+        if ready(memory) or time.monotonic() > deadline:
+            return memory
+        time.sleep(0.2)
+
+
+def test_a_worker_that_started_short_of_memory_takes_every_session_admitted_once_memory_is_free(redis_url, tmp_path):
+    # the memory the worker sees (tests/worker/scripted_memory.py): others hold all but 10 MiB as it starts
+    seen = tmp_path / "memory"
+    seen.write_text(f"{16 * GIB} {10 * MIB} {GIB}")
+    stack = Stack(redis_url, f"svqa-test-{uuid.uuid4().hex[:12]}:", tmp_path, KV_MEMORY="100MB", HOST_MEMORY="64MiB",
+                  MAX_SESSIONS="8", IDLE_RELEASE_S="0", LEASE_TTL_S="3", SCRIPTED_MEMORY=str(seen))
+    stack.start("worker", "tests.worker.scripted_memory", WORKER_ID="a")
+    stack.start("gateway", "app")
+    try:
+        stack.wait_until_serving()
+        memory = _memory_when(stack, lambda memory: memory["kv_memory_bytes"] == 9 * MIB)
+        assert memory["kv_memory_bytes"] == 9 * MIB  # 90% of the 10 MiB free
+        assert memory["pool_bytes"] >= memory["kv_memory_bytes"]
+
+        seen.write_text(f"{16 * GIB} {GIB} {GIB}")  # the others left
+        memory = _memory_when(stack, lambda memory: memory["kv_memory_bytes"] == 100_000_000)
+        assert memory["kv_memory_bytes"] == 100_000_000  # as stated
+
+        # tiny-random-llava: a 2,048-token budget peaks at 5,120 tokens, 80 pages of 64 (3,932,160 bytes):
+        # four fit in 100 MB, and all four admitted are taken, not left pending
+        users = [Client(stack.url) for _ in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda user: user.create(budget_tokens=2048, recall=False), users))
+        assert [reply.status_code for reply in replies] == [201] * 4, [reply.text for reply in replies]
+        assert [user.wait_for_state("ready", timeout_s=30)["worker"] for user in users] == ["a"] * 4
+        memory = _memory_when(stack, lambda memory: memory["pool_free_pages"] < memory["pool_pages"] - 240)
+        assert (memory["pool_pages"], memory["pool_free_pages"]) == (2_035, 2_035 - 4 * 80)  # 100 MB in whole pages
+        assert memory["pool_bytes"] >= memory["kv_memory_bytes"]  # what it offers, its pool holds
+    finally:
+        stack.stop()
+        delete_prefix(redis_url, stack.prefix)
