@@ -59,13 +59,14 @@ UPLOAD_REFUSED = {
 
 @dataclass(frozen=True)
 class Room:
-    """What a model's live workers offer in all (-1: not known), and what a new session reserves of it."""
+    """What a model's live workers offer, each (empty: not known), and what a new session reserves
+    on one of them."""
 
     places: int
     device_bytes: int  # the session's peak cache (and its host tier's index), on a worker's device
     host_bytes: int  # its host tier, in a worker's RAM
-    device_limit: int  # the cache memory the workers offer, in all
-    host_limit: int
+    device_limits: tuple[int, ...]  # the cache memory each worker offers
+    host_limits: tuple[int, ...]  # the host memory each offers, worker by worker as device_limits
 
     @classmethod
     def of(cls, workers: Iterable[WorkerInfo], peak_tokens: int, host_tokens: int) -> "Room":
@@ -79,9 +80,22 @@ class Room:
                 for w in workers
             ),
             host_bytes=host_tokens * max(w.host_bytes_per_token for w in workers),
-            device_limit=sum(w.kv_memory_bytes for w in workers) if known else -1,
-            host_limit=sum(w.host_memory_bytes for w in workers) if known else -1,
+            device_limits=tuple(w.kv_memory_bytes for w in workers) if known else (),
+            host_limits=tuple(w.host_memory_bytes for w in workers) if known else (),
         )
+
+    @property
+    def device_limit(self) -> int:
+        """The cache memory the workers offer, in all (-1: not known)."""
+        return sum(self.device_limits) if self.device_limits else -1
+
+    @property
+    def host_limit(self) -> int:
+        return sum(self.host_limits) if self.host_limits else -1
+
+    def limits(self) -> list[int]:
+        """Each worker's device and host bytes, in turn (scripts.TAKE_PLACE_LUA's arguments)."""
+        return [limit for pair in zip(self.device_limits, self.host_limits, strict=True) for limit in pair]
 
 
 class SessionStore:
@@ -114,8 +128,8 @@ class SessionStore:
         TooManySessions when `owner` already holds `max_per_owner` sessions that have not failed
         (ended and expired ones are gone, and failed ones are left out, at once); NoPlace when
         the model's workers already hold or are about to take `room.places` sessions, or when
-        those sessions' memory and this one's would pass what the workers offer (checked and
-        taken in one script on the model's places, so that concurrent creates never admit more).
+        those sessions and this one cannot each be placed whole on one worker's memory (checked
+        and taken in one script on the model's places, so that concurrent creates never admit more).
         The session is written first, with a short TTL that becomes SESSION_TTL_S once both
         places are taken: a gateway that dies part-way leaves nothing that lasts."""
         token = secrets.token_hex(32)  # never begins with "-", so `--token <token>` works on any command line
@@ -149,8 +163,7 @@ class SessionStore:
                 raise TooManySessions()
             await self._forget_unadmitted(model)
             taken = await self._take_place(keys=[self.keys.places(model)], args=[
-                room.places, record.id, place(now, reserved), room.device_bytes, room.host_bytes, room.device_limit,
-                room.host_limit,
+                room.places, record.id, place(now, reserved), room.device_bytes, room.host_bytes, *room.limits(),
             ])
             if taken != 1:
                 raise NoPlace(NO_PLACE[taken])

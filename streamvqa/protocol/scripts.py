@@ -57,22 +57,41 @@ return 1
 """
 # Admits a session to a model's places (KEYS[1], a hash: session id -> "<admitted at> <device
 # bytes> <host bytes>", the memory it reserves on a worker), unless the places already hold as
-# many sessions as the model's live workers may, or the memory they reserve and this session's
-# would pass what those workers offer. ARGV = the places, the session id, its entry, its device
-# bytes, its host bytes, the workers' device bytes, their host bytes (a limit below 0: not
-# known, not checked; a session that reserves none of a kind is not checked against it).
-# Returns 1, 0 when no place is left, -1 when the device memory is reserved, -2 when the host
-# memory is.
+# many sessions as the model's live workers may, or the sessions they hold and this one cannot
+# all be placed on those workers, each session's memory on one worker: first-fit, the largest
+# first, into each worker's device and host bytes (a session never counts on memory that is
+# split between workers). ARGV = the places, the session id, its entry, its device bytes, its
+# host bytes, then each worker's device bytes and host bytes (none: not known, not checked).
+# Returns 1, 0 when no place is left, -1 when no worker has the device memory left for one of
+# the sessions, -2 when none has the host memory.
 TAKE_PLACE_LUA = """
 local admitted = redis.call('HVALS', KEYS[1])
 if #admitted >= tonumber(ARGV[1]) then return 0 end
-local device, host = tonumber(ARGV[4]), tonumber(ARGV[5])
+local sessions = {{tonumber(ARGV[4]), tonumber(ARGV[5])}}
 for _, entry in ipairs(admitted) do
   local _, d, h = string.match(entry, '^(%S+) (%d+) (%d+)$')
-  device, host = device + tonumber(d or '0'), host + tonumber(h or '0')
+  sessions[#sessions + 1] = {tonumber(d or '0'), tonumber(h or '0')}
 end
-if tonumber(ARGV[4]) > 0 and tonumber(ARGV[6]) >= 0 and device > tonumber(ARGV[6]) then return -1 end
-if tonumber(ARGV[5]) > 0 and tonumber(ARGV[7]) >= 0 and host > tonumber(ARGV[7]) then return -2 end
+local workers = {}
+for i = 6, #ARGV - 1, 2 do workers[#workers + 1] = {tonumber(ARGV[i]), tonumber(ARGV[i + 1])} end
+if #workers > 0 then
+  table.sort(sessions, function(a, b) if a[1] ~= b[1] then return a[1] > b[1] end return a[2] > b[2] end)
+  for _, session in ipairs(sessions) do
+    local device_room = false
+    local placed = false
+    for _, worker in ipairs(workers) do
+      if session[1] <= worker[1] then
+        device_room = true
+        if session[2] <= worker[2] then
+          worker[1], worker[2] = worker[1] - session[1], worker[2] - session[2]
+          placed = true
+          break
+        end
+      end
+    end
+    if not placed then return device_room and -2 or -1 end
+  end
+end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 return 1
 """

@@ -17,12 +17,13 @@ IDLE_RELEASE_S = 3
 def make_stack(redis_url: str, tmp_path):
     stacks = []
 
-    def start(workers: int, **env: str | None) -> Stack:
+    def start(workers: int, each: dict[str, dict[str, str]] | None = None, **env: str | None) -> Stack:
+        """`workers` workers, a and b, with `env` and each its own from `each` (by name)."""
         stack = Stack(redis_url, f"svqa-test-{uuid.uuid4().hex[:12]}:", tmp_path / str(len(stacks)), **env)
         stack.directory.mkdir()
         stacks.append(stack)
         for name in "ab"[:workers]:
-            stack.start(name, "worker", WORKER_ID=name)
+            stack.start(name, "worker", WORKER_ID=name, **(each or {}).get(name, {}))
         stack.start("gateway", "app")
         stack.wait_until_serving(workers=workers)
         return stack
@@ -118,14 +119,14 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
         assert r["message"] == no_room or (r["message"].startswith(no_room + ": ") and r["message"].endswith(reserved)), refused
     admitted = [user for user, reply in zip(users, replies, strict=True) if reply.status_code == 201]
     assert [user.wait_for_state("ready", timeout_s=30)["worker"] for user in admitted] == ["a", "a"]
-    if memory == "cache":  # the worker's KV pool: 10 MB in pages of 64 tokens (49,152 bytes), 80 pages a session
-        pool = _pool_when(stack, lambda pool: len(pool["pool_session_pages"]) == 2)
-        assert (pool["pool_pages"], pool["pool_page_tokens"], pool["pool_bytes"]) == (203, 64, 203 * 49_152)
-        assert (pool["pool_free_pages"], sorted(pool["pool_session_pages"].values())) == (43, [80, 80])
-    else:  # the worker's host pool: 250 MB in pages of 32 places (17,152 bytes), 6,250 pages a tier
-        pool = _pool_when(stack, lambda pool: len(pool["host_pool_session_pages"]) == 2)
-        assert (pool["host_pool_pages"], pool["host_pool_page_tokens"], pool["host_pool_bytes"]) == (14_575, 32, 14_575 * 17_152)
-        assert (pool["host_pool_free_pages"], sorted(pool["host_pool_session_pages"].values())) == (2_075, [6_250, 6_250])
+    if memory == "cache":  # the worker's KV pool: 10 MB in whole pages of 64 tokens (49,152 bytes), 80 pages a session
+        pool = _pool_when(stack, lambda pool: pool["pool_free_pages"] == 204 - 2 * 80)
+        assert (pool["pool_pages"], pool["pool_page_tokens"], pool["pool_bytes"]) == (204, 64, 204 * 49_152)
+        assert pool["pool_free_pages"] == 44
+    else:  # the worker's host pool: 250 MB in whole pages of 32 places (17,152 bytes), 6,250 pages a tier
+        pool = _pool_when(stack, lambda pool: pool["host_pool_free_pages"] == 14_576 - 2 * 6_250)
+        assert (pool["host_pool_pages"], pool["host_pool_page_tokens"], pool["host_pool_bytes"]) == (14_576, 32, 14_576 * 17_152)
+        assert pool["host_pool_free_pages"] == 2_076
 
     late = Client(stack.url)
     reply = late.create(**options)
@@ -137,11 +138,35 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
         time.sleep(0.2)
     assert late.wait_for_state("ready", timeout_s=30)["worker"] == "a"
     if memory == "cache":  # the deleted session's pages went back, and the new one leased them
-        pool = _pool_when(stack, lambda pool: late.id in pool["pool_session_pages"])
-        assert (pool["pool_free_pages"], len(pool["pool_session_pages"])) == (43, 2)
+        pool = _pool_when(stack, lambda pool: pool["pool_free_pages"] == 44)
+        assert pool["pool_free_pages"] == 44
     else:
-        pool = _pool_when(stack, lambda pool: late.id in pool["host_pool_session_pages"])
-        assert (pool["host_pool_free_pages"], len(pool["host_pool_session_pages"])) == (2_075, 2)
+        pool = _pool_when(stack, lambda pool: pool["host_pool_free_pages"] == 2_076)
+        assert pool["host_pool_free_pages"] == 2_076
+
+
+def test_a_burst_of_sessions_is_admitted_only_as_far_as_each_worker_holds_them(make_stack):
+    # a 200,000-token host tier takes 200,000 x 536 bytes: 107,200,000. Worker a's host memory
+    # holds one (200 MB), b's two (300 MB): together their 500 MB would hold four, but what is
+    # left on each (92.8 and 85.6 MB) is no place for a fourth
+    options = {"budget_tokens": 256, "recall": True, "host_budget_tokens": 200_000}
+    stack = make_stack(2, {"a": {"HOST_MEMORY": "200MB"}, "b": {"HOST_MEMORY": "300MB"}}, MAX_SESSIONS="8",
+                       IDLE_RELEASE_S="0")
+    users, replies = _create_at_once(stack, 8, **options)
+    assert sorted(reply.status_code for reply in replies) == [201] * 3 + [503] * 5, [r.text for r in replies]
+    assert {reply.json()["code"] for reply in replies if reply.status_code == 503} == {"no_capacity"}
+    admitted = [user for user, reply in zip(users, replies, strict=True) if reply.status_code == 201]
+    assert sorted(user.wait_for_state("ready", timeout_s=30)["worker"] for user in admitted) == ["a", "b", "b"]
+
+    late = Client(stack.url)  # still no worker with room for it, one after the other
+    reply = late.create(**options)
+    assert (reply.status_code, reply.json()["code"]) == (503, "no_capacity")
+    admitted[0].delete()
+    deadline = time.monotonic() + 10
+    while (reply := late.create(**options)).status_code != 201:
+        assert reply.json()["code"] == "no_capacity" and time.monotonic() < deadline, reply.text
+        time.sleep(0.2)
+    assert late.wait_for_state("ready", timeout_s=30)["worker"] in ("a", "b")
 
 
 def _pool_when(stack, ready, timeout_s: float = 10.0) -> dict:
