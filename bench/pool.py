@@ -5,6 +5,7 @@ long stream, and the bytes a recall session's snapshots write.
     python -m bench.pool stream [--model streamvqa-demo] [--frames 444] [--policies full,infmllm]
     python -m bench.pool snapshots [--model smollm2-135m-instruct] [--budgets 512] [--tokens 2000] [--intervals 5]
     python -m bench.pool decode [--model smollm2-135m-instruct] [--counts 1,8,32] [--budgets 512] [--tokens 200]
+    python -m bench.pool worker [--model streamvqa-demo] [--sessions 3] [--minutes 4] [--budgets 1024]
 
 `turns`: sessions one after another on one model, each with recall (a host tier of 16x the
 budget), streaming --tokens of random text in pieces of 600 characters, asked one question, then
@@ -26,23 +27,42 @@ and values in every layer).
 in turn) each stream --tokens of random text and are asked a question; then, for each count,
 that many answer at once, one engine step a token of each: the median ms of a step, tokens/s,
 and tokens/s over one session's (the batch's gain, in one run).
+
+`worker`: a worker's resident memory through the whole service (gateway, worker, Redis, as
+`make run` starts them with the default settings): --sessions sessions with recall (the default
+options, or a budget of --budgets) each upload the same --minutes video (320 x 240, 10 fps,
+MPEG-4) at once, wait until it is ingested, are asked one question and are ended. Prints the
+worker's resident memory when ready, its peak while the sessions live (sampled every 20 ms,
+and the kernel's high-water mark since ready where it can be reset) and once the worker
+holds no session, each in MiB, with the peak and the end over ready, and how much of the end
+is files mapped (`after_file_mib`: mostly the model's weights, read in as they are first used).
 """
 
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import av
+import httpx
 import numpy as np
 import torch
 
 from bench.common import emit, parser, random_text, rss_bytes, split_list
+from bench.stack import serving
 from engine import Session, SessionConfig, load_model
 from engine.host_pool import HostPool
 from engine.kv_pool import KVPool
 from engine.step import step
+from streamvqa.client import Client
 from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
 
 EDGE_FRAMES = 50
+VIDEO_SIZE, VIDEO_FPS = (320, 240), 10  # `worker`'s video
+SAMPLE_S = 0.02  # `worker`: how often the worker's resident memory is read
 
 
 def turns(model_name: str, sessions: int, budget: int, tokens: int, pooled: bool) -> None:
@@ -141,16 +161,111 @@ def decode(model_name: str, counts: list[int], budget: int, tokens: int, answer_
              over_one_session=round(rate / one, 2), threads=torch.get_num_threads())
 
 
+def write_video(path: Path, seconds: float) -> Path:
+    """A video of `seconds`: a colour and a bar that move with each frame, MPEG-4 at VIDEO_FPS."""
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=VIDEO_FPS)
+        stream.width, stream.height, stream.pix_fmt = *VIDEO_SIZE, "yuv420p"
+        for index in range(int(seconds * VIDEO_FPS)):
+            image = np.zeros((VIDEO_SIZE[1], VIDEO_SIZE[0], 3), np.uint8)
+            image[:] = ((index * 3) % 256, (index * 7) % 256, 128)
+            bar = (index * 5) % (VIDEO_SIZE[0] - 20)
+            image[:, bar : bar + 20] = 255
+            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+            frame.pts = index
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    return path
+
+
+class Resident:
+    """A process's resident memory (Linux: /proc/<pid>/status), now and its peak since `start`."""
+
+    def __init__(self, pid: int) -> None:
+        self.status = Path(f"/proc/{pid}/status")
+        self.clear_refs = Path(f"/proc/{pid}/clear_refs")
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def field(self, name: str) -> int:
+        for line in self.status.read_text().splitlines():
+            if line.startswith(f"{name}:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def now(self) -> int:
+        return self.field("VmRSS")
+
+    def start(self) -> None:
+        """Sample from now on; the kernel's high-water mark starts again from now where it may."""
+        try:
+            self.clear_refs.write_text("5")
+        except OSError:
+            pass
+        self.peak_bytes = self.now()
+        self._thread.start()
+
+    def stop(self) -> int:
+        """The peak since `start`: the highest sample, or the kernel's mark if higher."""
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak_bytes, self.field("VmHWM"))
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self.peak_bytes = max(self.peak_bytes, self.now())
+
+
+def worker_memory(model: str, sessions: int, minutes: float, budget: int | None) -> None:
+    mib = lambda n: round(n / 2**20, 1)  # noqa: E731
+    options = {"recall": True} | ({"budget_tokens": budget} if budget else {})
+    with tempfile.TemporaryDirectory(prefix="streamvqa-pool-") as folder:
+        video = write_video(Path(folder) / "video.mp4", minutes * 60)
+        with serving("pool", model) as stack, Client(stack.base) as client:
+            resident = Resident(stack.worker.pid)
+            ready = resident.now()
+            resident.start()
+
+            def one(_: int) -> float:
+                with client.create_session(**options) as session:  # ended as the block ends
+                    session.upload(video)
+                    record = session.wait_until_ingested(timeout_s=1800)
+                    session.ask("What changes in the video?", max_new_tokens=16)
+                    return float(record["video_time_s"])
+
+            with ThreadPoolExecutor(sessions) as pool:
+                video_s = list(pool.map(one, range(sessions)))
+            deadline = time.monotonic() + 60
+            while any(m["sessions"] for m in httpx.get(f"{stack.base}/models").json()["models"]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the worker still holds sessions a minute after they ended")
+                time.sleep(0.5)
+            time.sleep(2)  # a heartbeat or two: what the worker frees as its sessions go
+            peak = resident.stop()
+            after, after_file = resident.now(), resident.field("RssFile")
+    emit(mode="worker", model=model, sessions=sessions, video_s=max(video_s), budget=budget or "default",
+         rss_ready_mib=mib(ready), rss_peak_mib=mib(peak), rss_after_mib=mib(after),
+         peak_over_ready_mib=mib(peak - ready), after_over_ready_mib=mib(after - ready),
+         after_file_mib=mib(after_file))
+
+
 def main() -> None:
-    args = parser(__doc__, policies="full,infmllm", budgets="512")
-    args.add_argument("what", choices=["turns", "stream", "snapshots", "decode"])
+    args = parser(__doc__, policies="full,infmllm", budgets="")
+    args.add_argument("what", choices=["turns", "stream", "snapshots", "decode", "worker"])
     args.add_argument("--counts", default="1,8,32", help="decode: comma-separated session counts, the first the baseline")
     args.add_argument("--intervals", type=int, default=5)
     args.add_argument("--model", default=None)
-    args.add_argument("--sessions", type=int, default=16)
+    args.add_argument("--sessions", type=int, default=None, help="turns: 16; worker: 3")
     args.add_argument("--frames", type=int, default=444)
+    args.add_argument("--minutes", type=float, default=4.0, help="worker: the video's length")
     args.add_argument("--pooled", choices=["yes", "no", "both"], default="both")
     options = args.parse_args()
+    if options.what == "worker":  # without --budgets: the default session options
+        budget = split_list(options.budgets, int)[0] if options.budgets else None
+        worker_memory(options.model or "streamvqa-demo", options.sessions or 3, options.minutes, budget)
+        return
+    options.budgets, options.sessions = options.budgets or "512", options.sessions or 16
     if options.what == "stream":
         for policy in split_list(options.policies):
             stream(options.model or "streamvqa-demo", options.frames, policy)

@@ -32,6 +32,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from engine import Model
+from engine.resident import trim
 from streamvqa import protocol
 from streamvqa.protocol import ErrorEvent, Keys
 from streamvqa.redis_client import FAILURES, xreadgroup
@@ -297,7 +298,8 @@ class Worker:
         hosted = self.sessions.pop(session_id)
         await self.answering.drop(hosted)
         await self.intake.close(hosted, delete=delete_spool)
-        await self.threads.engine(hosted.engine.release)  # its pages back to the pool
+        await self.threads.engine(hosted.engine.release)  # its pages back to the pools (in RAM, to the operating system)
+        await self.threads.engine(trim)  # and what its steps and decoding left free in the C heap
         log.info("dropped session %s", session_id)
 
     async def _park(self, session_id: str, hosted: Hosted) -> None:
