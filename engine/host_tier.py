@@ -572,18 +572,20 @@ class HostTier:
 
     @classmethod
     def load(
-        cls, state: dict, device: torch.device, read_page: Callable[[int], dict] | None = None, pool: HostPool | None = None
+        cls, state: dict, device: torch.device, read_page: Callable[[int], dict] | None = None, pool: HostPool | None = None,
+        dtype: torch.dtype | None = None,
     ) -> "HostTier":
         """The tier a `state` was taken of, in `pool`'s pages if given; `read_page(number)`: a
-        page's `page_state`, for a state saved without its pages."""
+        page's `page_state`, for a state saved without its pages; `dtype`: the keys' and values'
+        (converted as they are copied in; None: as saved)."""
         tier = cls(*state["options"], pool=pool)
         if not state.get("by_place"):  # snapshot format 2, pages by the order of eviction: each token to its place
             for saved in state["pages"] + ([state["open"]] if state["open"] is not None else []):
-                tier.add(Tokens(*(saved[name].to(device) if name in ("keys", "values") else saved[name] for name in Tokens.FIELDS)))
+                tier.add(Tokens(*(saved[name].to(device, dtype) if name in ("keys", "values") else saved[name] for name in Tokens.FIELDS)))
             return tier
         if "keys" in state:
             layers, heads, _, _, dim = state["keys"].shape
-            tier._allocate(layers, heads, dim, state["keys"].dtype, device, "grids" in state)
+            tier._allocate(layers, heads, dim, dtype or state["keys"].dtype, device, "grids" in state)
             count = len(state["pages"])
             for name in tier.saved:  # format 3 also saved float32 key counts, now read from `present`
                 getattr(tier, name)[:, :, :count] = state[name].to(getattr(tier, name).device)
@@ -591,8 +593,8 @@ class HostTier:
         elif "apart" in state:
             if read_page is None:
                 raise ValueError("this snapshot was taken without its host pages: restoring it needs them (read_page)")
-            layers, heads, dim, dtype, *grids = state["apart"]
-            tier._allocate(layers, heads, dim, getattr(torch, dtype), device, bool(grids and grids[0]))
+            layers, heads, dim, saved_dtype, *grids = state["apart"]
+            tier._allocate(layers, heads, dim, dtype or getattr(torch, saved_dtype), device, bool(grids and grids[0]))
             for slot, number in enumerate(state["pages"]):
                 page = read_page(number)
                 for name in tier.saved:

@@ -666,14 +666,17 @@ class KVCache:
             "between_frames": None if self.between_frames is None else tuple(self.between_frames),
         }
 
-    def load(self, state: dict, device: torch.device, read_page: Callable[[int], dict] | None = None) -> None:
+    def load(
+        self, state: dict, device: torch.device, read_page: Callable[[int], dict] | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         """A `state()` loaded on the CPU: tensors the model reads go to `device`; metadata stays;
-        `read_page`: the host tier's pages, when they were saved apart."""
+        `read_page`: the host tier's pages, when they were saved apart; `dtype`: the model's, which
+        keys, values and queries are converted to when the state was taken in another."""
 
-        def here(tensors: list) -> list:
-            return [None if t is None else t.to(device) for t in tensors]
+        def here(tensors: list, as_dtype: torch.dtype | None = None) -> list:
+            return [None if t is None else t.to(device, as_dtype) for t in tensors]
 
-        for cached, keys, values in zip(self.hf.layers, here(state["keys"]), here(state["values"])):
+        for cached, keys, values in zip(self.hf.layers, here(state["keys"], dtype), here(state["values"], dtype)):
             cached.lazy_initialization(keys, values)
             cached.keys, cached.values = keys, values
         if self.positions_3d:
@@ -687,11 +690,11 @@ class KVCache:
         if state.get("host") is not None and self.host is not None:
             pool = self.host.shared_pool
             self.host.release()  # its pages, for the restored tier's
-            self.host = HostTier.load(state["host"], device, read_page, pool)
+            self.host = HostTier.load(state["host"], device, read_page, pool, dtype)
         retrieval = state.get("retrieval", [int(self.order[0].max()) + 1 if self.tokens else 0, 0, 0, 0.0])
         self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages = [*retrieval, 0][:5]
         self.scores, self._received = here(state["scores"]), here(state["received"])
-        for window, queries in zip(self._queries, here(state["queries"]), strict=True):
+        for window, queries in zip(self._queries, here(state["queries"], dtype), strict=True):
             window.set(queries)
         self.pins = state.get("pins", [])
         between = state.get("between_frames")  # a snapshot of a version without it: read again at the next frame

@@ -6,11 +6,14 @@ imports both, and neither imports the other back."""
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from engine import tiny
 from engine.converted import ConvertedWeights
 from engine.demo import NAME as DEMO
 from engine.demo.model import load_demo
 from engine.model import SMOLLM2, Model, _smollm2, _tiny, load_pretrained, resolve_device
+from engine.numerics import cast
 
 # Loadable without a download: name -> loader(device, converted weights folder or None).
 BUILTIN_MODELS: dict[str, Callable[[str, ConvertedWeights | None], Model]] = {
@@ -25,12 +28,17 @@ BUILTIN_MODELS: dict[str, Callable[[str, ConvertedWeights | None], Model]] = {
 }
 
 
-def load_model(name: str, device: str = "auto", converted_dir: Path | None = None) -> Model:
+def load_model(name: str, device: str = "auto", converted_dir: Path | None = None, dtype: torch.dtype | None = None) -> Model:
     """A built-in model by name, or a transformers checkpoint by hub id or local path.
 
     `converted_dir` keeps built-in models converted from GGUF once converted (engine/converted.py);
-    None converts them on every load."""
+    None converts them on every load. `dtype`: what the model computes and caches in
+    (engine/numerics.py); None: a checkpoint's bfloat16 on a GPU, else float32, and a built-in
+    model's float32."""
     device = resolve_device(device)
     if name in BUILTIN_MODELS:
-        return BUILTIN_MODELS[name](device, ConvertedWeights(converted_dir) if converted_dir else None)
-    return load_pretrained(name, device, builtins=sorted(BUILTIN_MODELS))
+        model = BUILTIN_MODELS[name](device, ConvertedWeights(converted_dir) if converted_dir else None)
+        if dtype is not None and dtype != model.dtype:
+            cast(model.hf, dtype)
+        return model
+    return load_pretrained(name, device, dtype, builtins=sorted(BUILTIN_MODELS))

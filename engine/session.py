@@ -438,6 +438,7 @@ class Session:
         state = {
             "format": SNAPSHOT_FORMAT,
             "model": self.model.name,
+            "dtype": str(self.model.dtype).removeprefix("torch."),  # restored into another, keys and values are converted
             "config": {**asdict(self.config), "policy_options": dict(self.config.policy_options)},
             "cache": self.cache.state(host_pages),
             "counters": [self._frames, self._video_time_s, self._tokens_seen],
@@ -498,9 +499,9 @@ class Session:
         def page(number: int) -> dict:
             return torch.load(io.BytesIO(read_page(number)), map_location="cpu", weights_only=True)
 
-        session.cache.load(state["cache"], model.device, page if read_page is not None else None)
+        session.cache.load(state["cache"], model.device, page if read_page is not None else None, model.dtype)
         session._frames, session._video_time_s, session._tokens_seen = state["counters"]
-        session._logits = None if state["logits"] is None else state["logits"].to(model.device)
+        session._logits = None if state["logits"] is None else state["logits"].to(model.device, model.dtype)
         session._seen = Seen(state["seen"])
         session._held_frames = [(frame.numpy(), t) for frame, t in state.get("held_frames", [])]
         return session

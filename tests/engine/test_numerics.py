@@ -1,0 +1,82 @@
+"""bfloat16: where it is chosen, and answers within a stated distance of float32's."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine import Session, SessionConfig, load_model
+from engine.numerics import choose, cast
+
+# Every family the engine runs, tiny models built in code and the two real ones
+FAMILIES = [
+    "tiny-random-llava", "tiny-random-llava-next-video", "tiny-random-llava-onevision", "tiny-random-qwen2-5-vl",
+    "tiny-random-qwen3-vl", "tiny-random-llama", "smollm2-135m-instruct", "streamvqa-demo",
+]
+# bfloat16 keeps 8 bits of mantissa (a relative step of 0.4%); over a model's layers its logits
+# stay within this share of the largest float32 logit (measured: 0.5% to 0.7% on the tiny
+# models, 2.5% on SmolLM2-135M and the demo model), and the most likely token is the same
+BF16_TOLERANCE = 0.05
+
+
+def test_a_set_dtype_is_taken_as_it_is_and_a_wrong_one_is_refused():
+    assert (choose("float32", "cpu").dtype, choose("bfloat16", "cpu").dtype) == (torch.float32, torch.bfloat16)
+    assert choose("bfloat16", "cpu").name == "bfloat16"
+    assert choose("auto", "cuda").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="auto, float32, bfloat16"):
+        choose("float16", "cpu")
+
+
+def test_auto_on_this_cpu_follows_its_instructions():
+    chosen = choose("auto", "cpu")
+    if torch.cpu._is_amx_tile_supported():
+        assert (chosen.dtype, chosen.reason) == (torch.bfloat16, "a CPU with AMX")
+    elif torch.cpu._is_avx512_bf16_supported():  # timed: either, with both times given
+        assert "bfloat16" in chosen.reason and "float32" in chosen.reason
+    else:
+        assert (chosen.dtype, chosen.reason) == (torch.float32, "a CPU without bfloat16 instructions")
+
+
+def test_a_cast_model_keeps_its_rotary_frequencies_in_float32():
+    model = load_model("tiny-random-llama", "cpu")
+    before = model.rotary.inv_freq.clone()
+    cast(model.hf, torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.hf.lm_head.weight.dtype == torch.bfloat16
+    assert model.rotary.inv_freq.dtype == torch.float32 and torch.equal(model.rotary.inv_freq, before)
+    assert model.kv_bytes_per_token == 256  # 2 layers x 2 (keys, values) x 2 KV heads x 16 x 2 bytes
+
+
+def _logits(model) -> torch.Tensor:
+    session = Session(model, SessionConfig(policy="full"))
+    if model.sees_frames:
+        rng = np.random.default_rng(1)
+        session.append_frames([rng.integers(0, 256, (48, 80, 3), dtype=np.uint8) for _ in range(4)], [0.0, 0.5, 1.0, 1.5])
+    session.append_text("Then a note arrives, in plain words.")
+    return session.logits.float()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bfloat16_logits_are_within_the_tolerance_of_float32(name):
+    reference = _logits(load_model(name, "cpu"))
+    half = _logits(load_model(name, "cpu", dtype=torch.bfloat16))
+    assert float((half - reference).abs().max()) <= BF16_TOLERANCE * float(reference.abs().max())
+    assert int(half.argmax()) == int(reference.argmax())
+
+
+@pytest.mark.parametrize(("taken", "restored"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_a_snapshot_restores_into_a_worker_of_the_other_dtype(taken, restored):
+    """A session moves between workers set to different DTYPEs: its keys, values and host
+    tier are converted to the new worker's, and it answers as a session of that dtype would."""
+    config = SessionConfig(budget_tokens=300, recall=True, host_budget_tokens=640)
+    source = Session(load_model("tiny-random-llava", "cpu", dtype=taken), config)
+    rng = np.random.default_rng(0)
+    source.append_frames([rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(12)], [float(i) for i in range(12)])
+    assert source.stats().evictions > 0 and source.host_pages  # something evicted into the host tier
+    target = load_model("tiny-random-llava", "cpu", dtype=restored)
+    moved = Session.restore(target, source.snapshot())
+    assert {layer.keys.dtype for layer in moved.cache.hf.layers} == {restored}
+    assert moved.cache.host.keys.dtype == restored
+    for session in (source, moved):  # the same text read over each cache: the same next token, the logits close
+        session.append_text("Then a note arrives, in plain words.")
+    assert float((moved.logits.float() - source.logits.float()).abs().max()) <= BF16_TOLERANCE * float(source.logits.abs().max())
+    assert int(moved.logits.argmax()) == int(source.logits.argmax())
+    assert len("".join(moved.ask("What is it?", max_new_tokens=6))) > 0
