@@ -1,5 +1,6 @@
 """Media made in the tests with PyAV and Pillow: encoded streams and files with known frame times."""
 
+import base64
 import io
 import random
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ STREAMS = {
 }
 # container -> (muxer, codec) for uploaded files
 FILES = {"mp4": ("mp4", "libx264"), "mov": ("mov", "libx264"), "mkv": ("matroska", "libvpx-vp9"),
-         "webm": ("webm", "libvpx"), "avi": ("avi", "mpeg4")}
+         "webm": ("webm", "libvpx"), "avi": ("avi", "mpeg4"), "ts": ("mpegts", "libx264")}
 
 
 def picture(index: int, width: int = 160, height: int = 120) -> np.ndarray:
@@ -101,3 +102,8 @@ def png(index: int, size: tuple[int, int] = (160, 120)) -> bytes:
 
 def timed_jpeg(time_s: float, index: int = 0) -> bytes:
     return frame_message(time_s, jpeg(index))
+
+
+def data_url(data: bytes, media_type: str) -> str:
+    """`data` as a data URL, as a chat client sends media in its messages."""
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"

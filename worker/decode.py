@@ -14,6 +14,7 @@ import numpy as np
 from PIL import Image
 
 from streamvqa.sampling import FrameSampler
+from worker import containers
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,29 @@ class VideoInfo:
     width: int
     height: int
     duration_s: float | None  # the video's as its container states it; None when it does not say
+    ends_part_way: bool = False  # its container shows it was cut short (an MPEG-TS ends inside a packet)
+
+
+# What a file cut short that cannot be read at all is told: an image (Pillow finds it ends before
+# its pixels do), an MP4 or MOV cut before its index (`containers.mp4_index_missing`: FFmpeg cannot open it).
+IMAGE_CUT_SHORT = "the file is incomplete: it ends part-way through the image, as a download or copy that stopped does"
+INDEX_MISSING = (
+    "the file is incomplete: it ends before its index (the `moov` box, which this MP4 or MOV file keeps at its end), as "
+    "a download or copy that stopped part-way does, and no frame can be found without it; upload the whole file"
+)
 
 
 def probe(path: Path) -> VideoInfo:
-    """What the file's first video stream is; raises DecodeError when it is not a video file."""
-    with _open_container(str(path)) as container:
+    """What the file's first video stream is; raises DecodeError when it is not a video file (or
+    an incomplete one, `INDEX_MISSING`)."""
+    try:
+        container = _open_container(str(path))
+    except DecodeError:
+        with path.open("rb") as file:
+            if containers.mp4_index_missing(file, path.stat().st_size):
+                raise DecodeError(INDEX_MISSING) from None
+        raise
+    with container:
         stream = _video_stream(container)
         if stream.duration is not None:
             duration_s = float(stream.duration * stream.time_base)
@@ -76,7 +95,15 @@ def probe(path: Path) -> VideoInfo:
             duration_s = _tagged_duration_s(stream.metadata.get("DURATION", ""))
             if duration_s is None and container.duration:
                 duration_s = container.duration / av.time_base
-        return VideoInfo(stream.codec_context.width, stream.codec_context.height, duration_s)
+        if stream.frames and stream.average_rate:  # an AVI states its length as a count of frames, which
+            # FFmpeg's duration of a file cut before its index (at its end) does not follow
+            duration_s = max(duration_s or 0.0, float(stream.frames / stream.average_rate))
+        ends_part_way = False
+        if container.format.name == "mpegts":  # it states no length: its packets tell
+            with path.open("rb") as file:
+                head = file.read(max(packet for packet, _ in containers.TS_PACKET_LAYOUTS) * containers.TS_PACKETS_CHECKED)
+            ends_part_way = containers.ts_ends_mid_packet(head, path.stat().st_size)
+        return VideoInfo(stream.codec_context.width, stream.codec_context.height, duration_s, ends_part_way)
 
 
 def _tagged_duration_s(text: str) -> float | None:
@@ -121,10 +148,11 @@ class FileFrames:
 
     @property
     def cut_short(self) -> bool:
-        """Once every frame is taken: the frames end more than TRUNCATION_MARGIN_S before the
-        duration the container states (the file was cut part-way)."""
+        """Once every frame is taken: the file was cut part-way: its frames end more than
+        TRUNCATION_MARGIN_S before the duration the container states, or the container shows it
+        ends part-way (`VideoInfo.ends_part_way`)."""
         duration_s = self.info.duration_s
-        return duration_s is not None and duration_s - self.end_s > TRUNCATION_MARGIN_S
+        return self.info.ends_part_way or (duration_s is not None and duration_s - self.end_s > TRUNCATION_MARGIN_S)
 
     def _reached(self, end_s: float) -> None:
         self.end_s = max(self.end_s, end_s)
@@ -236,6 +264,8 @@ def decode_image(data: bytes, max_side: int) -> np.ndarray:
     except DecodeError:
         raise
     except (OSError, ValueError) as err:
+        if "truncated" in str(err):  # Pillow's word for a file that ends before its pixels do
+            raise DecodeError(IMAGE_CUT_SHORT) from err
         raise DecodeError("not a readable JPEG, PNG or WebP image") from err
 
 

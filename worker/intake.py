@@ -310,16 +310,21 @@ class MediaIntake:
             await self.close(hosted)
             stats = hosted.engine.stats()
             if stats.frames == 0:
-                ends = f": the file was cut short before its first frame (it states {cut[1]:.1f} s)" if cut else ""
+                ends = ""
+                if cut is not None:
+                    ends = ": the file was cut short before its first frame" + (f" (it states {cut[1]:.1f} s)" if cut[1] else "")
                 await self.fail(session_id, hosted, f"the video has no frames{ends}")
                 return
             hosted.move(Phase.INGESTED)
             if cut is not None:
                 end_s, duration_s = cut
+                where = f"after {end_s:.1f} s of the {duration_s:.1f} s it states" if duration_s else (
+                    f"part-way through a packet, after {end_s:.1f} s"  # a container that states no length (MPEG-TS)
+                )
                 message = (
-                    f"the file ends after {end_s:.1f} s of the {duration_s:.1f} s it states (it was cut short, as by a "
-                    f"download or copy that stopped part-way): {stats.frames} frames were ingested, up to "
-                    f"{stats.video_time_s:.1f} s; upload the whole file to a new session for the rest"
+                    f"the file ends {where} (it was cut short, as by a download or copy that stopped part-way): "
+                    f"{stats.frames} frames were ingested, up to {stats.video_time_s:.1f} s; upload the whole file to a "
+                    "new session for the rest"
                 )
                 await self.records.warn(session_id, hosted, "truncated_media", message)
         else:

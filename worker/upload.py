@@ -132,13 +132,15 @@ class UploadIngest:
         rate = (last_covered_s - first_covered_s) / (last_s - first_s)  # video s per s
         return share, round((duration_s - covered_s) / rate, 1)
 
-    def cut_short(self) -> tuple[float, float] | None:
+    def cut_short(self) -> tuple[float, float | None] | None:
         """Once every frame is taken, for a file cut part-way (its frames end well before the
-        duration its container states): (where its frames end, that duration), in s; else None."""
+        duration its container states, or its container shows it ends part-way): (where its
+        frames end, the duration it states, None where it states none), in s; else None."""
         sampled = self._sampled
         if not self.finished or sampled is None or not sampled.cut_short:
             return None
-        return sampled.end_s, sampled.info.duration_s
+        info = sampled.info
+        return sampled.end_s, None if info.ends_part_way else info.duration_s
 
     def take_errors(self) -> list[tuple[str, str, str]]:
         return []  # an upload's errors end it: raised as DecodeError

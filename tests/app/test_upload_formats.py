@@ -7,7 +7,7 @@ from tests.media import cut_before_frame, faststart_mp4, file_bytes
 from tests.support import sample_video, sse_events
 
 
-@pytest.mark.parametrize("container", ["mp4", "mov", "mkv", "webm", "avi"])
+@pytest.mark.parametrize("container", ["mp4", "mov", "mkv", "webm", "avi", "ts"])
 def test_each_container_gives_its_frames(client, container):
     client.create(fps=2)
     data = file_bytes(container, 3.0)  # 3 s at 10 frames per second
@@ -28,7 +28,7 @@ def test_the_carphone_sample_gives_eight_frames(client):
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        (file_bytes("mp4", 3.0)[:2000], "not a readable video file"),  # cut before its frames' index
+        (file_bytes("mp4", 3.0)[:2000], "the file is incomplete: it ends before its index"),  # its index at its end
         (_audio_only_webm(), "the media has no video stream"),
     ],
     ids=["truncated", "audio-only"],
@@ -70,23 +70,32 @@ CUT_SHORT = (
     "the file ends after {} s of the 10.0 s it states (it was cut short, as by a download or copy that stopped "
     "part-way): {} frames were ingested, up to {} s; upload the whole file to a new session for the rest"
 )
+CUT_PART_WAY = (
+    "the file ends part-way through a packet, after {} s (it was cut short, as by a download or copy that stopped "
+    "part-way): {} frames were ingested, up to {} s; upload the whole file to a new session for the rest"
+)
 
 
 @pytest.mark.parametrize(
-    ("container", "frames_kept", "frames", "message"),
+    ("container", "kept", "frames", "duration_s", "message"),
     [
-        ("mp4", 50, 5, CUT_SHORT.format(5.0, 5, 4.0)),  # faststart: its index, ahead of the frames, states 10 s
-        ("webm", 55, 6, CUT_SHORT.format(5.5, 6, 5.0)),  # cut in the middle of a cluster
+        ("mp4", 50, 5, 10.0, CUT_SHORT.format(5.0, 5, 4.0)),  # faststart: its index, ahead of the frames, states 10 s
+        ("webm", 55, 6, 10.0, CUT_SHORT.format(5.5, 6, 5.0)),  # cut in the middle of a cluster
+        # cut at 90 % of its bytes, before its index: its header states 100 frames, FFmpeg's duration 9 s
+        ("avi", 0.9, 10, 10.0, CUT_SHORT.format(9.2, 10, 9.0)),
+        # cut at 90 % of its bytes, inside a packet: MPEG-TS states no length (FFmpeg reckons what it holds)
+        ("ts", 0.9, 9, 9.0, CUT_PART_WAY.format(9.0, 9, 8.0)),
     ],
 )
 def test_a_file_cut_short_is_ingested_with_a_warning_in_the_session_and_its_events(
-    client, tmp_path, container, frames_kept, frames, message
+    client, tmp_path, container, kept, frames, duration_s, message
 ):
     client.create(fps=1)
-    whole = faststart_mp4(10.0, tmp_path / "clip.mp4") if container == "mp4" else file_bytes("webm", 10.0)
-    assert client.upload(cut_before_frame(whole, frames_kept)).status_code == 202
+    whole = faststart_mp4(10.0, tmp_path / "clip.mp4") if container == "mp4" else file_bytes(container, 10.0)
+    cut = cut_before_frame(whole, kept) if isinstance(kept, int) else whole[: int(len(whole) * kept)]
+    assert client.upload(cut).status_code == 202
     session = client.wait_for_state("ingested", "error")
-    assert (session["state"], session["frames_ingested"], session["media_duration_s"]) == ("ingested", frames, 10.0)
+    assert (session["state"], session["frames_ingested"], session["media_duration_s"]) == ("ingested", frames, duration_s)
     assert session["warnings"] == [{"code": "truncated_media", "message": message}]
     events = _events_until_ingested(client)
     warnings = [event for event in events if event["type"] == "warning"]

@@ -1,12 +1,16 @@
-"""Video files become frames sampled by presentation time."""
+"""Video files become frames sampled by presentation time; a file cut short is told from a whole one."""
+
+import io
 
 import av
 import numpy as np
 import pytest
 
+from tests.media import file_bytes, jpeg, png
 from tests.support import sample_video
 from streamvqa.sampling import FrameSampler
-from worker.decode import DecodeError, sample_file
+from worker import containers
+from worker.decode import DecodeError, decode_image, sample_file
 
 
 @pytest.mark.parametrize(
@@ -111,7 +115,7 @@ def test_a_file_cut_short_gives_the_frames_it_has_and_says_where_they_end(
     assert (round(frames.end_s, 3), frames.info.duration_s, frames.cut_short) == (end_s, 10.0, True)
 
 
-@pytest.mark.parametrize("container", ["mp4", "webm", "mkv", "mov", "avi"])
+@pytest.mark.parametrize("container", ["mp4", "webm", "mkv", "mov", "avi", "ts"])
 @pytest.mark.parametrize(("fps", "count"), [(0.25, 3), (1.0, 10), (4.0, 40)])
 def test_a_whole_file_is_not_cut_short(tmp_path, container, fps, count):
     path = tmp_path / f"whole.{container}"
@@ -150,3 +154,75 @@ def test_an_avi_whose_first_frames_have_no_time_gives_its_own_times(tmp_path):
     frames = sample_file(_avi_with_b_frames(tmp_path / "b-frames.avi", 5.0), 1.0, max_side=768)
     assert [round(f.time_s, 2) for f in frames] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert (round(frames.end_s, 3), frames.cut_short) == (5.0, False)
+
+
+def test_an_avi_cut_before_its_index_is_cut_short_of_the_frame_count_its_header_states(tmp_path):
+    """FFmpeg's duration of an AVI without its index (at its end) follows the file's size; the
+    header's 100 frames at 10 fps say 10 s."""
+    path = tmp_path / "cut.avi"
+    whole = file_bytes("avi", 10.0)
+    path.write_bytes(whole[: len(whole) * 9 // 10])
+    frames = sample_file(path, 1.0, max_side=768)
+    assert [round(f.time_s, 2) for f in frames] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    assert (round(frames.end_s, 3), frames.info.duration_s, frames.cut_short) == (9.2, 10.0, True)
+
+
+def test_an_mpeg_ts_cut_inside_a_packet_is_cut_short(tmp_path):
+    """MPEG-TS states no length: a file that ends inside one of its 188-byte packets was cut (one
+    cut at a packet's end looks like a whole stream)."""
+    whole = file_bytes("ts", 10.0)
+    path = tmp_path / "cut.ts"
+    path.write_bytes(whole[: len(whole) * 9 // 10])
+    frames = sample_file(path, 1.0, max_side=768)
+    assert [round(f.time_s, 2) for f in frames] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert (frames.info.ends_part_way, frames.cut_short) == (True, True)
+    path.write_bytes(whole)
+    frames = sample_file(path, 1.0, max_side=768)
+    assert (len(list(frames)), frames.info.ends_part_way, frames.cut_short) == (10, False, False)
+
+
+@pytest.mark.parametrize("container", ["mp4", "mov"])
+@pytest.mark.parametrize("kept", [0.9, 0.5, 0.01])
+def test_an_mp4_cut_before_its_index_at_its_end_is_said_to_be_incomplete(tmp_path, container, kept):
+    whole = file_bytes(container, 10.0)  # its index (`moov`) after its frames
+    path = tmp_path / f"cut.{container}"
+    path.write_bytes(whole[: int(len(whole) * kept)])
+    with pytest.raises(DecodeError) as raised:
+        sample_file(path, 1.0, max_side=768)
+    assert str(raised.value) == (
+        "the file is incomplete: it ends before its index (the `moov` box, which this MP4 or MOV file keeps at its end), "
+        "as a download or copy that stopped part-way does, and no frame can be found without it; upload the whole file"
+    )
+
+
+def test_ts_packets_and_mp4_boxes_tell_a_file_cut_short():
+    packet = bytes([containers.TS_SYNC]) + bytes(187)
+    assert not containers.ts_ends_mid_packet(packet * 8, 188 * 100)
+    assert containers.ts_ends_mid_packet(packet * 8, 188 * 100 + 55)
+    m2ts = (bytes(4) + packet) * 8  # a 4-byte time before each packet
+    assert (containers.ts_ends_mid_packet(m2ts, 192 * 50), containers.ts_ends_mid_packet(m2ts, 192 * 50 - 1)) == (False, True)
+    assert not containers.ts_ends_mid_packet(b"not a stream" * 200, 12345)  # says nothing of what it does not know
+
+    def boxes(*pairs: tuple[bytes, int]) -> io.BytesIO:
+        return io.BytesIO(b"".join((8 + length).to_bytes(4, "big") + kind + bytes(length) for kind, length in pairs))
+
+    whole = boxes((b"ftyp", 16), (b"mdat", 1000), (b"moov", 300))
+    size = len(whole.getvalue())
+    assert not containers.mp4_index_missing(whole, size)
+    assert containers.mp4_index_missing(whole, size - 300)  # cut inside the index
+    assert containers.mp4_index_missing(whole, 600)  # cut inside the frames, before the index
+    assert not containers.mp4_index_missing(boxes((b"ftyp", 16), (b"moov", 300), (b"mdat", 1000)), 600)  # index first
+    assert not containers.mp4_index_missing(io.BytesIO(b"RIFF" + bytes(100)), 104)  # not an MP4
+
+
+def test_an_image_cut_short_is_said_to_be_incomplete():
+    for whole in (jpeg(7, (640, 480)), png(7, (640, 480))):
+        cut = whole[: len(whole) // 2]
+        with pytest.raises(DecodeError) as raised:
+            decode_image(cut, max_side=768)
+        assert str(raised.value) == (
+            "the file is incomplete: it ends part-way through the image, as a download or copy that stopped does"
+        )
+    with pytest.raises(DecodeError) as raised:
+        decode_image(b"\xff\xd8\xff" + bytes(100), max_side=768)
+    assert str(raised.value) == "not a readable JPEG, PNG or WebP image"
