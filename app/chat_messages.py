@@ -1,7 +1,9 @@
 """A chat completion's `messages`, as OpenAI's clients send them, read as one dialogue: the
 opening (system messages), the earlier turns (a user's question and the assistant's answer),
 the media (`video_url` and `image_url` parts) and the question (the user's text after the last
-answer). Reading is pure: what cannot be used is a 400 naming the message, never dropped."""
+answer). What cannot be used is a 400 naming the message, never dropped. A media part's URL is
+read once, by the one who loads it (`MediaRef.take_url`): a data URL can be tens of MB, and the
+gateway holds it only until it is decoded."""
 
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -54,11 +56,17 @@ class Message(BaseModel):
 
 @dataclass(frozen=True)
 class MediaRef:
-    """A media part: its kind, its URL, and where it is in the request (for errors)."""
+    """A media part: its kind, its URL (in the message), and where it is in the request (for errors)."""
 
     kind: Literal["video", "image"]
-    url: str
+    source: MediaUrl
     param: str  # like messages.0.content.1.video_url.url
+
+    def take_url(self) -> str:
+        """The URL, taken out of its message: the message keeps none (so that a data URL, decoded,
+        is not held twice for the rest of the request)."""
+        url, self.source.url = self.source.url, ""
+        return url
 
 
 @dataclass(frozen=True)
@@ -120,9 +128,9 @@ def _media(message: Message, at: str) -> list[MediaRef]:
     found = []
     for index, part in enumerate(message.content):
         if isinstance(part, VideoPart):
-            found.append(MediaRef("video", part.video_url.url, f"{at}.content.{index}.video_url.url"))
+            found.append(MediaRef("video", part.video_url, f"{at}.content.{index}.video_url.url"))
         elif isinstance(part, ImagePart):
-            found.append(MediaRef("image", part.image_url.url, f"{at}.content.{index}.image_url.url"))
+            found.append(MediaRef("image", part.image_url, f"{at}.content.{index}.image_url.url"))
     return found
 
 

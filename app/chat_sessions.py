@@ -7,7 +7,9 @@
   SHA-256), found by a key with the session's TTL; else a new session made as `POST /sessions`
   makes one (the caller's limits; one request at a time per content, under a short lock), its
   media sent as an upload (or an image as a socket's frame) by the one request that claims it
-  in the session's hash, and read by the worker before the question is asked.
+  in the session's hash, and read by the worker before the question is asked. A caller at
+  MAX_SESSIONS_PER_KEY has its least recently used idle session of this route ended to make
+  room (`_end_idle`): a chat user is never locked out by conversations it has left.
 
 The question: what the user asked after the last answer, after the earlier turns the session
 has not answered itself (matched by their answers' text), as a transcript: turns it answered are
@@ -25,30 +27,44 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import TypeAdapter, ValidationError
 
 from app import chat_ingest, chat_media
+from app.chat_ingest import MEDIA_FIELD
 from app.chat_messages import MAX_MESSAGES, Dialogue, Turn
-from app.chat_media import Media
+from app.chat_media import Media, MediaRoom, MediaSlots
 from app.deps import SESSION_ID, KeysDep, Metrics, RedisDep, Settings, Store, session_owner
 from app.errors import ApiError
 from app.routes import create_session
 from streamvqa.protocol import AnswerEnvelope, QuestionText, SessionOptions, SessionRecord, SessionState, scripts
 
 MADE_FIELD = "chat_made"  # set in a session's hash when this route made it: its owner's address may name it
-MEDIA_FIELD = "chat_media_sha256"  # the SHA-256 of the media this route sent into the session
+USED_FIELD = "chat_used_at"  # in a session's hash: when a request of this route last began to use it (unix s)
+# A session this route made is ended to make room for a new one (at MAX_SESSIONS_PER_KEY) only once
+# it has been idle this long: no request began to use it, and no answer of it ended, since.
+CHAT_IDLE_S = 2.0
+MAKE_ROOM_TRIES = 3  # sessions ended, at most, for one new session (requests at the same moment take the room too)
 MAKING_TTL_S = 10  # the most one request holds the right to make the session for some content
 MAKING_POLL_S = 0.05
 TRANSCRIPT_HEAD = "Earlier in this conversation:"
 _QUESTION = TypeAdapter(QuestionText)
+IDLE_STATES = (SessionState.READY.encode(), SessionState.INGESTED.encode())  # no media being read
 _bearer = HTTPBearer(
     auto_error=False, description="The session's token; or, with API_KEYS, an API key (it owns the sessions it makes)."
 )
+
+
+def _media_slots(request: Request) -> MediaSlots:
+    return request.app.state.chat_media_slots
 
 
 class ChatSessions:
     def __init__(
         self, request: Request, store: Store, redis: RedisDep, keys: KeysDep, settings: Settings, metrics: Metrics,
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+        slots: Annotated[MediaSlots, Depends(_media_slots)],
     ) -> None:
         self.request, self.store, self.redis, self.keys, self.settings, self.metrics = request, store, redis, keys, settings, metrics
+        # this request's hold on a slot while it has media in memory: its body's (taken by the
+        # route before reading it, when it may carry a data URL) or a fetch's, until the media is sent
+        self.room = MediaRoom(slots)
         self.bearer = credentials.credentials if credentials else None
         address = request.client.host if request.client else "unknown"
         # who owns what this request makes: with API_KEYS its valid key (None without), else its address
@@ -102,8 +118,13 @@ class ChatSessions:
                 401, "invalid_api_key", "the API key must be the session's token (OpenAI(api_key=token)), or with "
                 "API_KEYS the key that owns the session",
             )
-        await self.store.touch(session_id)
+        await self._use(session_id)
         return record
+
+    async def _use(self, session_id: str) -> None:
+        """Restart the session's idle clock, and say when this route last began to use it."""
+        await self.store.touch(session_id)
+        await self.redis.hset(self.keys.session(session_id), USED_FIELD, repr(time.time()))
 
     async def _owns(self, session_id: str) -> bool:
         """Whether the caller owns the session: its API key (with API_KEYS), or without them its
@@ -137,7 +158,7 @@ class ChatSessions:
         record, owned = await self.store.authenticate(found.decode(), None, owner=caller)
         if record is None or not owned or record.state == SessionState.ERROR:
             return None
-        await self.store.touch(record.id)
+        await self._use(record.id)
         await self.redis.expire(index, self.settings.session_ttl_s)
         return record
 
@@ -155,12 +176,72 @@ class ChatSessions:
         try:
             session = await self._found(caller, content)  # made while this request waited
             if session is None:
-                session = (await create_session(self.store, self.settings, caller, self.metrics, _options(model, opening))).session
-                await self.redis.hset(self.keys.session(session.id), MADE_FIELD, "1")
+                session = await self._create(caller, _options(model, opening))
+                await self.redis.hset(self.keys.session(session.id), mapping={MADE_FIELD: "1", USED_FIELD: repr(time.time())})
                 await self.redis.set(self.keys.chat_media(caller, content), session.id, ex=self.settings.session_ttl_s)
             return session
         finally:
             await self.redis.eval(scripts.RELEASE_LUA, 1, making, mark)
+
+    async def _create(self, caller: str, options: SessionOptions) -> SessionRecord:
+        """A session made as `POST /sessions` makes one; at the caller's limit, after ending its
+        least recently used idle session of this route (`_end_idle`), when it has one."""
+        ended = 0
+        while True:
+            try:
+                return (await create_session(self.store, self.settings, caller, self.metrics, options)).session
+            except ApiError as err:
+                if err.code != "too_many_sessions" or ended == MAKE_ROOM_TRIES or not await self._end_idle(caller):
+                    raise
+                ended += 1
+
+    async def _end_idle(self, caller: str) -> bool:
+        """End the caller's least recently used session of this route that is idle: its media in
+        the cache (or none coming), no question waiting or being answered, and nothing begun or
+        answered for CHAT_IDLE_S (waiting for the least recent one until then, once). False when
+        every one is busy, or the caller has none."""
+        for look in range(2):
+            idle = await self._idle_since(caller)
+            if not idle:
+                return False
+            since, session_id = min(idle)
+            wait_s = since + CHAT_IDLE_S - time.time()
+            if wait_s <= 0:
+                record, _ = await self.store.authenticate(session_id, None)
+                if record is not None:
+                    await self.store.delete(record)
+                return True
+            if look == 0:
+                await asyncio.sleep(min(wait_s, CHAT_IDLE_S))
+        return False
+
+    async def _idle_since(self, caller: str) -> list[tuple[float, str]]:
+        """(when it was last used, id) of each of the caller's sessions of this route with its
+        media in (or none coming) and no question waiting or being answered: used when a
+        request began to use it or its latest answer ended, whichever came last."""
+        ids = [member.decode() for member in await self.redis.smembers(self.keys.owner(caller))]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id in ids:
+                pipe.hmget(self.keys.session(session_id), MADE_FIELD, USED_FIELD, "state")
+                pipe.xlen(self.keys.questions(session_id))
+                pipe.zrange(self.keys.asked(session_id), -1, -1)
+            found = await pipe.execute()
+        quiet = [
+            (session_id, float(used or 0), latest[0].decode() if latest else None)
+            for session_id, (made, used, state), waiting, latest in zip(ids, found[::3], found[1::3], found[2::3], strict=True)
+            if made is not None and state in IDLE_STATES and waiting == 0
+        ]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id, _, answer_id in quiet:
+                if answer_id is not None:
+                    pipe.xrevrange(self.keys.answer(session_id, answer_id), count=1)
+            ends = iter(await pipe.execute())
+        idle = []
+        for session_id, used, answer_id in quiet:
+            end = next(ends) if answer_id is not None else []
+            answered = int(end[0][0].split(b"-")[0]) / 1000 if end else 0.0  # an entry's id begins with its time in ms
+            idle.append((max(used, answered), session_id))
+        return idle
 
     # -- its media --------------------------------------------------------------------------------
 
@@ -169,7 +250,7 @@ class ChatSessions:
         as chat clients do, it is the same): 400 for two different ones."""
         loaded: Media | None = None
         for ref in dialogue.media:
-            media = await chat_media.load(ref, self.settings)
+            media = await chat_media.load(ref, self.settings, self.room)
             if loaded is not None and media.sha256 != loaded.sha256:
                 raise ApiError(
                     400, "too_many_media", "a session holds one video or image, and these messages carry two different "
@@ -182,35 +263,39 @@ class ChatSessions:
         """Send the media into the session, unless this route sent it there already or another
         request sends it now (the first to claim it in the session's hash sends it); then wait
         until it is read. A session with other media is 409 `media_exists`; media the worker
-        cannot read is 400 `invalid_media`, and a session made for it is deleted."""
+        refuses is 400 `invalid_media`, for every request that waits for it and for the same
+        media sent again (a session made for it is deleted: sent again, it goes to a new one)."""
         session_key = self.keys.session(session.id)
-        claim = await self.redis.eval(scripts.CLAIM_FIELD_LUA, 1, session_key, MEDIA_FIELD, media.sha256)
-        if claim is None:
-            raise ApiError(404, "session_not_found", f"the session {session.id} was deleted")
-        if claim == 1:
-            try:
-                if session.media is not None:
-                    raise ApiError(409, "media_exists", "this session has its media already: name no session to send "
-                                   "a new video or image", param=media.param)
-                self.metrics.upload_bytes.inc(await chat_ingest.ingest(self.store, session, media, self.settings))
-            except BaseException:
-                await self.redis.hdel(session_key, MEDIA_FIELD)  # not sent: the next request may send it
-                raise
-        elif claim.decode() != media.sha256:
-            raise ApiError(409, "media_exists", "this session has another video or image: name no session to send a "
-                           "new one", param=media.param)
-        await self._until_ingested(session, media)
+        try:
+            claim = await self.redis.eval(scripts.CLAIM_FIELD_LUA, 1, session_key, MEDIA_FIELD, media.sha256)
+            if claim == 1:
+                try:
+                    if session.media is not None:
+                        raise ApiError(409, "media_exists", "this session has its media already: name no session to "
+                                       "send a new video or image", param=media.param)
+                    self.metrics.upload_bytes.inc(await chat_ingest.ingest(self.store, session, media, self.settings))
+                except BaseException:
+                    await self.redis.hdel(session_key, MEDIA_FIELD)  # not sent: the next request may send it
+                    raise
+            elif claim is not None and claim.decode() != media.sha256:
+                raise ApiError(409, "media_exists", "this session has another video or image: name no session to send "
+                               "a new one", param=media.param)
+        finally:  # sent on, here or by another request: its bytes leave this gateway's memory
+            media.chunks.clear()
+            self.room.leave()
+        await self._until_ingested(session, media)  # a session gone (no claim): its kept refusal's 400, else a 404
 
     async def _until_ingested(self, session: SessionRecord, media: Media) -> None:
         async def left() -> None:
             if await self.request.is_disconnected():
                 raise ApiError(499, "client_closed_request", "the client left while its media was read")
 
-        error = await chat_ingest.wait_until_ingested(self.redis, self.keys, session.id, self.settings.ask_timeout_s, left)
+        error = await chat_ingest.wait_until_ingested(
+            self.redis, self.keys, session.id, media, self.settings.ask_timeout_s, left
+        )
         if error is not None:
-            made = await self.redis.hget(self.keys.session(session.id), MADE_FIELD)
-            if made is not None:  # nothing else can use it: it leaves at once, and counts no more
-                await self.store.delete(session)
+            if await self.redis.hget(self.keys.session(session.id), MADE_FIELD) is not None:
+                await chat_ingest.forget_refused(self.store, session, error)
             raise ApiError(400, "invalid_media", f"the {media.kind} cannot be read: {error}", param=media.param)
 
     # -- its conversation -------------------------------------------------------------------------

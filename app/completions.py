@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from redis.asyncio import Redis
 
 from app import answer_stream, chat_messages
@@ -27,12 +28,13 @@ from app.errors import ApiError, openai_responses
 from app.metrics import GatewayMetrics
 from app.settings import GatewaySettings
 from app.sessions import SessionStore
-from streamvqa.protocol import AskOptions, Evidence, Keys, SessionRecord, SessionState
+from streamvqa.protocol import AskOptions, Evidence, Keys, SessionRecord, SessionState, SessionWarning
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 CHAT_PATH = "/v1/chat/completions"
 SESSION_HEADER = "X-Session-Id"
 KEEPALIVE_EVENT = ": keepalive\n\n"
+WARNINGS = TypeAdapter(list[SessionWarning])  # a session record's `warnings`, as its hash holds them (JSON)
 
 
 class StreamOptions(BaseModel):
@@ -122,7 +124,7 @@ class Usage(BaseModel):
 class AnswerDetails(BaseModel):
     """What streamvqa says of an answer beyond OpenAI's fields (see `POST /sessions/{id}/ask`)."""
 
-    # the fields of its protocol.Answer that OpenAI's have no place for, and the session
+    # the fields of its protocol.Answer that OpenAI's have no place for, the session, and its warnings
 
     answer_id: str
     session_id: str
@@ -132,6 +134,10 @@ class AnswerDetails(BaseModel):
     cache_tokens: int
     ttft_ms: float | None
     total_ms: float | None
+    warnings: list[SessionWarning] = Field(
+        description="The session's warnings when it answered (its record's `warnings`): what the user should know of "
+        "its media, as a file cut short (`truncated_media`) or a cache at the model's context (`context_full`)."
+    )
 
 
 class ChatCompletion(BaseModel):
@@ -160,7 +166,8 @@ class ModelCards(BaseModel):
 UNAVAILABLE = {429: "Over the rate limit; see Retry-After.", 503: "Redis is unreachable; see Retry-After."}
 COMPLETION_ERRORS = openai_responses({
     400: "A bad request: an option out of range (`invalid_value`, `param` names it), a body or message that cannot be "
-    "used (`invalid_request`), media that cannot be read (`invalid_media_url`, `media_unreachable`, `invalid_media`, "
+    "used (`invalid_request`), media that cannot be read or that the worker refuses (`invalid_media_url`, "
+    "`media_unreachable`, `invalid_media`, "
     "`too_many_media`), a system message or model not the named session's (`system_prompt_mismatch`, `model_mismatch`).",
     401: "Not the session's token, nor (with API_KEYS) the key that owns it (`invalid_api_key`).",
     404: "No such session (`session_not_found`), or no such model (`model_not_found`).",
@@ -170,7 +177,8 @@ COMPLETION_ERRORS = openai_responses({
     500: "A bug (`internal_error`); the gateway's log has the details.",
     **UNAVAILABLE,
     503: "Redis is unreachable (`redis_unreachable`); no worker or no room for a session made for media (`no_worker`, "
-    "`no_capacity`); another request kept making the session for the same media (`session_busy`). See Retry-After.",
+    "`no_capacity`); another request kept making the session for the same media (`session_busy`); MAX_CHAT_MEDIA_REQUESTS "
+    "requests held media in the gateway's memory while this one waited its turn (`media_busy`). See Retry-After.",
     504: "`answer_timeout`: no answer within the gateway's ASK_TIMEOUT_S; `ingest_timeout`: the media not read by then.",
 })
 
@@ -206,8 +214,65 @@ async def get_model(model_id: str, store: Store, settings: Settings) -> ModelCar
     return ModelCard(id=model_id)
 
 
+def _inlined(schema: dict) -> dict:
+    """A model's JSON schema with its definitions written in place (no `$ref`): the schema of a
+    body the route reads itself, for the OpenAPI document."""
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: object) -> object:
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if "$ref" in node:
+            named = definitions[node["$ref"].rsplit("/", 1)[1]]
+            return inline({**named, **{key: value for key, value in node.items() if key != "$ref"}})
+        return {key: inline(value) for key, value in node.items()}
+
+    return inline(schema)
+
+
+REQUEST_BODY = {"required": True, "content": {"application/json": {"schema": _inlined(ChatCompletionRequest.model_json_schema())}}}
+
+
+async def _read_body(request: Request) -> ChatCompletionRequest:
+    """The request's JSON body, read as FastAPI reads one (RequestValidationError: a 400), keeping
+    no copy of it: a body with a video is tens of MB, and only the media's bytes are held on, until
+    they are sent (`chat_messages.MediaRef.take_url`, `chat_media.Media.take_chunks`)."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json" and not (media_type.startswith("application/") and media_type.endswith("+json")):
+        raise RequestValidationError([{"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a valid "
+                                       "dictionary or object to extract fields from", "input": b""}])
+    try:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as json.loads decodes bytes
+        del raw
+        document = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        position = err.pos if isinstance(err, json.JSONDecodeError) else err.start
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body", position), "msg": "JSON decode error", "input": {}}]
+        ) from None
+    del text
+    try:
+        return ChatCompletionRequest.model_validate(document)  # its strings are the document's own, not copies
+    except ValidationError as err:
+        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in err.errors()]) from None
+
+
+def _may_carry_media(request: Request, settings: GatewaySettings) -> bool:
+    """A body that may carry a data URL: longer than any other route's body may be, or of no stated length."""
+    length = request.headers.get("content-length", "")
+    return not length.isdigit() or int(length) > settings.max_body_bytes
+
+
 @router.post(
     "/chat/completions",
+    openapi_extra={"requestBody": REQUEST_BODY},
     responses={
         **COMPLETION_ERRORS,
         422: {"description": "Not sent here: a bad body is a 400, as OpenAI answers it."},
@@ -215,20 +280,28 @@ async def get_model(model_id: str, store: Store, settings: Settings) -> ModelCar
     },
 )
 async def chat_completions(
-    body: ChatCompletionRequest, chat: Annotated[ChatSessions, Depends()], request: Request, response: Response,
+    chat: Annotated[ChatSessions, Depends()], request: Request, response: Response,
     redis: RedisDep, keys: KeysDep, store: Store, settings: Settings, metrics: Metrics,
     x_session_id: Annotated[str | None, Header(description="The session to ask, as `session_id`.")] = None,
 ) -> ChatCompletion:
     """Answer the last user message about the session's video so far, as OpenAI's chat
     completions API does: one JSON completion, or with `stream` its chunks as Server-Sent Events.
-    A client that leaves before the answer is done cancels it."""
-    options = body.options()
-    if body.model is not None and body.model not in await known_models(store, settings, live=False):
-        raise _no_model(body.model)
-    dialogue = chat_messages.read(body.messages)
-    if body.session_id and x_session_id and body.session_id != x_session_id:
-        raise ApiError(400, "invalid_request", f"session_id and the {SESSION_HEADER} header name two sessions", param="session_id")
-    session = await chat.session_for(body.session_id or x_session_id, dialogue, body.model)
+    A client that leaves before the answer is done cancels it. A body that may carry media is
+    read once one of MAX_CHAT_MEDIA_REQUESTS places is free (`chat_media.MediaSlots`)."""
+    try:
+        if _may_carry_media(request, settings):
+            await chat.room.take()
+        body = await _read_body(request)
+        options = body.options()
+        if body.model is not None and body.model not in await known_models(store, settings, live=False):
+            raise _no_model(body.model)
+        dialogue = chat_messages.read(body.messages)
+        if body.session_id and x_session_id and body.session_id != x_session_id:
+            raise ApiError(400, "invalid_request", f"session_id and the {SESSION_HEADER} header name two sessions",
+                           param="session_id")
+        session = await chat.session_for(body.session_id or x_session_id, dialogue, body.model)
+    finally:
+        chat.room.leave()  # its media, if any, is sent on by now (or the request failed)
     named = {SESSION_HEADER: session.id}
     try:
         question = await chat.question(session, dialogue)
@@ -253,7 +326,7 @@ async def _answer(
         first = await _next_item(stream, request)  # a refusal is an error reply, not a failed stream
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            chunks = _chunks(first, stream, completion_id, created, name, session.id, usage)
+            chunks = _chunks(first, stream, completion_id, created, name, session.id, usage, redis, keys)
             headers = {"Cache-Control": "no-cache", SESSION_HEADER: session.id}
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         done = first
@@ -262,12 +335,21 @@ async def _answer(
     except BaseException:
         stream.close()
         raise
-    details = done.answer.model_dump(include=set(AnswerDetails.model_fields))
     response.headers[SESSION_HEADER] = session.id
     return ChatCompletion(
         id=completion_id, created=created, model=name, session_id=session.id,
         choices=[Choice(message=ChatMessage(content=done.answer.answer), finish_reason=done.answer.finish_reason)],
-        usage=_usage(done), streamvqa=AnswerDetails(**details, session_id=session.id),
+        usage=_usage(done), streamvqa=await _details(redis, keys, session.id, done),
+    )
+
+
+async def _details(redis: Redis, keys: Keys, session_id: str, done: Finished) -> AnswerDetails:
+    """The answer's details, with the session's warnings as its record holds them now (the
+    worker adds them as it reads the media, after the session was looked up)."""
+    warnings = await redis.hget(keys.session(session_id), "warnings")
+    return AnswerDetails(
+        **done.answer.model_dump(include=set(AnswerDetails.model_fields)), session_id=session_id,
+        warnings=WARNINGS.validate_json(warnings or b"[]"),
     )
 
 
@@ -287,11 +369,11 @@ async def _next_item(stream: AnswerStream, request: Request) -> Token | Finished
 
 async def _chunks(
     first: Token | Finished, stream: AnswerStream, completion_id: str, created: int, model: str, session_id: str,
-    include_usage: bool,
+    include_usage: bool, redis: Redis, keys: Keys,
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk` events: the role, a delta per piece of text, the finish reason
-    (with `usage`), with `include_usage` a usage-only chunk, then `[DONE]`. A client that leaves
-    before the final event cancels the answer."""
+    (with `usage`, and the `streamvqa` details a whole completion has), with `include_usage` a
+    usage-only chunk, then `[DONE]`. A client that leaves before the final event cancels the answer."""
 
     def chunk(choices: list[dict], **extra) -> str:
         body = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -314,7 +396,8 @@ async def _chunks(
                     yield chunk(delta({"content": text}))
                 case Finished(answer, _, _):
                     usage = _usage(item).model_dump()
-                    yield chunk(delta({}, answer.finish_reason), usage=usage)
+                    details = (await _details(redis, keys, session_id, item)).model_dump(mode="json")
+                    yield chunk(delta({}, answer.finish_reason), usage=usage, streamvqa=details)
                     if include_usage:
                         yield chunk([], usage=usage)
                 case Failed(code, message, _):

@@ -52,7 +52,9 @@ class MessageRate:
 
 class BodyLimit:
     """ASGI middleware: request bodies over `max_bytes` are refused with 413, whether they
-    announce their length or not, and bodies not all received within `timeout_s` with 408;
+    announce their length or not, and bodies not all received within `timeout_s` (from when the
+    app first reads the body: at once, but for a chat completion that waits for its turn to read
+    one that may carry media, `chat_media.MediaSlots`) with 408;
     uploads (paths ending in /upload) have limits of their own. A path of `larger` (path ->
     bytes: a route that carries media in its JSON) may be that large instead, and its body may
     take longer: `timeout_s` plus a second for each `min_bytes_per_s` received (the upload's
@@ -77,13 +79,14 @@ class BodyLimit:
             await _refuse(send, path, 413, "body_too_large", f"the request body exceeds {max_bytes} bytes")
             return
         received, refused, complete = 0, False, False
-        started = time.monotonic()
+        started: float | None = None  # when the app first read the body
 
         def deadline() -> float:
             return started + self.timeout_s + (received / self.min_bytes_per_s if paced else 0.0)
 
         async def limited() -> Message:
-            nonlocal received, refused, complete
+            nonlocal received, refused, complete, started
+            started = started if started is not None else time.monotonic()
             if refused:
                 return {"type": "http.disconnect"}
             if complete:  # the body is in; later calls wait for the client to leave

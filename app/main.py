@@ -9,6 +9,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
 from app import asks, completions, errors, ops, routes, samples, streams
+from app.chat_media import MediaSlots
 from app.deps import rate_limit
 from app.limits import BodyLimit, RateLimiter
 from app.metrics import GatewayMetrics, RequestCounter
@@ -49,6 +50,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.metrics = metrics
         app.state.rate_limiter = RateLimiter(redis, keys.rate, settings.rate_limit_per_s, settings.rate_limit_burst)
         app.state.stream_sockets = 0  # open `WS /sessions/{id}/stream` sockets, at most max_stream_sockets
+        app.state.chat_media_slots = MediaSlots(settings.max_chat_media_requests)
         try:
             yield
         finally:

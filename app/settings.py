@@ -66,6 +66,11 @@ class GatewaySettings(CommonSettings):
         "MAX_UPLOAD_BYTES if that is less); its body may be 4/3 of it (base64) plus MAX_BODY_BYTES. An image there has "
         "the stream socket's message limit, WS_MAX_MESSAGE_BYTES.",
     )
+    max_chat_media_requests: int = Field(
+        2, ge=1, description="`/v1/chat/completions` requests that may hold media in one gateway's memory at once (each "
+        "up to about 2.7 times MAX_CHAT_MEDIA_BYTES while its data URL is read, until the media is sent on); another "
+        "waits up to 30 s for its turn (its body unread), then is refused (503 `media_busy`, Retry-After).",
+    )
     media_fetch_timeout_s: float = Field(
         30.0, gt=0, description="How long fetching an http(s) `video_url` or `image_url` of a chat completion may take.",
     )

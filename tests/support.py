@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sys
 import time
 import uuid
@@ -18,6 +19,7 @@ from websockets.sync.client import connect as ws_connect
 from engine import demo
 from engine.step import step
 from streamvqa import children
+from streamvqa.protocol import Keys, SessionRecord
 from streamvqa.redis_client import connect_sync
 from streamvqa.redis_server import free_port
 from streamvqa.run import wait_until_serving
@@ -86,6 +88,7 @@ class Stack:
             "PORT": str(self.port),
             "SPOOL_DIR": str(directory / "spool"),
             "TORCH_THREADS": "1",
+            "DTYPE": "float32",  # the answers tests expect, on any processor; DTYPE has tests of its own
             "MODEL": "tiny-random-llava",  # every path, in a fraction of the real model's time
             # tests call from one address faster than a user would; the limits have tests of their own
             "RATE_LIMIT_PER_S": "1000",
@@ -144,6 +147,30 @@ def running_stack(redis_url: str, directory: Path, **env: str | None) -> Iterato
         stack.stop()
         sys.stdout.write(f"\n--- worker log ---\n{stack.log('worker')}\n--- gateway log ---\n{stack.log('gateway')}\n")
         delete_prefix(redis_url, stack.prefix, stack.cluster)
+
+
+def live_session_ids(stack: Stack) -> set[str]:
+    """The ids of the stack's sessions (each session's hash), read from Redis."""
+    pattern = re.compile(re.escape(stack.prefix) + r"session:\{([0-9a-f]{32})\}")
+    client = connect_sync(stack.redis_url, stack.cluster)
+    try:
+        return {found[1] for key in client.scan_iter(match=f"{stack.prefix}session:*", count=1000)
+                if (found := pattern.fullmatch(key.decode()))}
+    finally:
+        client.close()
+
+
+def stored_session(stack: Stack, session_id: str) -> dict:
+    """A session's record as `GET /sessions/{id}` shows it, read from Redis (for a session made
+    without a token to show: `/v1/chat/completions` makes those)."""
+    client = connect_sync(stack.redis_url, stack.cluster)
+    try:
+        fields = client.hgetall(Keys(stack.prefix).session(session_id))
+    finally:
+        client.close()
+    assert fields, f"no session {session_id}"
+    fields.pop(b"token_sha256", None)
+    return SessionRecord.from_hash(fields).model_dump(mode="json")
 
 
 def metrics_once(url: str, counter: str, at_least: float = 1) -> dict[str, float]:

@@ -102,6 +102,7 @@ from streamvqa.protocol.records import (
     MemorySpan,
     SessionRecord,
     SessionState,
+    SessionWarning,
     WorkerInfo,
     check_transition,
     to_hash,
@@ -119,7 +120,7 @@ __all__ = [
     "AskMessage", "AskOptions", "BackpressureEvent", "CloseCode", "DoneEvent", "ErrorEvent", "EventEnvelope",
     "Evidence", "Histogram", "IngestEvent", "Keys", "MediaEntry", "MediaErrorEvent", "MediaKind", "MemoryReport", "MemorySpan",
     "Policy", "PolicyOptions", "Question", "QuestionText", "Sampling", "SessionEvent", "SessionOptions", "SessionRecord",
-    "SessionState", "StartMessage", "StartedEvent", "StateEvent", "TokenEvent", "WarningEvent", "WorkerInfo",
+    "SessionState", "SessionWarning", "StartMessage", "StartedEvent", "StateEvent", "TokenEvent", "WarningEvent", "WorkerInfo",
     "check_transition", "frame_message", "parse_frame_header", "peak_cache_tokens", "reserved_device_bytes",
     "scripts", "session_peak_tokens", "to_hash",
 ]

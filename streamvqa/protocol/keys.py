@@ -148,6 +148,11 @@ class Keys:
         """Held (SET NX, a short TTL) by the one request that makes that session."""
         return f"{self.prefix}chat-media:{owner}:{content_sha256}:making"
 
+    def chat_refused(self, session_id: str) -> str:
+        """Why the worker refused the media of a session `/v1/chat/completions` made, kept for a
+        short while after the session is deleted for it: requests that waited for that media read it."""
+        return self._of(session_id, "chat-refused")
+
     def rate(self, caller: str) -> str:
         return f"{self.prefix}rate:{caller}"
 

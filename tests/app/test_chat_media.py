@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from app import chat_media
-from app.chat_messages import MediaRef
+from app.chat_messages import MediaRef, MediaUrl
 from app.errors import ApiError
 from app.settings import GatewaySettings
 
@@ -55,8 +55,8 @@ def server() -> Iterator[str]:
 
 
 def load(url: str, **settings: object) -> bytes:
-    ref = MediaRef("video", url, PARAM)
-    return asyncio.run(chat_media.load(ref, GatewaySettings(**settings))).data
+    ref = MediaRef("video", MediaUrl(url=url), PARAM)
+    return b"".join(asyncio.run(chat_media.load(ref, GatewaySettings(**settings))).take_chunks())
 
 
 def refused(url: str, **settings: object) -> ApiError:
@@ -78,9 +78,23 @@ def test_a_loopback_url_is_refused_by_default_naming_the_rule_and_the_setting(se
 @pytest.mark.parametrize("host", [
     "localhost", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "0.0.0.0", "224.0.0.1", "240.0.0.1",
     "100.64.0.1", "[::1]", "[fe80::1]", "[fc00::1]", "[::ffff:127.0.0.1]", "[ff02::1]", "[::]",
+    # IPv6 forms that reach a private IPv4 address: NAT64, 6to4, IPv4-compatible; and site-local, NAT64 for local use
+    "[64:ff9b::7f00:1]", "[64:ff9b::a9fe:a9fe]", "[2002:7f00:1::]", "[2002:a00:1::1]", "[::127.0.0.1]", "[::10.0.0.1]",
+    "[::8.8.8.8]", "[fec0::1]", "[64:ff9b:1::a00:1]",
 ])
 def test_every_address_that_is_not_public_is_refused(host):
     assert refused(f"http://{host}:9/video.mp4").code == "media_url_private"
+
+
+def test_an_ipv6_address_that_stands_for_an_ipv4_one_is_judged_by_it():
+    """NAT64 (a DNS64 resolver's answer for an IPv4-only host), 6to4 and IPv4-mapped addresses of
+    public hosts are public; the same forms of 169.254.169.254 (cloud metadata) are not."""
+    public = ["64:ff9b::5db8:d822", "2002:5db8:d822::1", "::ffff:93.184.216.34", "2606:2800:220:1::", "93.184.216.34"]
+    assert [chat_media._public(ipaddress.ip_address(address)) for address in public] == [True] * 5
+    err = refused("http://[64:ff9b::a9fe:a9fe]:9/latest/meta-data")
+    assert err.message.startswith(
+        "64:ff9b::a9fe:a9fe resolves to 64:ff9b::a9fe:a9fe (which reaches 169.254.169.254), not a public address"
+    )
 
 
 def test_a_host_is_refused_when_any_of_its_addresses_is_private(monkeypatch):

@@ -4,7 +4,6 @@ the reply for the next turn; system messages, earlier turns; media fetched over 
 and the example of README.md and docs/api.md, run as written."""
 
 import asyncio
-import base64
 import re
 import threading
 import time
@@ -18,18 +17,14 @@ import pytest
 from openai import OpenAI
 
 from streamvqa.redis_server import free_port
-from tests.media import jpeg
-from tests.support import running_stack, sample_video
+from tests.media import data_url, jpeg
+from tests.support import live_session_ids, running_stack, sample_video, stored_session
 
 MODEL = "tiny-random-llava"
 QUESTION = "What is in the video?"
 CARPHONE = sample_video("carphone_pristine.mp4")  # 588,804 bytes: 4 frames at fps 1, the last at ~3 s
 KEY = "key-0123456789abcdef"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def data_url(data: bytes, media_type: str) -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
 def video_message(text: str, url: str) -> dict:
@@ -40,10 +35,9 @@ def image_message(text: str, url: str) -> dict:
     return {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}
 
 
-def listed(url: str, session_id: str, **headers: str) -> dict:
-    """The session as `GET /sessions` lists it for its owner (a session made for media has no token to show)."""
-    sessions = httpx.get(f"{url}/sessions", headers=headers, timeout=30).json()["sessions"]
-    return next(session for session in sessions if session["id"] == session_id)
+def listed(stack, session_id: str) -> dict:
+    """The session's record (a session made for media has no token to show: read from Redis)."""
+    return stored_session(stack, session_id)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +72,7 @@ def test_a_video_url_makes_a_session_that_the_next_turn_reuses_without_a_second_
     messages = [video_message(QUESTION, data_url(CARPHONE.read_bytes(), "video/mp4"))]
     # the first token comes once the video is sent, decoded and in the cache
     first_s, session_id = first_token_s(chat, messages=messages, max_tokens=4)
-    made = listed(stack.url, session_id)
+    made = listed(stack, session_id)
     assert (made["frames_ingested"], made["upload_bytes"], made["media"]) == (4, 588_804, "upload")
     assert made["video_time_s"] == pytest.approx(3.0, abs=0.01)
 
@@ -88,7 +82,7 @@ def test_a_video_url_makes_a_session_that_the_next_turn_reuses_without_a_second_
         chat, messages=[{"role": "user", "content": "And now?"}], max_tokens=4, extra_body={"session_id": session_id},
     )
     assert named == session_id
-    again = listed(stack.url, session_id)
+    again = listed(stack, session_id)
     assert (again["frames_ingested"], again["upload_bytes"]) == (4, 588_804)  # nothing ingested twice
     assert 2 * second_s < first_s, (second_s, first_s)  # here about 0.02 s against 0.5 s
 
@@ -106,7 +100,7 @@ def test_a_video_url_makes_a_session_that_the_next_turn_reuses_without_a_second_
         extra_headers={"X-Session-Id": session_id},
     )
     assert header.model_extra["session_id"] == session_id
-    assert listed(stack.url, session_id)["frames_ingested"] == 4
+    assert listed(stack, session_id)["frames_ingested"] == 4
 
 
 def test_an_image_url_is_one_frame_of_a_session_made_for_it(stack, chat):
@@ -114,7 +108,7 @@ def test_an_image_url_is_one_frame_of_a_session_made_for_it(stack, chat):
     completion = chat.chat.completions.create(
         model=MODEL, messages=[image_message("What is this?", data_url(image, "image/jpeg"))], max_tokens=3,
     )
-    session = listed(stack.url, completion.model_extra["session_id"])
+    session = listed(stack, completion.model_extra["session_id"])
     assert (session["frames_ingested"], session["media"], session["video_time_s"]) == (1, "frames", 0.0)
     assert 1 <= completion.usage.completion_tokens <= 3
 
@@ -135,7 +129,7 @@ def test_a_system_message_opens_the_session_made_and_must_not_change_after(stack
     messages = [{"role": "system", "content": system}, image_message("What is this?", data_url(jpeg(11), "image/jpeg"))]
     completion = chat.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     session_id = completion.model_extra["session_id"]
-    assert listed(stack.url, session_id)["system_prompt"] == system
+    assert listed(stack, session_id)["system_prompt"] == system
     # the same system message again: the same session; another one: a session of its own
     again = chat.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     assert again.model_extra["session_id"] == session_id
@@ -184,7 +178,7 @@ def test_http_urls_are_fetched_and_an_unreachable_one_is_a_400(stack, chat, tmp_
         completion = chat.chat.completions.create(
             model=MODEL, messages=[video_message(QUESTION, f"{base}/carphone.mp4")], max_tokens=2,
         )
-        assert listed(stack.url, completion.model_extra["session_id"])["frames_ingested"] == 4
+        assert listed(stack, completion.model_extra["session_id"])["frames_ingested"] == 4
         with pytest.raises(openai.BadRequestError) as missing:
             chat.chat.completions.create(model=MODEL, messages=[video_message(QUESTION, f"{base}/nothing.mp4")])
         assert missing.value.body == {
@@ -201,7 +195,7 @@ def test_http_urls_are_fetched_and_an_unreachable_one_is_a_400(stack, chat, tmp_
 
 
 def test_the_same_media_sent_twice_at_once_makes_one_session_read_once(stack):
-    before = {s["id"] for s in httpx.get(f"{stack.url}/sessions").json()["sessions"]}
+    before = live_session_ids(stack)
     opening = {"role": "system", "content": "Twice at once."}  # content no other test sent: a new session
     body = {"model": MODEL, "max_tokens": 2, "messages": [opening, video_message(QUESTION, data_url(CARPHONE.read_bytes(), "video/mp4"))]}
 
@@ -212,8 +206,8 @@ def test_the_same_media_sent_twice_at_once_makes_one_session_read_once(stack):
     replies = asyncio.run(both())
     assert [reply.status_code for reply in replies] == [200, 200]
     [session_id] = {reply.headers["x-session-id"] for reply in replies}
-    assert {s["id"] for s in httpx.get(f"{stack.url}/sessions").json()["sessions"]} - before == {session_id}
-    made = listed(stack.url, session_id)
+    assert live_session_ids(stack) - before == {session_id}
+    made = listed(stack, session_id)
     assert (made["frames_ingested"], made["upload_bytes"]) == (4, 588_804)  # sent and read once
 
 
@@ -245,11 +239,11 @@ def test_media_has_the_upload_limit_and_bad_media_is_a_clear_400(stack):
         "param": "messages.0.content.1.image_url.url", "code": "invalid_media",
     }
     # bytes no decoder reads: the worker says so, and the session made for them is gone at once
-    before = {s["id"] for s in httpx.get(f"{stack.url}/sessions").json()["sessions"]}
+    before = live_session_ids(stack)
     undecodable = post(stack, {"messages": [video_message(QUESTION, data_url(b"\x01\x02" * 4000, "video/mp4"))]})
     assert (undecodable.status_code, undecodable.json()["error"]["code"]) == (400, "invalid_media")
     assert undecodable.json()["error"]["message"].startswith("the video cannot be read: ")
-    assert {s["id"] for s in httpx.get(f"{stack.url}/sessions").json()["sessions"]} == before
+    assert live_session_ids(stack) == before
 
 
 def test_messages_that_cannot_be_used_are_400s_naming_them(stack):
@@ -297,7 +291,7 @@ def test_with_api_keys_a_key_makes_and_reuses_the_session_as_open_webui_talks(re
             assert chunks[-1].usage.prompt_tokens == len(question) + 13  # the new question alone
             messages.append({"role": "assistant", "content": "".join(c.choices[0].delta.content or "" for c in chunks[:-1])})
         [session_id] = sessions
-        session = listed(keyed.url, session_id, **{"X-API-Key": KEY})
+        session = listed(keyed, session_id)
         assert (session["frames_ingested"], session["system_prompt"]) == (1, "You are a helpful assistant.")
         # the key opens the session it owns by its id too; another bearer does not
         named = webui.chat.completions.create(
@@ -343,5 +337,5 @@ def test_the_docs_example_of_a_video_in_messages_runs_as_a_new_user_copies_it(st
     assert re.fullmatch(r"[0-9a-f]{32}", session_id), session_id
     assert names["later"].model_extra["session_id"] == session_id  # the next turn asked the same session
     assert 1 <= names["later"].usage.completion_tokens <= 64  # the default max_tokens
-    made = listed(stack.url, session_id)
+    made = listed(stack, session_id)
     assert (made["frames_ingested"], made["upload_bytes"]) == (10, 509_868)  # bikes.mp4 at 1 frame/s, read once
