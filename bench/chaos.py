@@ -1,7 +1,7 @@
 """Faults injected into a running deployment, and what they cost: questions, frames, stuck sessions, recovery.
 
-    python -m bench.chaos [--seconds 300] [--grace-s 300] [--streamers 3] [--uploaders 2] [--fault-every 30]
-                          [--faults worker,gateway,redis] [--fsync always] [--lease-ttl-s 5] [--seed 1]
+    python -m bench.chaos [--seconds 300] [--grace-s 300] [--streamers 3] [--uploaders 2] [--chatters 1]
+                          [--fault-every 30] [--faults worker,gateway,redis] [--fsync always] [--lease-ttl-s 5] [--seed 1]
 
 Starts Redis with an append-only file (`appendfsync always`; `--fsync everysec` shows what the
 last second of writes costs), two gateways and two workers serving `tiny-random-llava`, all on
@@ -16,7 +16,11 @@ loopback. Clients use either gateway and move to the other when theirs is down:
 - uploaders: create a session, upload a generated 6-s video, wait until it is ingested, ask two
   questions, delete it; again and again;
 - one idle session, shown one frame, then asked now and then (it leaves its worker in between:
-  IDLE_RELEASE_S=20).
+  IDLE_RELEASE_S=20);
+- a chat user (`--chatters`): every few seconds a `/v1/chat/completions` about an image, one of
+  CHAT_IMAGES (its conversation's session, found again by the image), or at random (one time in
+  three) an image the worker refuses (8000x4000 pixels): a 400 `invalid_media` is the right
+  answer to it, anything else (a 504 after ASK_TIMEOUT_S, a 404, no answer) is wrong.
 
 Every `--fault-every` seconds (0.5x to 1.5x, at random), once the last fault has been recovered
 from, one of `--faults`: kill -9 a worker, a gateway or Redis, restarted 1 to 3 s later (Redis
@@ -32,17 +36,23 @@ and counted in `clients_cut`):
   `answered_twice` (two final events, or more tokens than the answer has);
 - frames `sent`, `ingested`, `duplicated`, `lost` (streams), and uploads whose frame count is off;
 - `stuck`: sessions left `pending` or `ingesting`, or that did not answer a last question;
+- chat completions: `chat_answered` (200), `chat_failed` (another reply to an image the worker
+  reads), `chat_refused_right` and `chat_refused_wrong` (the refused image's replies, the worst
+  one's seconds in `chat_refused_max_s`); their answers count among `asked` above;
 - `failed_sessions`: sessions that turned `error` (streams, uploads, the idle one), named in
   `failed`; `streams_video_s`: how far each live stream's video got; `mean_batch`: sessions per
   engine step of the workers alive at the end.
 
-Targets: 0 lost, 0 twice, 0 stuck, 0 failed (docs/benchmarks.md has the figures).
+Every counter is printed, 0 or not (besides those by status or code, `ask_refused_<status>` and
+`error_<code>`, printed when they happen). Targets: 0 lost, 0 twice, 0 stuck, 0 failed, 0 wrong
+chat refusals (docs/benchmarks.md has the figures).
 
 One module, over 400 lines: a benchmark's whole fault schedule, its clients and its report read best in one place.
 """
 
 import argparse
 import asyncio
+import base64
 import io
 import json
 import os
@@ -77,6 +87,16 @@ RESENT_FRAMES = 600  # frames a streamer keeps to send again after a reconnectio
 RECOVERY_LIMIT_S = 120.0  # a fault not recovered from by then counts as not recovered (null)
 RECONNECT_S = 30.0  # how long a streamer keeps connecting again after the run's end, or without a reply
 FINAL_S = 100.0  # of the grace, what the last questions and the end states may take
+CHAT_EVERY_S = 3.0  # between a chat user's completions
+CHAT_IMAGES = 4  # the images a chat user asks about in turn (one session each, found again by its image)
+CHAT_REFUSED_SHARE = 1 / 3  # of its completions, those about an image the worker refuses
+CHAT_MODEL = "tiny-random-llava"
+COUNTERS = (  # tally.counts printed always, 0 or not
+    "uploads", "uploads_refused", "uploads_not_created", "clients_cut", "client_errors", "streams_not_ended",
+    "end_not_checked", "chat_answered", "chat_failed", "chat_refused_right", "chat_refused_wrong",
+)
+VERDICTS = ("answered", "reset", "lost", "answered_twice")  # of each asked answer (besides error_<code>)
+FRAME_COUNTS = ("sent", "ingested", "duplicated", "lost", "dropped")
 
 
 def _jpeg(index: int) -> bytes:
@@ -85,6 +105,17 @@ def _jpeg(index: int) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, "JPEG", quality=70)
     return buffer.getvalue()
+
+
+def _huge_png() -> bytes:
+    """An image over the worker's pixel limit (8000x4000 of one colour: a few KB): it refuses it."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (8000, 4000), (40, 90, 200)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _data_url(image: bytes, media_type: str) -> str:
+    return f"data:{media_type};base64,{base64.b64encode(image).decode()}"
 
 
 def _video() -> bytes:
@@ -164,6 +195,9 @@ class Tally:
         self.frames: Counter = Counter()
         self.video_s: dict[str, float] = {}  # each live stream's video time at the end
         self.mean_batch: float | None = None
+        self.chats: set[str] = set()  # the sessions chat completions answered from
+        self.chat_refused_s: list[float] = []  # how long each refused image's reply took
+        self.chat_wrong: list[str] = []  # what a refused image got instead of its 400, or an image's failure
 
 
 class Api:
@@ -367,6 +401,41 @@ async def _upload(api: Api, session: tuple[str, str], video: bytes) -> bool:
     return False
 
 
+async def _chatter(api: Api, tally: Tally, stop: asyncio.Event, rng: random.Random) -> None:
+    """A chat user: a completion about one of CHAT_IMAGES, or about an image the worker refuses."""
+    images = [_data_url(_jpeg(1000 + i), "image/jpeg") for i in range(CHAT_IMAGES)]
+    refused_image = _data_url(_huge_png(), "image/png")
+    while not stop.is_set():
+        refused = rng.random() < CHAT_REFUSED_SHARE
+        url = refused_image if refused else rng.choice(images)
+        content = [{"type": "text", "text": "What is in the picture?"}, {"type": "image_url", "image_url": {"url": url}}]
+        body = {"model": CHAT_MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+        started = time.monotonic()
+        try:
+            reply = await api.call("POST", "/v1/chat/completions", json=body)  # a 503 or a gateway down: again
+            outcome, code = reply.status_code, reply.json().get("error", {}).get("code") if reply.status_code != 200 else None
+        except (httpx.TransportError, ValueError) as err:
+            reply, outcome, code = None, type(err).__name__, None
+        if refused:
+            right = (outcome, code) == (400, "invalid_media")
+            tally.counts["chat_refused_right" if right else "chat_refused_wrong"] += 1
+            tally.chat_refused_s.append(round(time.monotonic() - started, 2))
+            if not right:
+                tally.chat_wrong.append(f"refused image: {outcome} {code}")
+        elif outcome == 200:
+            tally.counts["chat_answered"] += 1
+            answered = reply.json()
+            tally.asked[answered["streamvqa"]["answer_id"]] = answered["session_id"]
+            tally.chats.add(answered["session_id"])
+        else:
+            tally.counts["chat_failed"] += 1
+            tally.chat_wrong.append(f"image: {outcome} {code}")
+        try:
+            await asyncio.wait_for(stop.wait(), CHAT_EVERY_S)
+        except TimeoutError:
+            pass
+
+
 async def _recovered(api: Api, sessions: list[tuple[str, str]], tally: Tally) -> None:
     """Until every session answers a question (a session found failed is counted as such, not waited for)."""
     while True:
@@ -419,11 +488,16 @@ async def _run(deployment: Deployment, args: argparse.Namespace, tally: Tally) -
             for i in range(args.uploaders)
         ]
         idle_asker = asyncio.create_task(_asking(apis[-1], idle, tally, stop, 30.0))
+        chatters = [
+            asyncio.create_task(_chatter(Api(http, deployment.urls, random.Random(args.seed + 100 + i)), tally, stop,
+                                         random.Random(args.seed + 200 + i)))
+            for i in range(args.chatters)
+        ]
         faults = asyncio.create_task(_faults(deployment, apis[-2], probes, tally, stop, args, rng))
         await asyncio.sleep(args.seconds)
         stop.set()
         ends_at = time.monotonic() + args.grace_s
-        clients = [faults, *streamers, *uploaders, idle_asker]
+        clients = [faults, *streamers, *uploaders, idle_asker, *chatters]
         _, busy = await asyncio.wait(clients, timeout=max(1.0, ends_at - FINAL_S - time.monotonic()))
         for task in busy:
             task.cancel()
@@ -437,7 +511,7 @@ async def _run(deployment: Deployment, args: argparse.Namespace, tally: Tally) -
         except TimeoutError:
             tally.counts["end_not_checked"] += 1
         tally.mean_batch = await _mean_batch(http, deployment.urls)
-        for sid, _ in probes:
+        for sid in [sid for sid, _ in probes] + sorted(tally.chats):
             await _judge(store, deployment.prefix, sid, tally)
         await _frames(store, deployment.prefix, tally)
     await store.aclose()
@@ -532,12 +606,38 @@ async def _frames(store: aioredis.Redis, prefix: str, tally: Tally) -> None:
         tally.lost_frames += sorted(sent - set(times))
 
 
+def summary(args: argparse.Namespace, tally: Tally, error: str | None, wall_s: float, logs: str) -> dict:
+    """The run's one JSON line: every counter, 0 or not (see the module's text)."""
+    recoveries = [seconds for _, seconds in tally.recoveries]
+    recovered = [seconds for seconds in recoveries if seconds is not None]
+    verdicts = Counter(tally.judged.values())
+    return {
+        "seconds": args.seconds, "fsync": args.fsync, "lease_ttl_s": args.lease_ttl_s,
+        "faults": dict(Counter(name.rstrip("01") for name, _ in tally.recoveries)),
+        "recovery_max_s": max(recovered, default=None), "not_recovered": len(recoveries) - len(recovered),
+        "recoveries_s": recoveries,
+        "asked": len(tally.asked), **{verdict: verdicts[verdict] for verdict in VERDICTS},
+        **{verdict: count for verdict, count in verdicts.items() if verdict not in VERDICTS},
+        "unjudged": len(set(tally.asked) - set(tally.judged)),
+        **{f"frames_{name}": tally.frames[name] for name in FRAME_COUNTS}, "lost_frame_times": tally.lost_frames[:20],
+        "uploads_wrong_frames": len(tally.uploads_off),
+        "stuck": tally.counts["stuck_last_question"] + tally.counts["stuck_state"],
+        "failed_sessions": len(tally.failed), "failed": dict(list(tally.failed.items())[:10]),
+        "streams_video_s": sorted(tally.video_s.values(), key=lambda t: t or 0), "mean_batch": tally.mean_batch,
+        **{name: tally.counts[name] for name in COUNTERS},
+        "chat_refused_max_s": max(tally.chat_refused_s, default=None), "chat_wrong": tally.chat_wrong[:10],
+        **{k: v for k, v in tally.counts.items() if k.startswith("ask_refused")},
+        "error": error, "wall_s": round(wall_s, 1), "logs": logs,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--grace-s", type=float, default=300.0, help="the most the end may take after --seconds")
     parser.add_argument("--streamers", type=int, default=3)
     parser.add_argument("--uploaders", type=int, default=2)
+    parser.add_argument("--chatters", type=int, default=1, help="chat users, each asking about images (some refused)")
     parser.add_argument("--fault-every", type=float, default=30.0)
     parser.add_argument("--faults", default="worker,gateway,redis")
     parser.add_argument("--fsync", default="always", choices=["always", "everysec"])
@@ -554,22 +654,7 @@ def main() -> None:
         error = repr(err)
     finally:
         deployment.stop()
-    recoveries = [seconds for _, seconds in tally.recoveries]
-    recovered = [seconds for seconds in recoveries if seconds is not None]
-    print(json.dumps({
-        "seconds": args.seconds, "fsync": args.fsync, "lease_ttl_s": args.lease_ttl_s,
-        "faults": dict(Counter(name.rstrip("01") for name, _ in tally.recoveries)),
-        "recovery_max_s": max(recovered, default=None), "not_recovered": len(recoveries) - len(recovered),
-        "recoveries_s": recoveries,
-        "asked": len(tally.asked), **Counter(tally.judged.values()), "unjudged": len(set(tally.asked) - set(tally.judged)),
-        **{f"frames_{k}": v for k, v in tally.frames.items()}, "lost_frame_times": tally.lost_frames[:20],
-        "uploads": tally.counts["uploads"], "uploads_wrong_frames": len(tally.uploads_off),
-        "stuck": tally.counts["stuck_last_question"] + tally.counts["stuck_state"],
-        "failed_sessions": len(tally.failed), "failed": dict(list(tally.failed.items())[:10]),
-        "streams_video_s": sorted(tally.video_s.values(), key=lambda t: t or 0), "mean_batch": tally.mean_batch,
-        **{k: v for k, v in tally.counts.items() if k.startswith(("ask_refused", "clients_", "client_", "streams_", "uploads_not", "end_"))},
-        "error": error, "wall_s": round(time.monotonic() - started, 1), "logs": str(folder),
-    }), flush=True)
+    print(json.dumps(summary(args, tally, error, time.monotonic() - started, str(folder))), flush=True)
 
 
 if __name__ == "__main__":
