@@ -154,7 +154,7 @@ class ChatCompletion(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = 0
+    created: int = Field(description="Unix time (s) the gateway started, from which it has served the model.")
     owned_by: str = "streamvqa"
 
 
@@ -198,20 +198,21 @@ def _no_model(model: str) -> ApiError:
 
 
 @router.get("/models", responses=openai_responses(UNAVAILABLE))
-async def list_models(store: Store, settings: Settings) -> ModelCards:
+async def list_models(request: Request, store: Store, settings: Settings) -> ModelCards:
     """The models live workers serve now, and the gateway's default."""
-    return ModelCards(data=[ModelCard(id=name) for name in await known_models(store, settings, live=True)])
+    created = request.app.state.started_at
+    return ModelCards(data=[ModelCard(id=name, created=created) for name in await known_models(store, settings, live=True)])
 
 
 @router.get(
     "/models/{model_id:path}",
     responses=openai_responses({404: "No live worker serves this model (`model_not_found`).", **UNAVAILABLE}),
 )
-async def get_model(model_id: str, store: Store, settings: Settings) -> ModelCard:
+async def get_model(model_id: str, request: Request, store: Store, settings: Settings) -> ModelCard:
     """One model of `GET /v1/models`."""
     if model_id not in await known_models(store, settings, live=True):
         raise _no_model(model_id)
-    return ModelCard(id=model_id)
+    return ModelCard(id=model_id, created=request.app.state.started_at)
 
 
 def _inlined(schema: dict) -> dict:

@@ -6,6 +6,7 @@ pool, a hop that made `GET /sessions/{id}` measurably slower (docs/benchmarks.md
 
 import hmac
 import re
+from dataclasses import dataclass
 from typing import Annotated
 from urllib.parse import urlsplit
 
@@ -183,16 +184,37 @@ AuthorizedSession = Annotated[SessionRecord, Depends(authorized_session)]
 
 
 def session_owner(settings: GatewaySettings, api_key: str | None, bearer: str | None, address: str) -> str | None:
-    """Who may act as the owner of the sessions it created: with API_KEYS, the valid key sent as
-    X-API-Key or as the bearer token (None without one); without, the client's `address`."""
+    """Who the sessions a caller creates belong to (their `owner`), and whose limits it counts
+    against: with API_KEYS, the valid key sent as X-API-Key or as the bearer token (None without
+    one); without, the client's `address`. An address proves nothing by itself: see
+    `proven_owner` for who may act as an owner."""
     if not settings.api_key_list:
         return caller_of(settings, None, address)
     key = next((key for key in (api_key, bearer) if valid_api_key(settings, key)), None)
     return None if key is None else caller_of(settings, key, address)
 
 
+def proven_owner(settings: GatewaySettings, api_key: str | None, bearer: str | None, address: str) -> str | None:
+    """The owner a caller may act as, ending the sessions it created without their tokens: with
+    API_KEYS, its valid key (X-API-Key, or as the bearer token); without, its address only where
+    ADDRESS_OWNS_SESSIONS says that an address is one person, and only when it presents no bearer
+    token (a token names its own session: another session's is refused, whoever sends it)."""
+    if settings.api_key_list:
+        return session_owner(settings, api_key, bearer, address)
+    if settings.address_owns_sessions and bearer is None:
+        return caller_of(settings, None, address)
+    return None
+
+
 def _address(connection: HTTPConnection) -> str:
     return connection.client.host if connection.client else "unknown"
+
+
+def owner_hint(settings: GatewaySettings) -> str:
+    """How else a caller may act on a session than with its token, as the end of a sentence."""
+    if settings.api_key_list:
+        return ", or call as its owner: with the API key that created it"
+    return ", or call from the address that created it" if settings.address_owns_sessions else ""
 
 
 async def owned_session(
@@ -203,14 +225,38 @@ async def owned_session(
     api_key: Annotated[str | None, Depends(_api_key)],
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> SessionRecord:
-    """The session named in the path, when the caller holds its token or is its owner (the API
-    key that created it; without API_KEYS, the address it was created from): 404, 401 or 403
-    otherwise. A caller that is not the owner learns no more than without this: that the id exists."""
+    """The session named in the path, when the caller holds its token or acts as its owner
+    (`proven_owner`: the API key that created it; without API_KEYS, only with
+    ADDRESS_OWNS_SESSIONS, the address it was created from): 404, 401 or 403 otherwise. A caller
+    that is not the owner learns no more than without this: that the id exists."""
     bearer = credentials.credentials if credentials else None
-    owner = session_owner(settings, api_key, bearer, _address(connection))
-    keyed = bool(settings.api_key_list)
-    hint = ", or call as its owner: with the API key that created it" if keyed else ", or call from the address that created it"
-    return await _session(session_id, store, bearer, owner, keyed and api_key is not None, hint)
+    owner = proven_owner(settings, api_key, bearer, _address(connection))
+    presented = bool(settings.api_key_list) and api_key is not None
+    return await _session(session_id, store, bearer, owner, presented, owner_hint(settings))
 
 
 OwnedSession = Annotated[SessionRecord, Depends(owned_session)]
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Whose sessions a caller sees (`GET /sessions`, and their ids in `GET /models`): of those
+    `owner` created, every one when `every` (it proved itself their owner: an API key, or with
+    ADDRESS_OWNS_SESSIONS an address), else only the one whose token is `token`, if any."""
+
+    owner: str
+    every: bool
+    token: str | None = None
+
+
+async def session_viewer(
+    caller: Caller, settings: Settings, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Viewer:
+    """With API_KEYS the key (one is needed); without, the address, which sees every session it
+    created only with ADDRESS_OWNS_SESSIONS, else the one whose token it presents."""
+    if settings.api_key_list or settings.address_owns_sessions:
+        return Viewer(caller, every=True)
+    return Viewer(caller, every=False, token=credentials.credentials if credentials else None)
+
+
+SessionViewer = Annotated[Viewer, Depends(session_viewer)]

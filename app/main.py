@@ -1,6 +1,7 @@
 """The gateway application: `create_app(settings)` wires Redis, the routes and the dashboard."""
 
 import logging
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
@@ -11,6 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from app import asks, completions, errors, ops, routes, samples, streams
 from app.chat_media import MediaSlots
 from app.deps import rate_limit
+from app.hosts import HostCheck, allowed_names
 from app.limits import BodyLimit, RateLimiter
 from app.metrics import GatewayMetrics, RequestCounter
 from app.sessions import SessionStore
@@ -51,6 +53,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.rate_limiter = RateLimiter(redis, keys.rate, settings.rate_limit_per_s, settings.rate_limit_burst)
         app.state.stream_sockets = 0  # open `WS /sessions/{id}/stream` sockets, at most max_stream_sockets
         app.state.chat_media_slots = MediaSlots(settings.max_chat_media_requests)
+        app.state.started_at = int(time.time())  # unix seconds: `created` of the models /v1/models lists
         try:
             yield
         finally:
@@ -80,6 +83,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             max_age=600,
         )
     app.add_middleware(RequestCounter, metrics=metrics)
+    # the outermost: a request to another name is refused before anything answers it
+    app.add_middleware(HostCheck, allowed=allowed_names(settings.allowed_host_list, settings.host))
     if settings.frontend_dir.is_dir():
         app.mount("/", StaticFiles(directory=settings.frontend_dir, html=True), name="dashboard")
     else:

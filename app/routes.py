@@ -8,13 +8,13 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
 
 from app import sse
-from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, OwnedSession, RedisDep, Settings, Store
+from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, OwnedSession, RedisDep, SessionViewer, Settings, Store
 from app.errors import CLOSE, ApiError, ErrorBody
 from app.sessions import NoPlace, Room, TooManySessions, UploadRefused
 from app.settings import GatewaySettings
 from app.tail import tail
 from app.uploads import file_chunks
-from streamvqa.protocol import EventEnvelope, MemoryReport, SessionOptions, SessionRecord, SessionState
+from streamvqa.protocol import EventEnvelope, MemoryReport, SessionOptions, SessionRecord
 
 router = APIRouter(tags=["sessions"])
 
@@ -28,8 +28,14 @@ class CreatedSession(BaseModel):
 
 
 class SessionList(BaseModel):
-    sessions: list[SessionRecord] = Field(description="The caller's sessions, failed ones among them, newest first.")
-    counted: int = Field(description="Those that count toward `max_sessions`: all but the failed ones.")
+    sessions: list[SessionRecord] = Field(
+        description="The caller's sessions, failed ones among them, newest first: those of its API key; without API "
+        "keys, the one whose token it sends (every one of its address where ADDRESS_OWNS_SESSIONS is set)."
+    )
+    counted: int = Field(
+        description="Of all the caller's sessions (its API key's, else its address's), listed or not, those that count "
+        "toward `max_sessions`: all but the failed ones."
+    )
     max_sessions: int = Field(description="The most sessions that count one caller may hold (MAX_SESSIONS_PER_KEY).")
 
 
@@ -55,12 +61,16 @@ class WorkerMemory(BaseModel):
     pool_free_pages: int = Field(0, description="Of those, the pages no session leases.")
     pool_page_tokens: int = Field(0, description="Cache tokens a page holds (keys, values and rotated keys, in every layer).")
     pool_bytes: int = Field(0, description="Bytes of the whole pool.")
-    pool_session_pages: dict[str, int] = Field({}, description="Pages each session it holds leases, by session id.")
+    pool_session_pages: dict[str, int] = Field(
+        {}, description="Pages each of the caller's sessions (those `GET /sessions` lists) leases here, by session id."
+    )
     host_pool_pages: int = Field(0, description="Pages of its host pool, allocated once at start: every host tier (recall) is a run of them.")
     host_pool_free_pages: int = Field(0, description="Of those, the pages no session leases.")
     host_pool_page_tokens: int = Field(0, description="Stream places a host page holds (keys, values, kinds and times, in every layer).")
     host_pool_bytes: int = Field(0, description="Bytes of the whole host pool, in host memory (pinned on CUDA).")
-    host_pool_session_pages: dict[str, int] = Field({}, description="Host pages each session with recall leases, by session id.")
+    host_pool_session_pages: dict[str, int] = Field(
+        {}, description="Host pages each of the caller's sessions with recall leases here, by session id."
+    )
 
 
 class ServedModel(BaseModel):
@@ -128,12 +138,13 @@ async def create_session(
 
 def too_many_sessions(settings: GatewaySettings) -> ApiError:
     """The 429 of a caller at MAX_SESSIONS_PER_KEY, saying how it ends one of its sessions."""
-    owner = "with the same X-API-Key" if settings.api_key_list else "from the same address"
-    return ApiError(
-        429, "too_many_sessions",
-        f"this caller holds {settings.max_sessions_per_key} sessions (MAX_SESSIONS_PER_KEY), failed ones left out; "
-        f"end one first: GET /sessions lists them and DELETE /sessions/{{id}} ends one, {owner} or with its token",
-    )
+    held = f"this caller holds {settings.max_sessions_per_key} sessions (MAX_SESSIONS_PER_KEY), failed ones left out"
+    if settings.api_key_list or settings.address_owns_sessions:
+        owner = "with the same X-API-Key" if settings.api_key_list else "from the same address"
+        how = f"GET /sessions lists them and DELETE /sessions/{{id}} ends one, {owner} or with its token"
+    else:
+        how = f"DELETE /sessions/{{id}} with its token ends one (sessions idle for {settings.session_ttl_s} s end by themselves)"
+    return ApiError(429, "too_many_sessions", f"{held}; end one first: {how}")
 
 
 def _no_place(short: str, model: str, room: Room, no_room: str) -> str:
@@ -148,10 +159,12 @@ def _no_place(short: str, model: str, room: Room, no_room: str) -> str:
 
 
 @router.get("/models")
-async def list_models(store: Store, settings: Settings) -> ModelList:
+async def list_models(store: Store, settings: Settings, viewer: SessionViewer) -> ModelList:
     """The models sessions can be created with now (each served by at least one live worker), and
-    what memory each worker offers."""
+    what memory each worker offers. With API_KEYS it needs one (X-API-Key). The pages leased by
+    session name only the caller's sessions, as `GET /sessions` lists them."""
     workers = await store.live_workers(None)
+    own = {session.id for session in (await store.owned(viewer.owner, viewer.every, viewer.token))[0]}
     served = {}
     for worker in sorted(workers, key=lambda w: w.id):
         entry = served.setdefault(worker.model, ServedModel(name=worker.model, workers=0, sessions=0, max_sessions=0))
@@ -165,21 +178,25 @@ async def list_models(store: Store, settings: Settings) -> ModelList:
             host_free_bytes=worker.host_free_bytes, ram_free_bytes=worker.ram_free_bytes,
             default_sessions=worker.default_sessions, warning=worker.memory_warning,
             pool_pages=worker.pool_pages, pool_free_pages=worker.pool_free_pages, pool_page_tokens=worker.pool_page_tokens,
-            pool_bytes=worker.pool_bytes, pool_session_pages=worker.pool_session_pages,
+            pool_bytes=worker.pool_bytes, pool_session_pages=_only(worker.pool_session_pages, own),
             host_pool_pages=worker.host_pool_pages, host_pool_free_pages=worker.host_pool_free_pages,
             host_pool_page_tokens=worker.host_pool_page_tokens, host_pool_bytes=worker.host_pool_bytes,
-            host_pool_session_pages=worker.host_pool_session_pages,
+            host_pool_session_pages=_only(worker.host_pool_session_pages, own),
         ))
     return ModelList(default=settings.model, models=sorted(served.values(), key=lambda m: m.name))
 
 
+def _only(pages: dict[str, int], own: set[str]) -> dict[str, int]:
+    return {session_id: count for session_id, count in pages.items() if session_id in own}
+
+
 @router.get("/sessions")
-async def list_sessions(store: Store, settings: Settings, caller: Caller) -> SessionList:
-    """The caller's sessions: those created with the same API key (without API keys, from the
-    same client address), failed ones among them. Tokens are not included; the caller ends any
-    of them with `DELETE /sessions/{id}` without one."""
-    sessions = await store.owned(caller)
-    counted = sum(session.state != SessionState.ERROR for session in sessions)
+async def list_sessions(store: Store, settings: Settings, viewer: SessionViewer) -> SessionList:
+    """The caller's sessions, failed ones among them: those created with the same API key, which
+    ends any of them with `DELETE /sessions/{id}` without its token. Without API keys, of those
+    created from the same client address, the one whose token is sent as the bearer token (every
+    one, without a token, where ADDRESS_OWNS_SESSIONS is set). Tokens are not included."""
+    sessions, counted = await store.owned(viewer.owner, viewer.every, viewer.token)
     return SessionList(sessions=sessions, counted=counted, max_sessions=settings.max_sessions_per_key)
 
 
@@ -192,8 +209,8 @@ async def get_session(session: AuthorizedSession) -> SessionRecord:
 async def delete_session(session: OwnedSession, store: Store) -> None:
     """End the session: forget it and its answers; its worker stops what it does for it at its
     next step and frees its memory. With the session's token, or as its owner: the API key that
-    created it (X-API-Key, or as the bearer token), or without API_KEYS the address it was
-    created from."""
+    created it (X-API-Key, or as the bearer token), or without API_KEYS, where
+    ADDRESS_OWNS_SESSIONS is set, the address it was created from (with no bearer token)."""
     await store.delete(session)
 
 

@@ -223,19 +223,24 @@ class SessionStore:
         if unadmitted:
             await self._drop_unchanged(keys=[self.keys.places(model)], args=unadmitted)
 
-    async def owned(self, owner: str) -> list[SessionRecord]:
-        """The owner's sessions, failed ones among them, newest first."""
+    async def owned(self, owner: str, every: bool = True, token: str | None = None) -> tuple[list[SessionRecord], int]:
+        """The owner's sessions, failed ones among them, newest first: every one, or (not `every`)
+        only the one whose token is `token`; and how many of all of them have not failed."""
         ids = [member.decode() for member in await self.redis.smembers(self.keys.owner(owner))]
         async with self.redis.pipeline(transaction=False) as pipe:
             for session_id in ids:
                 pipe.hgetall(self.keys.session(session_id))
             stored = await pipe.execute()
-        records = []
+        digest = _digest(token) if token is not None else None
+        records, counted = [], 0
         for fields in stored:
             if fields:
-                fields.pop(b"token_sha256", None)
-                records.append(SessionRecord.from_hash(fields))
-        return sorted(records, key=lambda r: r.created_at, reverse=True)
+                expected = fields.pop(b"token_sha256", b"").decode()
+                record = SessionRecord.from_hash(fields)
+                counted += record.state != SessionState.ERROR
+                if every or (digest is not None and hmac.compare_digest(digest, expected)):
+                    records.append(record)
+        return sorted(records, key=lambda r: r.created_at, reverse=True), counted
 
     async def authenticate(
         self, session_id: str, token: str | None, owner: str | None = None

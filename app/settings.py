@@ -51,6 +51,18 @@ class GatewaySettings(CommonSettings):
     api_keys: str = Field(
         "", description="Comma-separated API keys; when set, creating and listing sessions needs one (`X-API-Key`)."
     )
+    address_owns_sessions: bool = Field(
+        False, description="Without API_KEYS, let a client's address list the sessions created from it (their records, "
+        "system prompts among them) and end them without their tokens: only where one address is one person (never "
+        "behind a reverse proxy or NAT that users share). False: an address lists and ends only the sessions whose "
+        "tokens it presents.",
+    )
+    allowed_hosts: str = Field(
+        "", description="Comma-separated names the gateway answers to, as the Host header gives them (without the port): "
+        "`*.example.com` for its subdomains, `*` for any. Empty: localhost, 127.0.0.1 and [::1], and HOST when it names "
+        "one address. Any other Host is refused (400; a socket is refused), so that a page whose name was rebound to "
+        "this machine's address cannot call it. /healthz and /readyz answer any Host.",
+    )
     max_sessions_per_key: int = Field(
         8, ge=1, description="Live sessions one API key (or, without keys, one client address) may hold."
     )
@@ -109,3 +121,7 @@ class GatewaySettings(CommonSettings):
     @property
     def cors_origin_list(self) -> tuple[str, ...]:
         return _items(self.cors_origins)
+
+    @property
+    def allowed_host_list(self) -> tuple[str, ...]:
+        return _items(self.allowed_hosts)

@@ -269,6 +269,12 @@ async def _worker_memory(http: httpx.AsyncClient, base: str) -> dict:
     return memory
 
 
+def _leased(memory: dict) -> bool:
+    """Whether a session leases pages of the worker's pools (GET /models names only the caller's
+    sessions, and a deleted one's token names none: the pages free tell)."""
+    return memory["pool_free_pages"] < memory["pool_pages"] or memory.get("host_pool_free_pages", 0) < memory.get("host_pool_pages", 0)
+
+
 async def _turns(base: str, worker_pid: int, args: argparse.Namespace) -> dict:
     """Prints each session's line as it ends; returns the summary."""
     after = []
@@ -283,7 +289,7 @@ async def _turns(base: str, worker_pid: int, args: argparse.Namespace) -> dict:
             memory = (await http.get(f"{base}/sessions/{sid}/memory", headers=auth)).json()
             await http.delete(f"{base}/sessions/{sid}", headers=auth)
             deadline = time.monotonic() + 60
-            while sid in (pools := await _worker_memory(http, base))["pool_session_pages"] or sid in pools.get("host_pool_session_pages", {}):
+            while _leased(pools := await _worker_memory(http, base)):  # the session was the worker's only one
                 if time.monotonic() > deadline:
                     raise SystemExit(f"the worker still holds session {sid} 60 s after it was deleted")
                 await asyncio.sleep(0.1)

@@ -66,15 +66,18 @@ export async function createSession(options) {
   return { session: new Session(created.id, created.token), record: created.session };
 }
 
-/** `GET /sessions`: the sessions this caller created (from this address, or with an API key),
- *  newest first, failed ones among them: {sessions, counted, max_sessions}. */
-export async function ownSessions() {
-  return (await call("/sessions")).json();
+/** `GET /sessions`: this caller's sessions, newest first, failed ones among them:
+ *  {sessions, counted, max_sessions}. With `token`, the one of this address that it opens; without,
+ *  every one of this address where the gateway lets an address own its sessions
+ *  (ADDRESS_OWNS_SESSIONS), else none. `counted` is the address's, listed or not. */
+export async function ownSessions(token) {
+  return (await call("/sessions", { token })).json();
 }
 
-/** `DELETE /sessions/{id}` as the session's owner, without its token: ends it. */
-export async function endOwnSession(id) {
-  await call(`/sessions/${encodeURIComponent(id)}`, { method: "DELETE" });
+/** `DELETE /sessions/{id}`: ends it, with its token (or, without, as its owner where the gateway
+ *  lets an address own its sessions). */
+export async function endOwnSession(id, token) {
+  await call(`/sessions/${encodeURIComponent(id)}`, { method: "DELETE", token });
 }
 
 /** One session's calls, with its token. */

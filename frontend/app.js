@@ -320,6 +320,7 @@ function attach(session, record, restored = false) {
   state.session = session;
   state.links = { events: "connecting", poll: "ok" };
   sessionStorage.setItem(STORAGE_KEY, JSON.stringify({ id: session.id, token: session.token }));
+  owned.remember(session);
   owned.setCurrent(session.id);
   if (!restored) owned.refresh();
   ui.createForm.hidden = true;

@@ -91,10 +91,18 @@ def stream(client: Client, args: argparse.Namespace) -> int:
 
 
 def sessions(client: Client, _: argparse.Namespace) -> int:
-    for record in client.sessions():
+    listing = client.request("GET", "/sessions").json()
+    for record in listing["sessions"]:
         print(
             f"{record['id']}  {record['state']:<9}  {record['model']}  {record['policy']}  "
             f"frames={record['frames_ingested']}  t={record['video_time_s']:.1f}s"
+        )
+    unlisted = listing["counted"] - sum(record["state"] != "error" for record in listing["sessions"])
+    if unlisted > 0:
+        print(
+            f"not listed: {unlisted} more session{'s' * (unlisted != 1)} of this address, counted toward its limit of "
+            f"{listing['max_sessions']}; without API keys the gateway lists an address's sessions only where "
+            "ADDRESS_OWNS_SESSIONS is set (end one with its token: delete ID --token T)", file=sys.stderr,
         )
     return 0
 
@@ -268,7 +276,8 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--every", type=_duration_s, metavar="DURATION", help="e.g. 10s (without it: only at the end)")
     command.add_argument("--speed", type=float, default=1.0, help="times faster than real time (default %(default)s)")
 
-    _command(commands, "sessions", sessions, "list your sessions (of your API key, or of your address without keys)")
+    _command(commands, "sessions", sessions, "list your sessions (of your API key; without keys, of your address where "
+             "the gateway sets ADDRESS_OWNS_SESSIONS)")
     for name, run, summary in (
         ("info", info, "show a session"),
         ("memory", memory, "show a session's cache: policy, tokens held, evictions, spans of video"),
@@ -277,7 +286,8 @@ def _parser() -> argparse.ArgumentParser:
         command = _command(commands, name, run, summary)
         command.add_argument("id", metavar="ID")
         if run is delete:
-            command.add_argument("--token", help="the session's token (not needed for one of your sessions)")
+            command.add_argument("--token", help="the session's token (not needed for one of your sessions: with your "
+                                 "API key, or without keys where the gateway sets ADDRESS_OWNS_SESSIONS)")
         else:
             command.add_argument("--token", required=True, help="the session's token")
     return parser

@@ -5,7 +5,11 @@ import logging
 import signal
 import time
 
+import av.logging
+import decord.logging
+import huggingface_hub.utils
 import torch
+import transformers.utils.logging
 
 from engine import Model, load_model
 from streamvqa.redis_client import close, connect
@@ -39,6 +43,21 @@ def load(settings: WorkerSettings) -> Model:
     return model
 
 
+def quiet_libraries(log_level: str) -> None:
+    """What the libraries print on their own, beside the worker's log, says nothing a user acts on:
+    transformers' bar of the weights it loads (instant, on every start) and FFmpeg's line for every
+    broken block of a damaged video (the session's error or warning says what is wrong), from both
+    copies of FFmpeg: PyAV's and decord's. A model's download keeps its progress bars
+    (huggingface_hub's), and LOG_LEVEL=DEBUG shows FFmpeg's errors."""
+    downloads_shown = not huggingface_hub.utils.are_progress_bars_disabled()
+    transformers.utils.logging.disable_progress_bar()  # which turns huggingface_hub's off too
+    if downloads_shown:
+        huggingface_hub.utils.enable_progress_bars()
+    debug = log_level.upper() == "DEBUG"
+    av.logging.set_libav_level(av.logging.ERROR if debug else av.logging.FATAL)
+    decord.logging.set_level(decord.logging.ERROR if debug else decord.logging.FATAL)
+
+
 async def serve(settings: WorkerSettings) -> None:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
@@ -61,6 +80,7 @@ def main() -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_libraries(settings.log_level)
     asyncio.run(serve(settings))
 
 

@@ -49,12 +49,15 @@ class Client:
         return Session(self, session_id, token)
 
     def sessions(self) -> list[dict]:
-        """Your sessions' records, failed ones among them, newest first (`GET /sessions`)."""
+        """Your sessions' records, failed ones among them, newest first (`GET /sessions`): those of
+        your API key; without keys, those of your address where the gateway sets
+        ADDRESS_OWNS_SESSIONS, else none (a token opens its own session only: `Session.info()`)."""
         return self.request("GET", "/sessions").json()["sessions"]
 
     def end_session(self, session_id: str) -> None:
         """End one of your sessions without its token (`DELETE /sessions/{id}` as its owner: your
-        API key, or your address without keys); ending a gone session is no error."""
+        API key; without keys, your address where the gateway sets ADDRESS_OWNS_SESSIONS, else
+        `401 unauthorized`: end it with its token, `Session.delete()`); a gone one is no error."""
         try:
             self.request("DELETE", f"/sessions/{session_id}", 204)
         except StreamvqaError as err:

@@ -62,7 +62,7 @@ def test_tokens_queue_time_and_answers_move_as_users_asked(stack, client):
     assert value(samples, "streamvqa_worker_step_batch_sessions_bucket", 'le="1.0"') == steps
     assert value(samples, "streamvqa_worker_step_batch_sessions_sum") == value(samples, "streamvqa_worker_step_sessions_total")
     # the KV pool, allocated once at start: the session's cache leases pages of it, as GET /models says
-    [memory] = httpx.get(f"{stack.url}/models").json()["models"][0]["memory"]
+    [memory] = httpx.get(f"{stack.url}/models", headers=client.auth).json()["models"][0]["memory"]  # its own pages
     pages, free = value(samples, "streamvqa_worker_kv_pool_pages"), value(samples, "streamvqa_worker_kv_pool_free_pages")
     assert pages == memory["pool_pages"] > 0
     assert list(memory["pool_session_pages"]) == [client.id]

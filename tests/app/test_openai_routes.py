@@ -2,6 +2,8 @@
 `GET /v1/models/{id}`, and a route or method /v1 does not serve is a 404 or 405 in OpenAI's
 shape with a client error type; the rest of the API keeps its own shape."""
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -28,6 +30,8 @@ def test_an_unknown_model_is_404_model_not_found(chat):
 def test_a_model_is_retrieved_by_its_id(chat):
     model = chat.models.retrieve(MODEL)
     assert (model.id, model.object, model.owned_by) == (MODEL, "model", "streamvqa")
+    assert 0 <= time.time() - model.created < 600  # the gateway's start (the test's stack began a moment ago), not 0
+    assert [listed.created for listed in chat.models.list().data] == [model.created]
     with pytest.raises(openai.NotFoundError) as unknown:
         chat.models.retrieve("Qwen/Qwen2.5-VL-7B-Instruct")  # an id with a slash is one id
     assert unknown.value.body == {

@@ -1,30 +1,46 @@
-"""A caller owns the sessions it creates (its API key, else its address): it lists them and ends
-any of them without their tokens, failed and ended ones stop counting toward its limit at once,
-and no other caller sees or ends them."""
+"""Who may list and end a session besides its token. A bearer token names its own session and
+nothing else. Without API keys (by default) an address proves nothing: it lists and ends only the
+sessions whose tokens it sends. With API keys, a key owns the sessions it creates: it lists them
+and ends any of them without their tokens; with ADDRESS_OWNS_SESSIONS an address does (one
+person's machine). Failed and ended sessions stop counting toward the owner's limit at once, and
+no other caller sees or ends them."""
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 import redis
 
-from streamvqa.client import AsyncClient
+from streamvqa.client import AsyncClient, StreamvqaError
 from streamvqa.client import Client as PythonClient
 from tests.support import Client, Stack, running_stack
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-0123456789"
 NOT_A_VIDEO = b"not a video at all" * 100
+UNAUTHORIZED = {"code": "unauthorized", "message": "send the session token as 'Authorization: Bearer <token>'"}
+FORBIDDEN = {"code": "forbidden", "message": "the token is not this session's token"}
+
+
+@pytest.fixture(scope="module")
+def by_token(redis_url, tmp_path_factory) -> Iterator[Stack]:
+    """No API keys, the default: a session is its token's; two sessions each address."""
+    with running_stack(redis_url, tmp_path_factory.mktemp("by-token"), MAX_SESSIONS_PER_KEY="2", MAX_SESSIONS="64") as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
 def by_address(redis_url, tmp_path_factory) -> Iterator[Stack]:
-    """No API keys: a client's address owns its sessions; two sessions each."""
-    with running_stack(redis_url, tmp_path_factory.mktemp("by-address"), MAX_SESSIONS_PER_KEY="2", MAX_SESSIONS="64") as stack:
+    """No API keys, and ADDRESS_OWNS_SESSIONS: a client's address owns its sessions; two sessions each."""
+    with running_stack(
+        redis_url, tmp_path_factory.mktemp("by-address"), ADDRESS_OWNS_SESSIONS="true", MAX_SESSIONS_PER_KEY="2",
+        MAX_SESSIONS="64",
+    ) as stack:
         yield stack
 
 
@@ -34,6 +50,23 @@ def by_key(redis_url, tmp_path_factory) -> Iterator[Stack]:
         redis_url, tmp_path_factory.mktemp("by-key"), API_KEYS=f"{KEY_A},{KEY_B}", MAX_SESSIONS_PER_KEY="2", MAX_SESSIONS="64",
     ) as stack:
         yield stack
+
+
+@pytest.fixture
+def made(by_token) -> Iterator[Callable[..., Client]]:
+    """made(**options): a new session of `by_token`, from 127.0.0.1, ended after the test."""
+    users = []
+
+    def make(**options: object) -> Client:
+        user = Client(by_token.url)
+        assert user.create(**options).status_code == 201
+        users.append(user)
+        return user
+
+    yield make
+    for user in users:
+        user.delete()
+        user.http.close()
 
 
 def _end_all(http: httpx.Client) -> None:
@@ -211,3 +244,95 @@ def test_the_client_and_the_command_end_the_owner_s_sessions_without_tokens(by_k
     )
     assert (run.returncode, run.stderr) == (0, "")
     assert user.get().status_code == 404
+
+
+# -- without API keys, by default: the token is the only key ----------------------------------------
+
+
+def test_without_api_keys_another_session_s_token_or_none_does_not_end_a_session(by_token, made):
+    a, b = made(), made()  # from one address, as every user behind a reverse proxy is
+    wrong = b.http.delete(f"/sessions/{a.id}", headers=b.auth)
+    assert (wrong.status_code, wrong.json()) == (403, FORBIDDEN)
+    bare = httpx.delete(f"{by_token.url}/sessions/{a.id}", timeout=60)
+    assert (bare.status_code, bare.json()) == (401, UNAUTHORIZED)
+    assert a.get().json()["state"] in ("pending", "ready")  # untouched
+    assert httpx.delete(f"{by_token.url}/sessions/{a.id}", headers=a.auth, timeout=60).status_code == 204
+    assert (a.get().status_code, b.get().status_code) == (404, 200)
+
+
+def test_without_api_keys_an_address_lists_only_the_session_whose_token_it_sends(by_token, made):
+    a, b = made(system_prompt="Only A may read this opening."), made()
+    bare = httpx.get(f"{by_token.url}/sessions", timeout=60).json()
+    assert bare == {"sessions": [], "counted": 2, "max_sessions": 2}  # its count, and nothing of the sessions
+    listed = httpx.get(f"{by_token.url}/sessions", headers=b.auth, timeout=60).json()
+    assert ([s["id"] for s in listed["sessions"]], listed["counted"]) == ([b.id], 2)
+    guessed = httpx.get(f"{by_token.url}/sessions", headers={"Authorization": "Bearer " + "0" * 64}, timeout=60).json()
+    assert guessed["sessions"] == []
+    assert "Only A may read" not in json.dumps([bare, listed, guessed])
+    assert httpx.get(f"{by_token.url}/sessions", headers=a.auth, timeout=60).json()["sessions"][0]["system_prompt"] == (
+        "Only A may read this opening."
+    )
+    refused = Client(by_token.url).create()
+    assert (refused.status_code, refused.json()) == (429, {
+        "code": "too_many_sessions",
+        "message": "this caller holds 2 sessions (MAX_SESSIONS_PER_KEY), failed ones left out; end one first: "
+        "DELETE /sessions/{id} with its token ends one (sessions idle for 21600 s end by themselves)",
+    })
+
+
+def _pool(url: str, headers: dict[str, str], ready: Callable[[dict], bool]) -> dict:
+    """The worker's memory in GET /models as `headers` see it, once `ready(memory)` (at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        [memory] = httpx.get(f"{url}/models", headers=headers, timeout=60).json()["models"][0]["memory"]
+        if ready(memory) or time.monotonic() > deadline:
+            return memory
+        time.sleep(0.2)
+
+
+def test_models_names_no_session_but_the_one_whose_token_is_sent(by_token, made):
+    a, b = made(), made()
+    for user in (a, b):
+        user.wait_for_state("ready")
+        memory = _pool(by_token.url, user.auth, lambda memory: user.id in memory["pool_session_pages"])
+        assert list(memory["pool_session_pages"]) == [user.id] and list(memory["host_pool_session_pages"]) == [user.id]
+    memory = _pool(by_token.url, {}, lambda memory: True)
+    assert (memory["pool_session_pages"], memory["host_pool_session_pages"]) == ({}, {})
+    assert memory["pool_free_pages"] < memory["pool_pages"]  # the pages are leased all the same
+
+
+def test_without_api_keys_the_client_and_the_command_end_a_session_with_its_token_only(by_token, made):
+    user = made()
+    env = {name: value for name, value in os.environ.items() if not name.startswith("STREAMVQA_")}
+
+    def streamvqa(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "streamvqa.cli", "--url", by_token.url, *args]
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+    listed = streamvqa("sessions")
+    assert (listed.returncode, listed.stdout) == (0, "")
+    assert listed.stderr == (
+        "not listed: 1 more session of this address, counted toward its limit of 2; without API keys the gateway lists "
+        "an address's sessions only where ADDRESS_OWNS_SESSIONS is set (end one with its token: delete ID --token T)\n"
+    )
+    with PythonClient(by_token.url) as client, pytest.raises(StreamvqaError) as refused:
+        client.end_session(user.id)
+    assert (refused.value.status, refused.value.code) == (401, "unauthorized")
+    bare = streamvqa("delete", user.id)
+    assert (bare.returncode, "(unauthorized)" in bare.stderr) == (1, True), bare.stderr
+    assert user.get().status_code == 200
+    ended = streamvqa("delete", user.id, "--token", user.token)
+    assert (ended.returncode, ended.stderr) == (0, "")
+    assert user.get().status_code == 404
+
+
+# -- with ADDRESS_OWNS_SESSIONS -------------------------------------------------------------------
+
+
+def test_a_token_names_its_own_session_even_where_the_address_owns_them(by_address, owner):
+    a, b = Client(by_address.url), Client(by_address.url)
+    assert a.create().status_code == 201 and b.create().status_code == 201
+    wrong = owner.delete(f"/sessions/{a.id}", headers=b.auth)  # the owning address, with another session's token
+    assert (wrong.status_code, wrong.json()) == (403, FORBIDDEN)
+    assert a.get().status_code == 200
+    assert owner.delete(f"/sessions/{a.id}").status_code == 204  # no token: as the owner

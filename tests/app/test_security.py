@@ -1,6 +1,9 @@
-"""API keys, limits, CORS and session isolation, against a gateway configured to enforce them."""
+"""API keys, limits, CORS, the Host check and session isolation, against a gateway configured to
+enforce them."""
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -8,6 +11,8 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
+from app.hosts import allowed_names, host_allowed
+from app.settings import GatewaySettings
 from tests.support import Client, Stack, StreamSocket, running_stack, sample_video
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-0123456789"
@@ -220,3 +225,109 @@ def test_an_api_key_sent_as_the_bearer_counts_against_the_key_not_the_address(re
         assert models() == 200  # the address, without a key, has its own too
         assert models(authorization="Bearer not-a-key") == 200  # not a key: the address's
         assert models() == 429
+
+
+def test_with_api_keys_models_needs_a_key_and_names_only_the_key_s_sessions(guarded, users):
+    a, b = users
+    missing = httpx.get(f"{guarded.url}/models")
+    assert (missing.status_code, missing.json()["code"]) == (401, "api_key_required")
+    wrong = httpx.get(f"{guarded.url}/models", headers={"X-API-Key": "key-c-guessed"})
+    assert (wrong.status_code, wrong.json()["code"]) == (403, "api_key_invalid")
+    for user in users:
+        user.wait_for_state("ready")
+
+    def pool(key: str, session_id: str) -> dict:  # once the worker says that the session leases its pages
+        deadline = time.monotonic() + 30
+        while True:
+            [memory] = httpx.get(f"{guarded.url}/models", headers={"X-API-Key": key}).json()["models"][0]["memory"]
+            if session_id in memory["pool_session_pages"] or time.monotonic() > deadline:
+                return memory
+            time.sleep(0.2)
+
+    for key, user in ((KEY_A, a), (KEY_B, b)):
+        memory = pool(key, user.id)
+        assert list(memory["pool_session_pages"]) == [user.id] and list(memory["host_pool_session_pages"]) == [user.id]
+
+
+# -- the Host check: a page that rebinds its own name to this machine is refused ---------------------
+
+
+def _handshake(port: int, host: str, path: str, headers: str = "") -> tuple[str, str]:
+    """A WebSocket opening handshake to the gateway with this Host: the reply's status line and body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        raw.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{headers}\r\n".encode()
+        )
+        reply = b""
+        while chunk := raw.recv(65536):
+            reply += chunk
+            if b"\r\n\r\n" in reply and (reply.startswith(b"HTTP/1.1 101") or reply.endswith(b"}")):
+                break
+    head, _, body = reply.decode(errors="replace").partition("\r\n\r\n")
+    return head.split("\r\n")[0], body
+
+
+def test_a_page_of_another_name_rebound_to_this_machine_can_neither_list_use_nor_end_sessions(stack, client):
+    assert client.create().status_code == 201
+    rebound = f"rebound.example:{stack.port}"  # its own origin, as the browser sees it: CORS does not apply
+    page = {"Host": rebound, "Origin": f"http://{rebound}"}
+    refusal = {"code": "invalid_host", "message": f"the Host '{rebound}' is not a name of this gateway (ALLOWED_HOSTS)"}
+    session = f"{stack.url}/sessions/{client.id}"
+    for reply in (
+        httpx.get(f"{stack.url}/sessions", headers={**page, **client.auth}),
+        httpx.post(f"{stack.url}/sessions", headers=page, json={}),
+        httpx.get(session, headers={**page, **client.auth}),
+        httpx.post(f"{session}/ask", headers={**page, **client.auth}, json={"question": "What?"}),
+        httpx.delete(session, headers={**page, **client.auth}),
+        httpx.get(f"{stack.url}/", headers=page),
+    ):
+        assert (reply.status_code, reply.json()) == (400, refusal)
+    status, body = _handshake(stack.port, rebound, f"/sessions/{client.id}/stream?token={client.token}", f"Origin: http://{rebound}\r\n")
+    assert (status, json.loads(body)) == ("HTTP/1.1 400 Bad Request", refusal)
+    assert client.get().json()["state"] in ("pending", "ready")  # untouched
+    openai = httpx.get(f"{stack.url}/v1/models", headers=page)
+    assert (openai.status_code, openai.json()["error"]["code"]) == (400, "invalid_host")  # in OpenAI's shape there
+    assert httpx.get(f"{stack.url}/healthz", headers=page).status_code == 200  # probes call by any name
+
+
+def test_the_loopback_names_are_answered_by_default(stack, client):
+    assert client.create().status_code == 201
+    for host in (f"localhost:{stack.port}", f"127.0.0.1:{stack.port}", f"[::1]:{stack.port}", "LocalHost", "127.0.0.1"):
+        assert httpx.get(f"{stack.url}/sessions/{client.id}", headers={"Host": host, **client.auth}).status_code == 200, host
+    status, _ = _handshake(stack.port, f"localhost:{stack.port}", f"/sessions/{client.id}/stream?token={client.token}")
+    assert status == "HTTP/1.1 101 Switching Protocols"
+    for host in (f"localhost.evil.example:{stack.port}", "127.0.0.1.nip.io", "[::1", "localhost:port"):
+        assert httpx.get(f"{stack.url}/sessions/{client.id}", headers={"Host": host, **client.auth}).status_code == 400, host
+
+
+def test_allowed_hosts_names_the_gateway_s_names_and_nothing_else(redis_url, tmp_path):
+    with running_stack(redis_url, tmp_path, ALLOWED_HOSTS="streamvqa.example, *.lan.example") as stack:
+        def status(host: str) -> int:
+            return httpx.get(f"{stack.url}/models", headers={"Host": host}).status_code
+
+        assert [status(host) for host in ("streamvqa.example", "STREAMVQA.example:443", "gpu.lan.example:8000")] == [200] * 3
+        assert [status(host) for host in ("lan.example", f"localhost:{stack.port}", "example")] == [400] * 3
+        assert "refused a request with the Host 'lan.example': add its name to ALLOWED_HOSTS" in stack.log("gateway")
+
+
+@pytest.mark.parametrize(("settings", "allowed"), [
+    ({}, ("localhost", "127.0.0.1", "::1")),
+    ({"host": "0.0.0.0"}, ("localhost", "127.0.0.1", "::1")),  # every address: no one name
+    ({"host": "::"}, ("localhost", "127.0.0.1", "::1")),
+    ({"host": "192.168.1.20"}, ("localhost", "127.0.0.1", "::1", "192.168.1.20")),  # the one address it binds
+    ({"host": "fd00::20"}, ("localhost", "127.0.0.1", "::1", "fd00::20")),
+    ({"allowed_hosts": "Gateway:8000, [fd00::20], *.example.com"}, ("gateway", "fd00::20", "*.example.com")),
+])
+def test_the_default_names_are_loopback_and_the_address_bound(settings, allowed):
+    configured = GatewaySettings(**settings)
+    assert allowed_names(configured.allowed_host_list, configured.host) == allowed
+
+
+@pytest.mark.parametrize(("host", "answered"), [
+    ("gateway", True), ("gateway:8000", True), ("GATEWAY.", True), ("[fd00::20]:8000", True), ("a.example.com", True),
+    ("a.b.example.com:1", True), ("example.com", False), ("gateway.evil", False), ("evilgateway", False), ("", False),
+    ("fd00::20", False), ("[fd00::20", False), ("gateway:80:80", False), ("gateway@evil", False), (None, False),
+])
+def test_a_host_header_is_answered_by_its_name_alone(host, answered):
+    assert host_allowed(host, ("gateway", "fd00::20", "*.example.com")) is answered

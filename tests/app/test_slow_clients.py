@@ -74,8 +74,9 @@ def test_a_forwarded_address_is_believed_only_from_a_configured_proxy(patient):
     owner = Client(patient.url)
     owner.create()
     spoofed = {"X-Forwarded-For": "198.51.100.7"}
-    # the gateway's own caller is 127.0.0.1, whatever the header says
-    listed = httpx.get(f"{patient.url}/sessions", headers=spoofed).json()["sessions"]
+    # the gateway's own caller is 127.0.0.1, whatever the header says: its token lists the session
+    # from the address that created it
+    listed = httpx.get(f"{patient.url}/sessions", headers={**spoofed, **owner.auth}).json()["sessions"]
     assert owner.id in [session["id"] for session in listed]
 
     port = free_port()
@@ -90,10 +91,11 @@ def test_a_forwarded_address_is_believed_only_from_a_configured_proxy(patient):
             except httpx.TransportError:
                 assert time.monotonic() < deadline and proxied.poll() is None
                 time.sleep(0.1)
-        behind = httpx.post(f"{url}/sessions", headers=spoofed, json={}).json()["id"]
-        from_proxy = [s["id"] for s in httpx.get(f"{url}/sessions", headers=spoofed).json()["sessions"]]
+        made = httpx.post(f"{url}/sessions", headers=spoofed, json={}).json()
+        behind, auth = made["id"], {"Authorization": f"Bearer {made['token']}"}
+        from_proxy = [s["id"] for s in httpx.get(f"{url}/sessions", headers={**spoofed, **auth}).json()["sessions"]]
         assert from_proxy == [behind]  # the proxy's client 198.51.100.7 is its own caller
-        assert behind not in [s["id"] for s in httpx.get(f"{url}/sessions").json()["sessions"]]
+        assert httpx.get(f"{url}/sessions", headers=auth).json()["sessions"] == []  # not the proxy's own address's
     finally:
         proxied.terminate()
         proxied.wait(timeout=15)

@@ -598,9 +598,28 @@ def test_the_demo_streams_the_samples_into_a_256_token_cache_and_shows_it_evict(
 
 @pytest.fixture(scope="module")
 def two_each(redis_url, tmp_path_factory):
-    """A gateway that lets each caller (here: each address) hold two sessions."""
+    """A gateway that lets each caller (here: each address) hold two sessions, and lists and ends
+    a session only with its token (the default)."""
     with running_stack(redis_url, tmp_path_factory.mktemp("two-each"), MAX_SESSIONS_PER_KEY="2", MAX_SESSIONS="64") as stack:
         yield stack
+
+
+@pytest.fixture(scope="module")
+def two_each_by_address(redis_url, tmp_path_factory):
+    """Two sessions each address, and an address owns its sessions (ADDRESS_OWNS_SESSIONS)."""
+    with running_stack(
+        redis_url, tmp_path_factory.mktemp("two-each-by-address"), MAX_SESSIONS_PER_KEY="2", MAX_SESSIONS="64",
+        ADDRESS_OWNS_SESSIONS="true",
+    ) as stack:
+        yield stack
+
+
+def wait_for_note(page, text: str) -> None:
+    """Until the note over "Your sessions" reads `text` (else it fails with what it read)."""
+    try:
+        page.wait_for_function(f"document.querySelector('#sessions-note').textContent === {text!r}")
+    except Exception as err:  # playwright's TimeoutError
+        raise AssertionError(f"the note reads {page.text_content('#sessions-note')!r}, not {text!r}") from err
 
 
 def owned_rows(page) -> list[tuple[str, str]]:
@@ -609,7 +628,58 @@ def owned_rows(page) -> list[tuple[str, str]]:
     return [(row.locator(".owned-id").text_content(), row.locator(".owned-state").text_content()) for row in rows.all()]
 
 
-def test_your_sessions_lists_the_callers_sessions_and_ends_them_demo_and_failed_ones_too(launch, two_each):
+def test_your_sessions_lists_and_ends_the_sessions_this_browser_made_by_their_tokens(launch, two_each, tmp_path):
+    elsewhere = Client(two_each.url)  # from the page's address, through the API: the page has not its token
+    assert elsewhere.create().status_code == 201
+    page = launch(url=two_each.url)
+    wait_for_note(page, "1 of 2 in use, 1 not listed")
+    assert owned_rows(page) == [] and page.text_content("#sessions-empty") == "None: a session you create here shows here."
+
+    page.get_by_role("button", name="Try the demo").click()  # the demo's session is the page's, by its token
+    page.wait_for_selector("#connection[data-state='live']")
+    demo_id = page.get_attribute("#session-line", "title")
+    page.wait_for_selector(f"#session-list li[data-id='{demo_id}'][data-current='true']")
+    wait_for_note(page, "2 of 2 in use, 1 not listed")
+    tab = page.context.new_page()  # another tab of this browser lists it too
+    tab.goto(two_each.url)
+    tab.wait_for_selector(f"#session-list li[data-id='{demo_id}'][data-current='false']")
+    tab.close()
+    demo_token = page.evaluate(f"JSON.parse(localStorage.getItem('streamvqa.tokens'))[{demo_id!r}]")
+
+    page.get_by_role("button", name=f"End session {demo_id[:8]}").click()  # with its token
+    page.wait_for_selector("#create-form:not([hidden])")
+    wait_for_note(page, "1 of 2 in use, 1 not listed")
+    assert httpx.get(f"{two_each.url}/sessions/{demo_id}", headers={"Authorization": f"Bearer {demo_token}"}).status_code == 404
+    assert elsewhere.get().status_code == 200  # not the page's to end
+
+    second = Client(two_each.url)
+    assert second.create().status_code == 201
+    page.get_by_role("button", name="Create session", exact=True).click()
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.text_content("#error-text") == (
+        "Could not create a session: you hold as many sessions as the server allows. "
+        "End one under “Your sessions”, then try again."
+    )
+    wait_for_note(page, "2 of 2 in use, 2 not listed")
+    second.delete()
+    elsewhere.delete()
+
+    create_session(page)  # one that fails stays listed, and ends by its token too
+    mine = page.get_attribute("#session-line", "title")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a video\n" * 100)
+    upload(page, notes)
+    page.wait_for_selector(f"#session-list li[data-id='{mine}'][data-state='error']")
+    wait_for_note(page, "0 of 2 in use")
+    page.get_by_role("button", name=f"End session {mine[:8]}").click()
+    page.wait_for_selector("#sessions-empty:not([hidden])")
+    page.wait_for_function("Object.keys(JSON.parse(localStorage.getItem('streamvqa.tokens'))).length === 0")  # forgotten
+
+
+def test_where_an_address_owns_its_sessions_your_sessions_lists_and_ends_them_api_demo_and_failed_ones_too(
+    launch, two_each_by_address,
+):
+    two_each = two_each_by_address
     # from the page's address, through the API: one session that failed and one that did not
     failed, first = Client(two_each.url), Client(two_each.url)
     assert failed.create().status_code == 201 and first.create().status_code == 201

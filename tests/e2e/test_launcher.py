@@ -1,7 +1,9 @@
 """What `make run` starts: embedded Redis, gateway and worker, a printed address, a clean Ctrl-C;
-a second start that reads the converted weights, says what it waits for, and keeps polling quiet."""
+a second start that reads the converted weights, says what it waits for, and keeps polling (and
+the libraries' own output: progress bars, FFmpeg's lines for a damaged video) quiet."""
 
 import os
+import random
 import re
 import signal
 import socket
@@ -101,6 +103,11 @@ def test_a_second_start_reads_the_converted_weights_says_what_it_waits_for_and_k
             assert user.http.get(f"/sessions/{user.id}/memory", headers=user.auth).status_code == 200
         assert user.http.get(f"/sessions/{'0' * 32}", headers=user.auth).status_code == 404
         second.wait_for(" 404")
+        damaged = Client(f"http://127.0.0.1:{second.port}")
+        assert damaged.create(fps=1).status_code == 201
+        assert damaged.upload(_damaged(sample_video("bikes.mp4").read_bytes())).status_code == 202
+        assert damaged.wait_for_state("ingested", "error")["state"] == "error"  # what the user is told
+        second.wait_for(f"session {damaged.id} failed")
         user.http.close()
     finally:
         assert second.stop() == 0, second.output
@@ -116,6 +123,18 @@ def test_a_second_start_reads_the_converted_weights_says_what_it_waits_for_and_k
     assert '"POST /sessions HTTP/1.1" 201' in output
     assert f'"GET /sessions/{"0" * 32} HTTP/1.1" 404' in output  # failures are still logged
     assert f"GET /sessions/{user.id} " not in output and "/memory" not in output and "/healthz" not in output
+    assert "Loading weights" not in output  # transformers' progress bar
+    assert "[h264 @" not in output and "error while decoding" not in output  # FFmpeg's (PyAV's and decord's)
+
+
+def _damaged(video: bytes) -> bytes:
+    """`video` with 200 runs of 16 bytes in its middle half overwritten: frames whose blocks FFmpeg
+    cannot decode, each of which it reports."""
+    data, rng = bytearray(video), random.Random(1)
+    for _ in range(200):
+        at = rng.randrange(len(data) // 4, len(data) * 3 // 4)
+        data[at : at + 16] = bytes(rng.randrange(256) for _ in range(16))
+    return bytes(data)
 
 
 def test_access_log_polling_logs_the_polling_routes_too(redis_url, tmp_path):

@@ -319,11 +319,16 @@ def test_frames_run_together_then_alone(llava):
 
 
 def test_a_question_run_together_then_alone(llava):
-    sessions = [_streamed(llava, SessionConfig(budget_tokens=200, recall=True, retrieval_tokens=32), 4, seed) for seed in (1, 2)]
-    for session, second in zip(sessions, (100.0, 130.0)):  # the next question's time is past 64 s
-        session.append_frames(_frames(1, 7), [second])
+    def streams() -> list[Session]:
+        made = [_streamed(llava, SessionConfig(budget_tokens=200, recall=True, retrieval_tokens=32), 4, seed) for seed in (1, 2)]
+        for session, second in zip(made, (100.0, 130.0)):  # the next question's time is past 64 s
+            session.append_frames(_frames(1, 7), [second])
+        return made
+
+    alone = ["".join(s.ask("What came first?", max_new_tokens=3)) for s in streams()]
+    sessions = streams()
     answers = [s.ask("What came first?", max_new_tokens=3) for s in sessions]
-    assert answer_together(answers)
+    assert answer_together(answers) == alone  # together, each answers as it does alone
     assert [a.tokens for a in answers] == [3, 3]
     assert _inference_tensors(sessions[0]) == []
     sessions[0].append_frames(_frames(1, 8), [131.0])  # alone
