@@ -47,6 +47,7 @@ class WorkerMemory(BaseModel):
     """What one worker offers its sessions, and why."""
 
     worker: str
+    dtype: str = Field("", description="What its model computes and caches in: `float32` or `bfloat16` (its DTYPE setting).")
     kv_memory: str = Field(description="Its KV_MEMORY setting: `auto`, a share of its device's memory, or bytes.")
     kv_memory_bytes: int = Field(description="Cache memory it offers now: what the setting states, or less while memory is short.")
     kv_free_bytes: int = Field(description="Of that, what its sessions have not reserved.")
@@ -172,7 +173,7 @@ async def list_models(store: Store, settings: Settings, viewer: SessionViewer) -
         entry.sessions += worker.sessions
         entry.max_sessions += worker.max_sessions
         entry.memory.append(WorkerMemory(
-            worker=worker.id, kv_memory=worker.kv_memory, kv_memory_bytes=worker.kv_memory_bytes,
+            worker=worker.id, dtype=worker.dtype, kv_memory=worker.kv_memory, kv_memory_bytes=worker.kv_memory_bytes,
             kv_free_bytes=worker.kv_free_bytes, device_free_bytes=worker.device_free_bytes,
             host_memory=worker.host_memory, host_memory_bytes=worker.host_memory_bytes,
             host_free_bytes=worker.host_free_bytes, ram_free_bytes=worker.ram_free_bytes,

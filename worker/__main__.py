@@ -12,6 +12,8 @@ import torch
 import transformers.utils.logging
 
 from engine import Model, load_model
+from engine.model import resolve_device
+from engine.numerics import choose
 from streamvqa.redis_client import close, connect
 from worker.loop import Worker
 from worker.settings import WorkerSettings
@@ -31,7 +33,8 @@ def load(settings: WorkerSettings) -> Model:
     log.info("loading %s…", settings.model)
     started_s = time.monotonic()
     try:
-        model = load_model(settings.model, settings.torch_device, settings.model_cache_dir)
+        numerics = choose(settings.dtype, resolve_device(settings.torch_device))
+        model = load_model(settings.model, settings.torch_device, settings.model_cache_dir, numerics.dtype)
     except Exception as err:
         log.debug("loading %s failed", settings.model, exc_info=True)
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -39,7 +42,8 @@ def load(settings: WorkerSettings) -> Model:
             reason = f"cannot load model {settings.model!r}: {reason}"
         log.error("%s. %s", reason.rstrip("."), ADVICE)
         raise SystemExit(1) from None
-    log.info("%s loaded in %.1f s", settings.model, time.monotonic() - started_s)
+    log.info("%s loaded in %.1f s, in %s (DTYPE=%s: %s)", settings.model, time.monotonic() - started_s, numerics.name,
+             settings.dtype, numerics.reason)
     return model
 
 

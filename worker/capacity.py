@@ -124,6 +124,7 @@ class Capacity:
 
     def __init__(self, settings: WorkerSettings, model: Model, read: ReadMemory = read_memory) -> None:
         self.kv_bytes_per_token = model.kv_bytes_per_token
+        self.dtype = str(model.dtype).removeprefix("torch.")
         self.context_tokens = min(model.context_tokens, settings.max_context_tokens or model.context_tokens)
         grid_bytes = GRID_BYTES if model.position_axes == 3 else 0  # a place on its frame's grid, for 3-D positions
         self.host_bytes_per_token = (

@@ -134,6 +134,7 @@ class Leases:
             kv_bytes_per_token=capacity.kv_bytes_per_token,
             kv_free_bytes=capacity.kv_free_bytes(held),
             context_tokens=capacity.context_tokens,
+            dtype=capacity.dtype,
             host_bytes_per_token=capacity.host_bytes_per_token,
             index_bytes_per_host_token=capacity.index_bytes_per_host_token,
             opening_tokens=self.pins.opening_tokens,

@@ -4,6 +4,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, field_validator
 
@@ -59,6 +60,12 @@ class WorkerSettings(CommonSettings):
         Path.home() / ".cache" / "streamvqa" / "models",
         description="Built-in models converted from GGUF (SmolLM2), kept after their first load; one copy per "
         "model, replaced when its package or transformers changes.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="What the model computes and caches in: `float32`, `bfloat16`, or `auto`: bfloat16 on a CUDA GPU and "
+        "on a CPU with AMX, on a CPU with AVX-512 BF16 alone whichever multiplies faster (timed once at start), float32 "
+        "elsewhere. Logged at start and shown per worker in `GET /models`; a session moved between workers of "
+        "different dtypes is converted.",
     )
     torch_threads: int = Field(0, ge=0, description="CPU threads for torch; 0 keeps torch's default.")
     max_sessions: int = Field(8, ge=1, description="Sessions this worker holds at once, at most.")

@@ -217,6 +217,7 @@ class WorkerInfo(BaseModel):
     kv_bytes_per_token: int = 0  # its model's cache bytes per token (0: unknown)
     kv_free_bytes: int = 0  # cache memory not reserved by its sessions (each reserves its peak)
     context_tokens: int = 0  # the most tokens a session's cache may hold: its model's context (0: unknown)
+    dtype: str = ""  # what its model computes and caches in: float32 or bfloat16 (DTYPE; empty: unknown)
     host_bytes_per_token: int = 0  # a host tier token's bytes, over all layers (0: unknown)
     index_bytes_per_host_token: float = 0.0  # cache memory a host tier token's share of its index takes
     host_free_bytes: int = 0  # host memory for host tiers not reserved by its sessions (each reserves its bound)

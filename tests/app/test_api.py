@@ -333,12 +333,12 @@ def test_list_sessions_shows_the_session_whose_token_is_sent_and_no_token(stack)
 
 def test_models_lists_what_live_workers_serve_and_the_default(stack):
     models = httpx.get(f"{stack.url}/models").json()
-    memory = [{k: m[k] for k in ("kv_memory", "host_memory", "warning")} for m in models["models"][0].pop("memory")]
+    memory = [{k: m[k] for k in ("dtype", "kv_memory", "host_memory", "warning")} for m in models["models"][0].pop("memory")]
     assert models == {
         "default": "tiny-random-llava",
         "models": [{"name": "tiny-random-llava", "workers": 1, "sessions": pytest.approx(0, abs=64), "max_sessions": 64}],
     }
-    assert memory == [{"kv_memory": "auto", "host_memory": "auto", "warning": None}]
+    assert memory == [{"dtype": "float32", "kv_memory": "auto", "host_memory": "auto", "warning": None}]  # the tests' DTYPE
 
 
 def test_readyz_needs_a_live_worker_and_metrics_count_the_work(stack, client):

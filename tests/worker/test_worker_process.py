@@ -1,11 +1,13 @@
 """A real worker process: its session capacity, freeing deleted sessions, and Redis losing its data."""
 
 import os
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import redis
 
@@ -148,3 +150,18 @@ def test_a_model_that_cannot_load_ends_the_worker_with_one_line_that_says_what_t
         "to a built-in model, a local checkpoint folder, or a hub id that this machine can download or already has "
         "in the Hugging Face cache (HF_HOME)."
     ), lines[1]
+
+
+def test_a_worker_set_to_bfloat16_says_so_and_answers(redis_url, tmp_path):
+    """DTYPE=bfloat16: the worker's start line and `GET /models` name it, and questions about an
+    upload are answered."""
+    with running_stack(redis_url, tmp_path, DTYPE="bfloat16") as stack:
+        worker = httpx.get(f"{stack.url}/models").json()["models"][0]["memory"][0]
+        assert worker["dtype"] == "bfloat16"
+        assert re.search(r"INFO worker: tiny-random-llava loaded in \d+\.\d s, in bfloat16 \(DTYPE=bfloat16: set\)", stack.log("worker"))
+        user = Client(stack.url)
+        user.create(fps=2)
+        assert user.upload(sample_video("carphone_pristine.mp4").read_bytes()).status_code == 202
+        assert user.wait_for_state("ingested")["frames_ingested"] == 8
+        reply = user.ask("What is it?", max_new_tokens=4)
+        assert reply.status_code == 200 and reply.json()["tokens"] == 4
