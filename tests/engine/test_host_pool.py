@@ -13,6 +13,7 @@ import torch
 from engine import Session, SessionConfig, load_model
 from engine.host_pool import HostPool
 from engine.kv_pool import KVPool, PoolFull
+from tests.engine.test_kv_pool import resident_bytes
 
 HOST_PAGE_TOKENS = SessionConfig.page_tokens  # 32
 TIER_PAGES = 4 * 160 // HOST_PAGE_TOKENS  # a tier's bound is 4 times the budget of 160: 20 pages
@@ -136,15 +137,12 @@ def test_a_host_tier_that_goes_back_gives_its_memory_back_to_the_operating_syste
     shape = (llava.num_layers, llava.kv_heads, llava.head_dim)
     pool = HostPool(*shape, 8192, HOST_PAGE_TOKENS, llava.dtype, llava.device)  # 536 bytes a place: 134 MiB
     assert pool.nbytes == 8192 * HOST_PAGE_TOKENS * 536
-    with open("/proc/self/statm") as statm:
-        before = int(statm.read().split()[1]) * 4096
+    before = resident_bytes()
     run = pool.lease(8192 * HOST_PAGE_TOKENS)
     for part in (pool.keys, pool.values, pool.kinds, pool.times):
         part.fill_(1)
-    with open("/proc/self/statm") as statm:
-        assert int(statm.read().split()[1]) * 4096 - before > 120 * 2**20
+    assert resident_bytes() - before > 120 * 2**20
     run.release()
-    with open("/proc/self/statm") as statm:
-        assert int(statm.read().split()[1]) * 4096 - before < 8 * 2**20
+    assert resident_bytes() - before < 8 * 2**20
     pool.lease(HOST_PAGE_TOKENS)
     assert not pool.present[:, :, 0].any()
