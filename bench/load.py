@@ -19,7 +19,8 @@ the cache), `frames`, `dropped`, and the peak RSS of each process in MiB.
 
 Concurrent asking instead: two stacks on one Redis, one worker batching sessions
 (BATCH_SESSIONS=16, or the largest count if more) and one running a session at a time (BATCH_SESSIONS=1), each with the
-largest count of `--together` sessions (of `--budget` tokens) that have taken `--frames` frames; then, for each count
+largest count of `--together` sessions (of `--budget` tokens, without recall; each worker's KV_MEMORY 0.4 of the RAM
+unless set) that have taken `--frames` frames; then, for each count
 and round, that many sessions ask at the same moment, in one stack and then the other. Prints
 per count and mode: `asked`, `answered`, `tokens`, `tokens_per_s` (answer tokens over the time
 from the questions to the last answer), `decode_tokens_per_s` (tokens after each answer's first,
@@ -63,6 +64,7 @@ from streamvqa.protocol import frame_message
 from streamvqa.redis_server import EmbeddedRedis, LocalCluster, free_port
 from streamvqa.run import wait_until_serving
 
+TOGETHER_KV_MEMORY = "0.4"  # of the RAM, for each of --together's two workers (their sessions without recall)
 QUESTIONS = ["What do you see?", "What changed?", "What colour is the bar?", "Is anything moving?"]
 
 
@@ -228,7 +230,7 @@ async def _together(bases: dict[str, str], args: argparse.Namespace) -> list[dic
         sessions: dict[str, list[tuple[str, str]]] = {mode: [] for mode in bases}
         for mode, base in bases.items():  # one at a time, so that no live frame comes late and is dropped
             for _ in range(max(counts)):
-                sessions[mode].append(await _prepare(http, base, args.frames, args.budget))
+                sessions[mode].append(await _prepare(http, base, args.frames, args.budget, recall=False))
         for mode, base in bases.items():
             frames, dropped = await _frames_held(http, base, sessions[mode])
             lines.append({"mode": mode, "sessions": max(counts), "frames_taken": frames, "frames_dropped": dropped})
@@ -414,6 +416,7 @@ def together(args: argparse.Namespace) -> None:
                 "BATCH_SESSIONS": str(batch), "MAX_SESSIONS": str(sessions), "MAX_SESSIONS_PER_KEY": str(sessions),
                 "SPOOL_DIR": str(folder / mode / "spool"), "SNAPSHOT_DIR": str(folder / mode / "snapshots"),
                 "LOG_LEVEL": "WARNING", "RATE_LIMIT_PER_S": "1000", "RATE_LIMIT_BURST": "1000",
+                "KV_MEMORY": os.environ.get("KV_MEMORY", TOGETHER_KV_MEMORY),  # room for every session (a CPU's default is 2 GiB)
             }
             processes[f"worker-{mode}"] = children.spawn([sys.executable, "-m", "worker"], env)
             processes[f"gateway-{mode}"] = children.spawn([sys.executable, "-m", "app"], {**env, "PORT": str(port)})

@@ -1,13 +1,13 @@
 """The floating-point type a model runs in: float32, or bfloat16 where the hardware multiplies it.
 
-bfloat16 halves the bytes of every weight, key and value; where the processor multiplies it
-natively (a CUDA GPU, an Intel CPU with AMX tiles) a step's matrix products also run faster, and
-stay nearly flat as sessions join a batch. Where it is emulated (a CPU with AVX-512 BF16 alone)
-it may be slower than float32, so `auto` times one product of each there, once, and keeps the
-faster; elsewhere float32.
+bfloat16 halves the bytes of every weight, key and value, and on a CUDA GPU it is the faster
+type. On a CPU it is a trade (docs/benchmarks.md, "bfloat16 on a CPU with AMX"): on an Intel
+Xeon with AMX, 32 sessions deciding together in one engine step run 1.4 times float32's tokens a
+second in process, but one session runs 0.88 times float32's speed there, and through the
+service 0.63 times at one session and 1.03 times at 32. So `auto` is bfloat16 on a GPU and
+float32 on a CPU, whose start line says when bfloat16 is there to be chosen (`DTYPE=bfloat16`).
 """
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -15,15 +15,12 @@ from torch import nn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CHOICES = ("auto", *DTYPES)
-PROBE_SHAPE = (32, 1024, 1024)  # rows (a batch of decode tokens) x in x out: a language model's linear layer
-PROBE_REPEATS = 8
-PROBE_MARGIN = 0.8  # bfloat16 is chosen where it takes at most this share of float32's time
 
 
 @dataclass(frozen=True)
 class Numerics:
     dtype: torch.dtype
-    reason: str  # why: said at start and in the model list
+    reason: str  # why: said at start
 
     @property
     def name(self) -> str:
@@ -39,26 +36,8 @@ def choose(setting: str, device: str) -> Numerics:
     if device.startswith("cuda"):
         return Numerics(torch.bfloat16, "a CUDA GPU")
     if torch.cpu._is_amx_tile_supported():
-        return Numerics(torch.bfloat16, "a CPU with AMX")
-    if torch.cpu._is_avx512_bf16_supported():
-        bf16_s, f32_s = product_s(torch.bfloat16), product_s(torch.float32)
-        chosen = torch.bfloat16 if bf16_s <= PROBE_MARGIN * f32_s else torch.float32
-        return Numerics(chosen, f"a CPU with AVX-512 BF16 and no AMX: bfloat16 {bf16_s * 1e3:.2f} ms, float32 {f32_s * 1e3:.2f} ms a product")
-    return Numerics(torch.float32, "a CPU without bfloat16 instructions")
-
-
-def product_s(dtype: torch.dtype) -> float:
-    """The best time of PROBE_REPEATS matrix products of PROBE_SHAPE in `dtype`, on the CPU."""
-    rows, inner, out = PROBE_SHAPE
-    a, b = torch.randn(rows, inner, dtype=dtype), torch.randn(inner, out, dtype=dtype)
-    best = float("inf")
-    with torch.inference_mode():
-        a @ b  # the first call picks its kernel
-        for _ in range(PROBE_REPEATS):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-    return best
+        return Numerics(torch.float32, "a CPU; it has AMX: DTYPE=bfloat16 answers many sessions at once faster, one slower")
+    return Numerics(torch.float32, "a CPU")
 
 
 def cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -62,10 +62,10 @@ class WorkerSettings(CommonSettings):
         "model, replaced when its package or transformers changes.",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="What the model computes and caches in: `float32`, `bfloat16`, or `auto`: bfloat16 on a CUDA GPU and "
-        "on a CPU with AMX, on a CPU with AVX-512 BF16 alone whichever multiplies faster (timed once at start), float32 "
-        "elsewhere. Logged at start and shown per worker in `GET /models`; a session moved between workers of "
-        "different dtypes is converted.",
+        "auto", description="What the model computes and caches in: `float32`, `bfloat16`, or `auto`: bfloat16 on a CUDA GPU, "
+        "float32 on a CPU (on a CPU with AMX bfloat16 answers many sessions at once faster and one slower: "
+        "docs/benchmarks.md). Logged at start and shown per worker in `GET /models`; a session moved between "
+        "workers of different dtypes is converted.",
     )
     torch_threads: int = Field(0, ge=0, description="CPU threads for torch; 0 keeps torch's default.")
     max_sessions: int = Field(8, ge=1, description="Sessions this worker holds at once, at most.")

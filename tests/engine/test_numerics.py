@@ -26,14 +26,14 @@ def test_a_set_dtype_is_taken_as_it_is_and_a_wrong_one_is_refused():
         choose("float16", "cpu")
 
 
-def test_auto_on_this_cpu_follows_its_instructions():
+def test_auto_is_float32_on_a_cpu_and_says_when_bfloat16_is_there_to_choose():
+    """One session answers slower in bfloat16 on a CPU, even with AMX (docs/benchmarks.md)."""
     chosen = choose("auto", "cpu")
+    assert chosen.dtype == torch.float32
     if torch.cpu._is_amx_tile_supported():
-        assert (chosen.dtype, chosen.reason) == (torch.bfloat16, "a CPU with AMX")
-    elif torch.cpu._is_avx512_bf16_supported():  # timed: either, with both times given
-        assert "bfloat16" in chosen.reason and "float32" in chosen.reason
+        assert chosen.reason == "a CPU; it has AMX: DTYPE=bfloat16 answers many sessions at once faster, one slower"
     else:
-        assert (chosen.dtype, chosen.reason) == (torch.float32, "a CPU without bfloat16 instructions")
+        assert chosen.reason == "a CPU"
 
 
 def test_a_cast_model_keeps_its_rotary_frequencies_in_float32():
