@@ -149,6 +149,17 @@ def running_stack(redis_url: str, directory: Path, **env: str | None) -> Iterato
         delete_prefix(redis_url, stack.prefix, stack.cluster)
 
 
+def worker_memory_when(stack: Stack, ready: Callable[[dict], bool], timeout_s: float) -> dict:
+    """The one worker's memory in GET /models once `ready(memory)`, or as it is after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (model,) = httpx.get(f"{stack.url}/models").json()["models"]
+        (memory,) = model["memory"]
+        if ready(memory) or time.monotonic() > deadline:
+            return memory
+        time.sleep(0.2)
+
+
 def live_session_ids(stack: Stack) -> set[str]:
     """The ids of the stack's sessions (each session's hash), read from Redis."""
     pattern = re.compile(re.escape(stack.prefix) + r"session:\{([0-9a-f]{32})\}")

@@ -5,10 +5,9 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
-from tests.support import Client, Stack, delete_prefix
+from tests.support import Client, Stack, delete_prefix, worker_memory_when
 
 IDLE_RELEASE_S = 3
 
@@ -120,11 +119,11 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
     admitted = [user for user, reply in zip(users, replies, strict=True) if reply.status_code == 201]
     assert [user.wait_for_state("ready", timeout_s=30)["worker"] for user in admitted] == ["a", "a"]
     if memory == "cache":  # the worker's KV pool: 10 MB in whole pages of 64 tokens (49,152 bytes), 80 pages a session
-        pool = _pool_when(stack, lambda pool: pool["pool_free_pages"] == 204 - 2 * 80)
+        pool = worker_memory_when(stack, lambda pool: pool["pool_free_pages"] == 204 - 2 * 80, 10.0)
         assert (pool["pool_pages"], pool["pool_page_tokens"], pool["pool_bytes"]) == (204, 64, 204 * 49_152)
         assert pool["pool_free_pages"] == 44
     else:  # the worker's host pool: 250 MB in whole pages of 32 places (17,152 bytes), 6,250 pages a tier
-        pool = _pool_when(stack, lambda pool: pool["host_pool_free_pages"] == 14_576 - 2 * 6_250)
+        pool = worker_memory_when(stack, lambda pool: pool["host_pool_free_pages"] == 14_576 - 2 * 6_250, 10.0)
         assert (pool["host_pool_pages"], pool["host_pool_page_tokens"], pool["host_pool_bytes"]) == (14_576, 32, 14_576 * 17_152)
         assert pool["host_pool_free_pages"] == 2_076
 
@@ -138,10 +137,10 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
         time.sleep(0.2)
     assert late.wait_for_state("ready", timeout_s=30)["worker"] == "a"
     if memory == "cache":  # the deleted session's pages went back, and the new one leased them
-        pool = _pool_when(stack, lambda pool: pool["pool_free_pages"] == 44)
+        pool = worker_memory_when(stack, lambda pool: pool["pool_free_pages"] == 44, 10.0)
         assert pool["pool_free_pages"] == 44
     else:
-        pool = _pool_when(stack, lambda pool: pool["host_pool_free_pages"] == 2_076)
+        pool = worker_memory_when(stack, lambda pool: pool["host_pool_free_pages"] == 2_076, 10.0)
         assert pool["host_pool_free_pages"] == 2_076
 
 
@@ -168,13 +167,3 @@ def test_a_burst_of_sessions_is_admitted_only_as_far_as_each_worker_holds_them(m
         time.sleep(0.2)
     assert late.wait_for_state("ready", timeout_s=30)["worker"] in ("a", "b")
 
-
-def _pool_when(stack, ready, timeout_s: float = 10.0) -> dict:
-    """The worker's memory in GET /models once `ready(memory)`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        (model,) = httpx.get(f"{stack.url}/models").json()["models"]
-        (memory,) = model["memory"]
-        if ready(memory) or time.monotonic() > deadline:
-            return memory
-        time.sleep(0.2)

@@ -2,7 +2,6 @@
 never above what is free, read again as sessions come and go, and said in GET /models."""
 
 import logging
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,7 +10,7 @@ import pytest
 
 from engine import load_model
 from streamvqa.protocol import SessionRecord
-from tests.support import Client, Stack, delete_prefix, running_stack
+from tests.support import Client, Stack, delete_prefix, running_stack, worker_memory_when
 from worker.capacity import Capacity, Reading
 from worker.settings import MemorySize, WorkerSettings
 
@@ -94,16 +93,6 @@ def test_models_says_what_each_worker_offers_and_warns_when_its_caches_hold_unde
         assert "holds 0 session(s) with the default options (12 MiB each): set KV_MEMORY" in log
 
 
-def _memory_when(stack: Stack, ready, timeout_s: float = 15.0) -> dict:
-    """The worker's memory in GET /models once `ready(memory)` (or after `timeout_s`)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        (model,) = httpx.get(f"{stack.url}/models").json()["models"]
-        (memory,) = model["memory"]
-        if ready(memory) or time.monotonic() > deadline:
-            return memory
-        time.sleep(0.2)
-
 
 def test_a_worker_that_started_short_of_memory_takes_every_session_admitted_once_memory_is_free(redis_url, tmp_path):
     # the memory the worker sees (tests/worker/scripted_memory.py): others hold all but 10 MiB as it starts
@@ -115,12 +104,12 @@ def test_a_worker_that_started_short_of_memory_takes_every_session_admitted_once
     stack.start("gateway", "app")
     try:
         stack.wait_until_serving()
-        memory = _memory_when(stack, lambda memory: memory["kv_memory_bytes"] == 9 * MIB)
+        memory = worker_memory_when(stack, lambda memory: memory["kv_memory_bytes"] == 9 * MIB, 15.0)
         assert memory["kv_memory_bytes"] == 9 * MIB  # 90% of the 10 MiB free
         assert memory["pool_bytes"] >= memory["kv_memory_bytes"]
 
         seen.write_text(f"{16 * GIB} {GIB} {GIB}")  # the others left
-        memory = _memory_when(stack, lambda memory: memory["kv_memory_bytes"] == 100_000_000)
+        memory = worker_memory_when(stack, lambda memory: memory["kv_memory_bytes"] == 100_000_000, 15.0)
         assert memory["kv_memory_bytes"] == 100_000_000  # as stated
 
         # tiny-random-llava: a 2,048-token budget peaks at 5,120 tokens, 80 pages of 64 (3,932,160 bytes):
@@ -130,7 +119,7 @@ def test_a_worker_that_started_short_of_memory_takes_every_session_admitted_once
             replies = list(pool.map(lambda user: user.create(budget_tokens=2048, recall=False), users))
         assert [reply.status_code for reply in replies] == [201] * 4, [reply.text for reply in replies]
         assert [user.wait_for_state("ready", timeout_s=30)["worker"] for user in users] == ["a"] * 4
-        memory = _memory_when(stack, lambda memory: memory["pool_free_pages"] < memory["pool_pages"] - 240)
+        memory = worker_memory_when(stack, lambda memory: memory["pool_free_pages"] < memory["pool_pages"] - 240, 15.0)
         assert (memory["pool_pages"], memory["pool_free_pages"]) == (2_035, 2_035 - 4 * 80)  # 100 MB in whole pages
         assert memory["pool_bytes"] >= memory["kv_memory_bytes"]  # what it offers, its pool holds
     finally:
