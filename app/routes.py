@@ -58,14 +58,14 @@ class WorkerMemory(BaseModel):
     ram_free_bytes: int = Field(description="RAM free (to anyone) when it last looked.")
     default_sessions: int = Field(description="Sessions with the default options its cache memory holds.")
     warning: str | None = Field(description="Set while that is under 2: why, and what to do.")
-    pool_pages: int = Field(0, description="Pages of its KV pool, allocated once at start: every session's cache is a run of them.")
+    pool_pages: int = Field(0, description="Pages of its KV pool, sized at start (on a CPU, RAM taken as they are written and given back as sessions end): every session's cache is a run of them.")
     pool_free_pages: int = Field(0, description="Of those, the pages no session leases.")
     pool_page_tokens: int = Field(0, description="Cache tokens a page holds (keys, values and rotated keys, in every layer).")
     pool_bytes: int = Field(0, description="Bytes of the whole pool.")
     pool_session_pages: dict[str, int] = Field(
         {}, description="Pages each of the caller's sessions (those `GET /sessions` lists) leases here, by session id."
     )
-    host_pool_pages: int = Field(0, description="Pages of its host pool, allocated once at start: every host tier (recall) is a run of them.")
+    host_pool_pages: int = Field(0, description="Pages of its host pool, sized at start as the KV pool is: every host tier (recall) is a run of them.")
     host_pool_free_pages: int = Field(0, description="Of those, the pages no session leases.")
     host_pool_page_tokens: int = Field(0, description="Stream places a host page holds (keys, values, kinds and times, in every layer).")
     host_pool_bytes: int = Field(0, description="Bytes of the whole host pool, in host memory (pinned on CUDA).")
