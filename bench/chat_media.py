@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import emit
+from bench.common import emit, status_bytes
 from bench.stack import serving
 from engine import demo
 
@@ -42,14 +42,6 @@ def body(video: bytes) -> dict:
     url = f"data:video/mp4;base64,{base64.b64encode(video).decode()}"
     content = [{"type": "text", "text": "What happens?"}, {"type": "video_url", "video_url": {"url": url}}]
     return {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
-
-
-def vm_field(pid: int, name: str) -> int:
-    """A field of /proc/<pid>/status, in bytes (VmRSS: resident now; VmHWM: its peak)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{name}:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(name)
 
 
 async def send_at_once(base: str, bodies: list[dict]) -> list[httpx.Response]:
@@ -72,12 +64,12 @@ def main() -> None:
         warm = httpx.post(f"{stack.base}/v1/chat/completions", json=body(clip), timeout=600)
         warm.raise_for_status()
         pid = stack.gateway.pid
-        before = vm_field(pid, "VmRSS")
+        before = status_bytes(pid, "VmRSS")
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # the high-water mark starts again from now
         started = time.monotonic()
         replies = asyncio.run(send_at_once(stack.base, bodies))
         seconds = time.monotonic() - started
-        peak = vm_field(pid, "VmHWM")
+        peak = status_bytes(pid, "VmHWM")
     emit(
         metric="chat_media_gateway_memory", requests=args.requests, video_mib=args.video_mib, settings=settings,
         rss_before_mib=round(before / MIB, 1), peak_rss_mib=round(peak / MIB, 1),

@@ -19,6 +19,18 @@ def emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def status_bytes(pid: int, name: str, default: int | None = None) -> int:
+    """A field of /proc/<pid>/status in bytes (VmRSS: resident now; VmHWM: its peak; RssFile...);
+    `default` where it has none (None: KeyError)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(f"{name}:"):
+                return int(line.split()[1]) * 1024
+    if default is None:
+        raise KeyError(name)
+    return default
+
+
 def rss_bytes() -> int:
     """Resident memory of this process now (Linux), else its peak."""
     try:

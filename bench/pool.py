@@ -53,7 +53,7 @@ import httpx
 import numpy as np
 import torch
 
-from bench.common import emit, parser, random_text, rss_bytes, split_list
+from bench.common import emit, parser, random_text, rss_bytes, split_list, status_bytes
 from bench.stack import serving
 from engine import Session, SessionConfig, load_model
 from engine.host_pool import HostPool
@@ -199,17 +199,14 @@ class Resident:
     """A process's resident memory (Linux: /proc/<pid>/status), now and its peak since `start`."""
 
     def __init__(self, pid: int) -> None:
-        self.status = Path(f"/proc/{pid}/status")
+        self.pid = pid
         self.clear_refs = Path(f"/proc/{pid}/clear_refs")
         self.peak_bytes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def field(self, name: str) -> int:
-        for line in self.status.read_text().splitlines():
-            if line.startswith(f"{name}:"):
-                return int(line.split()[1]) * 1024
-        return 0
+        return status_bytes(self.pid, name, default=0)
 
     def now(self) -> int:
         return self.field("VmRSS")

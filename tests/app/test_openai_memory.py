@@ -7,7 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.chat_media import body, padded_video, vm_field
+from bench.chat_media import body, padded_video
+from bench.common import status_bytes
 from tests.support import running_stack, sample_video
 
 MIB = 2**20
@@ -30,7 +31,7 @@ def test_six_data_url_videos_at_once_cost_the_gateway_what_two_do(stack):
     warm = httpx.post(f"{stack.url}/v1/chat/completions", json=body(clip), timeout=120)
     assert warm.status_code == 200, warm.text
     pid = stack.processes["gateway"].pid
-    before = vm_field(pid, "VmRSS")
+    before = status_bytes(pid, "VmRSS")
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # the high-water mark starts again from now
 
     async def at_once() -> list[httpx.Response]:
@@ -40,6 +41,6 @@ def test_six_data_url_videos_at_once_cost_the_gateway_what_two_do(stack):
     replies = asyncio.run(at_once())
     assert [reply.status_code for reply in replies] == [200] * 6, [reply.text[:200] for reply in replies]
     assert len({reply.json()["session_id"] for reply in replies}) == 6
-    peak_over_mib = (vm_field(pid, "VmHWM") - before) / MIB
+    peak_over_mib = (status_bytes(pid, "VmHWM") - before) / MIB
     # two requests' peaks (2 x 2.7 x 16 MiB = 86 MiB) and some slack: 81 MiB here; unbounded, 432
     assert peak_over_mib < 2 * 3 * VIDEO_MIB + 32, peak_over_mib
