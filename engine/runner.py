@@ -16,6 +16,11 @@ With 3-D positions (Qwen2.5-VL, Qwen3-VL), a prompt carries its layout, and its 
 the cache's furthest position (`engine/layout.py`); its cache is told what to keep of them
 before each forward.
 
+A prompt that does not `keep` its tokens (a watch's check, `engine/check.py`) runs whole in one
+forward, read only: its tokens attend its cache's keys and values and their own, and its cache
+stores nothing of them, sees none of their queries, appends nothing and moves no position (it is
+attended through its cache's own buffers, never written into a pool).
+
 A prompt longer than its `chunk_tokens` runs in chunks, the same alone and together: each
 forward takes the next chunk of every prompt not yet done. Nothing is evicted here (each session
 evicts after its prompt, `engine/step.py`). If a forward fails, every cache of the run is left
@@ -32,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import attention, layout, pool_attention
+from engine.kv_buffers import outside_inference
 from engine.kv_cache import FRAME, KVCache
 from engine.model import Model
 from engine.pool_attention import CausalMasks, Member, PoolStep
@@ -50,10 +56,16 @@ class Prompt:
     before: torch.Tensor | None = None  # (vocab,) the logits after the cache's last token (they predict targets[0])
     layout: torch.Tensor | None = None  # (c, 3) with 3-D positions: the prompt's layout (`engine/layout.py`)
     deepstack: torch.Tensor | None = None  # (v, hidden * D) Qwen3-VL's deep-stack features of its v FRAME tokens, in order
+    keep: bool = True  # False: read only, in one forward; nothing of it stays in the cache (a check)
 
     @property
     def tokens(self) -> int:
         return self.embeds.shape[1]
+
+    @property
+    def chunk(self) -> int:
+        """The most of its tokens in one forward."""
+        return self.chunk_tokens if self.keep else self.tokens
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,7 @@ class _Segment:
     cache: KVCache
     start: int  # the session's tokens in the packed sequence: [start, end)
     end: int
+    keep: bool = True  # False: attended beside the cache, which keeps nothing of them
 
 
 class _Packed:
@@ -88,11 +101,24 @@ class _Packed:
         for segment in self.alone:
             new = slice(segment.start, segment.end)
             queries = query[:, :, new]  # (1, q_heads, c, head_dim)
-            keys, values = segment.cache.hf.layers[layer].update(key[:, :, new], value[:, :, new])
-            keys, values = segment.cache.attend(layer, queries, keys, values, module.scaling)  # (1, kv_heads, N, head_dim)
+            if segment.keep:
+                keys, values = segment.cache.hf.layers[layer].update(key[:, :, new], value[:, :, new])
+                keys, values = segment.cache.attend(layer, queries, keys, values, module.scaling)  # (1, kv_heads, N, head_dim)
+            else:
+                keys, values = _beside(segment.cache, layer, key[:, :, new], value[:, :, new])
             mask = self.masks.get(q_heads // keys.shape[1], segment.end - segment.start, keys.shape[2], query)
             out[:, new] = pool_attention.attend(queries, keys, values, module.scaling, mask)
         return out
+
+
+def _beside(cache: KVCache, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values (1, kv_heads, N + c, head_dim) a read-only prompt's c tokens attend:
+    the cache's (its keys rotated at their positions), then their own (`key`, `value`, rotated
+    at the positions after the cache's by the model): copies, of which the cache keeps nothing."""
+    cached = cache.hf.layers[layer]
+    with outside_inference():  # the cache's rotated copy is brought up to date, as its next forward would
+        held = cached.rotated()
+    return torch.cat([held, key], dim=2), torch.cat([cached.values, value], dim=2)
 
 
 def run(model: Model, prompts: Sequence[Prompt]) -> list[Ran]:
@@ -106,7 +132,7 @@ def run(model: Model, prompts: Sequence[Prompt]) -> list[Ran]:
     try:
         while True:
             chunks = [
-                (i, slice(done[i], min(done[i] + prompt.chunk_tokens, prompt.tokens)))
+                (i, slice(done[i], min(done[i] + prompt.chunk, prompt.tokens)))
                 for i, prompt in enumerate(prompts)
                 if done[i] < prompt.tokens
             ]
@@ -115,7 +141,8 @@ def run(model: Model, prompts: Sequence[Prompt]) -> list[Ran]:
             outputs = _forward(model, [(prompts[i], chunk, placed[i]) for i, chunk in chunks])
             for (i, chunk), out in zip(chunks, outputs, strict=True):
                 prompt = prompts[i]
-                prompt.cache.append(prompt.kinds[chunk], prompt.times[chunk])
+                if prompt.keep:
+                    prompt.cache.append(prompt.kinds[chunk], prompt.times[chunk])
                 if prompt.targets is not None:  # token j is predicted by the logits after token j - 1
                     if logits[i] is None:
                         predicted, wanted = out[:-1], prompt.targets[chunk.start + 1 : chunk.stop]
@@ -127,7 +154,8 @@ def run(model: Model, prompts: Sequence[Prompt]) -> list[Ran]:
                 done[i] = chunk.stop
     except BaseException:
         for prompt, start in zip(prompts, starts, strict=True):
-            prompt.cache.rollback(start)
+            if prompt.keep:
+                prompt.cache.rollback(start)
         raise
     return [Ran(last, score) for last, score in zip(logits, nll, strict=True)]
 
@@ -146,12 +174,13 @@ def _forward(model: Model, chunks: list[tuple[Prompt, slice, tuple[torch.Tensor,
     segments, positions, keep, start = [], [], [], 0
     for prompt, chunk, placed in chunks:
         count, held = chunk.stop - chunk.start, prompt.cache.hf.get_seq_length()
-        segments.append(_Segment(prompt.cache, start, start + count))
+        segments.append(_Segment(prompt.cache, start, start + count, prompt.keep))
         if placed is None:
             positions.append(torch.arange(held, held + count).expand(model.position_axes, -1))
         else:
             positions.append(placed[0][:, chunk])
-            prompt.cache.arriving(placed[1][:, chunk])
+            if prompt.keep:
+                prompt.cache.arriving(placed[1][:, chunk])
         keep.append(torch.arange(start, start + count) if prompt.targets is not None else torch.tensor([start + count - 1]))
         start += count
     embeds = torch.cat([prompt.embeds[:, chunk] for prompt, chunk, _ in chunks], dim=1)  # (1, T, hidden)
@@ -192,8 +221,8 @@ def _deepstack(chunks: list[tuple[Prompt, slice, object]]) -> tuple[torch.Tensor
 
 def _in_pool(segments: list[_Segment]) -> tuple[list[Member], list[_Segment]]:
     """The segments whose caches write and attend in one pool together (those of the pool most
-    of them lease from, that can: `KVCache.in_pool`), and the others."""
-    able = [s for s in segments if s.cache.lease is not None and s.cache.in_pool(s.end - s.start)]
+    of them lease from, that keep their tokens and can: `KVCache.in_pool`), and the others."""
+    able = [s for s in segments if s.keep and s.cache.lease is not None and s.cache.in_pool(s.end - s.start)]
     if not able:
         return [], segments
     pools = [s.cache.lease.pool for s in able]

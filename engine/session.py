@@ -40,7 +40,7 @@ from engine.model import Model
 from engine.policies import Policy, make_policy
 from engine.policies.base import DEFAULT_BUDGET_TOKENS
 from engine.sampling import GREEDY, Sampling
-from engine.step import Frames, step
+from engine.step import Check, Frames, step
 
 DEFAULT_SYSTEM_PROMPT = (
     "You watch a video stream. Frames arrive in order, each after its time in seconds. "
@@ -290,6 +290,13 @@ class Session:
         """Refuse a frame prompt that would take the cache into the room kept for questions."""
         self._make_room(f"the frame at {times[0]:.1f}s", sum(p.tokens for p in parts), self.config.question_room_tokens)
 
+    def make_check_room(self, tokens: int) -> None:
+        """Refuse a check of `tokens` while an answer is under way (its prompt would fall inside
+        the answer's turn), or past the context."""
+        if self._open_answer is not None:
+            raise ValueError("the session is answering: a check waits until its answer is over")
+        self._make_room("the check", tokens)
+
     def prompt(self, parts: list[Part], targets: torch.Tensor | None = None) -> runner.Prompt:
         """Parts as the runner's prompt after this session's cache (scored against `targets`)."""
         deepstack = [part.deepstack[0] for part in parts if part.deepstack is not None]
@@ -332,6 +339,15 @@ class Session:
         ran = self.run_alone([self.part(ids)], targets=torch.tensor(ids))
         self.cache.evict()
         return TextScore(len(ids), ran.nll)
+
+    def check(self, condition: str) -> float:
+        """p(yes) that `condition` holds of the video so far, from the model's yes/no logits
+        against the cache as it is (a watch's check, `engine/check.py`): a step of one, after
+        which the cache is exactly as it was."""
+        result = step([Check(self, condition)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def ask(self, question: str, max_new_tokens: int = 64, sampling: Sampling = GREEDY) -> Answer:
         """Answer against the cache, greedily unless `sampling` says otherwise; the question and

@@ -1,34 +1,39 @@
 """One engine step: the work of one session or many, run through the one runner.
 
-Work comes in two kinds, of distinct sessions of one model:
+Work comes in three kinds, of distinct sessions of one model:
 - an `Answer` to advance by one piece: its question's prompt when it has not begun (then its
   first token is chosen), else the token it chose last (then the next is chosen);
 - `Frames` to append: encoded together (one vision call per pooling), then cut into the
-  session's frame prompts (`frames_per_prompt` frames each).
+  session's frame prompts (`frames_per_prompt` frames each);
+- a `Check` to score: its condition's yes/no prompt, run read only against its session's cache,
+  which keeps nothing of it (`engine/check.py`).
 
 A step runs in rounds: each round is one run of the runner (`engine/runner.py`, one forward per
 chunk) over the next prompt of every item that has one left: the first round holds every
-answer's prompt and every session's first frame prompt, later rounds the frames' further
-prompts, and a last round closes the turns of the answers that said all (the token chosen last
-and the markers closing the answer). After its prompt, each session applies what ran and
-evicts, exactly as alone. One
-session alone is a step of one: `Session.append_frames` and iterating an `Answer` call `step`.
+answer's and every check's prompt and every session's first frame prompt, later rounds the
+frames' further prompts, and a last round closes the turns of the answers that said all (the
+token chosen last and the markers closing the answer). After its prompt, each session applies
+what ran and evicts, exactly as alone (a check's session applies nothing: its p(yes) is read
+from the logits after its prompt). One session alone is a step of one: `Session.append_frames`,
+`Session.check` and iterating an `Answer` call `step`.
 
-Results, one per item in order: an answer's piece (a str; None once it is over) or None for
-frames, or the exception where the item failed: frames a session cannot take (`ValueError`,
-`ContextFull`; the frames before them stay appended), or a failed forward. A failed forward
-leaves every session of it as it was; an answer's token in it then runs alone, so that a fault
-of one session does not end another's answer.
+Results, one per item in order: an answer's piece (a str; None once it is over), a check's
+p(yes) (a float in [0, 1]) or None for frames, or the exception where the item failed: frames a
+session cannot take (`ValueError`, `ContextFull`; the frames before them stay appended), a check
+of a session that is answering (`ValueError`), or a failed forward. A failed forward leaves every
+session of it as it was; an answer's token or a check in it then runs alone, so that a fault of
+one session does not end another's answer.
 """
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine import runner
+from engine.check import answer_ids, p_yes, prompt_text
 
 if TYPE_CHECKING:
     from engine.answer import Answer
@@ -36,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Result = str | None | Exception
+Result = str | float | None | Exception
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,16 @@ class Frames:
     flush: bool = False  # encode the frames held back for their group too (`Session.frame_groups`)
 
 
+@dataclass(frozen=True)
+class Check:
+    """A yes/no condition about a session's video so far, scored against its cache as it is
+    (`engine/check.py`): its result is p(yes); nothing of it stays in the cache. It sees the
+    frames in the cache, not those held back for their group (`Session.frame_groups`)."""
+
+    session: "Session"
+    condition: str
+
+
 @dataclass
 class _Job:
     """One prompt of one item, and what its session does once it ran."""
@@ -56,20 +71,27 @@ class _Job:
     item: int  # the item's index in the step's work
     session: "Session"
     parts: list["Part"]
-    after: Callable[[], None]  # once the session applied what ran: its eviction, its answer's next state
+    after: Callable[[], None] = lambda: None  # once the session applied what ran: its eviction, its answer's next state
     before: Callable[[], None] = lambda: None  # checks just before it runs (raises to fail the item)
-    retry_alone: bool = False  # after a failed forward of several: run alone (an answer's token)
+    retry_alone: bool = False  # after a failed forward of several: run alone (an answer's token, a check)
+    keeps: bool = True  # False: a check's prompt, run read only; its result is p(yes), nothing is applied
 
 
-def step(work: Sequence["Answer | Frames"]) -> list[Result]:
+def step(work: Sequence["Answer | Frames | Check"]) -> list[Result]:
     """Run the work of one step; one result per item (see the module's docstring)."""
     results: list[Result] = [None] * len(work)
     plan: dict[int, list[_Job]] = {}  # per item, the prompts it still runs, in order
-    answers = [(i, item) for i, item in enumerate(work) if not isinstance(item, Frames)]
+    answers = [(i, item) for i, item in enumerate(work) if not isinstance(item, (Frames, Check))]
     for i, answer in answers:
         job = _answer_job(i, answer)
         if job is not None:
             plan[i] = [job]
+    for i, item in enumerate(work):
+        if isinstance(item, Check):
+            try:
+                plan[i] = [_check_job(i, item)]
+            except Exception as err:
+                results[i] = err
     _plan_frames([(i, item) for i, item in enumerate(work) if isinstance(item, Frames)], plan, results)
     while plan:
         round_ = []
@@ -98,13 +120,17 @@ def step(work: Sequence["Answer | Frames"]) -> list[Result]:
     return results
 
 
-def _apply(jobs: list[_Job], work: Sequence["Answer | Frames"], results: list[Result], plan: dict[int, list[_Job]]) -> None:
-    """Run the jobs as one run of the runner, then each session applies what ran; a job that
-    failed fails its item (and its further prompts)."""
+def _apply(jobs: list[_Job], work: Sequence["Answer | Frames | Check"], results: list[Result], plan: dict[int, list[_Job]]) -> None:
+    """Run the jobs as one run of the runner, then each session applies what ran (a check's
+    session nothing: its p(yes) is read); a job that failed fails its item (and its further
+    prompts)."""
     for job, ran in zip(jobs, _run(jobs), strict=True):
         try:
             if isinstance(ran, Exception):
                 raise ran
+            if not job.keeps:
+                results[job.item] = p_yes(ran.logits, answer_ids(job.session.model.tokenizer))
+                continue
             job.session.ran(job.parts, ran)
             job.after()  # the session's eviction, each its own
         except Exception as err:
@@ -135,8 +161,19 @@ def _answer_job(item: int, answer: "Answer") -> _Job | None:
     return None
 
 
-def _fail_answer(item: "Answer | Frames") -> None:
-    if not isinstance(item, Frames):
+def _check_job(item: int, check: Check) -> _Job:
+    """A check's prompt: its condition's question (user text), then the markers that close the
+    user's turn and open the assistant's, to run read only. Refused (raises) while its session
+    answers, or past its context."""
+    session, model = check.session, check.session.model
+    question = session.part(model.tokenize(prompt_text(check.condition), user=True))
+    opening = session.part(model.tokenize(model.chat.user_to_assistant))
+    session.make_check_room(question.tokens + opening.tokens)
+    return _Job(item, session, [question, opening], retry_alone=True, keeps=False)
+
+
+def _fail_answer(item: "Answer | Frames | Check") -> None:
+    if not isinstance(item, (Frames, Check)):
         item.failed()
 
 
@@ -180,12 +217,17 @@ def _appended(session: "Session", times: list[float]) -> Callable[[], None]:
     return lambda: session.appended_frames(times)
 
 
+def _prompt(job: _Job) -> runner.Prompt:
+    prompt = job.session.prompt(job.parts)
+    return prompt if job.keeps else replace(prompt, keep=False)  # a check's: read only
+
+
 def _run(jobs: list[_Job]) -> list[runner.Ran | Exception]:
     """One run of the runner over the jobs' prompts; if it fails, each job's error, or (an
     answer's token) what it gives run alone."""
     if not jobs:
         return []
-    prompts = [job.session.prompt(job.parts) for job in jobs]
+    prompts = [_prompt(job) for job in jobs]
     model = jobs[0].session.model
     try:
         return runner.run(model, prompts)
