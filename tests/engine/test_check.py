@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Session, SessionConfig, load_model, runner
+from engine import POLICIES, Session, SessionConfig, load_model, runner
 from engine.check import answer_ids, p_yes, prompt_text
 from engine.kv_pool import KVPool
 from engine.step import Check, Frames, step
@@ -60,20 +60,16 @@ def _unchanged(session: Session, before: tuple) -> None:
     assert appended == before[4]
 
 
-def _pool(model) -> KVPool:
-    return KVPool(model.num_layers, model.kv_heads, model.head_dim, 1024 // 16, 16, model.dtype, model.device)
+def _pool(model, sessions: int = 1) -> KVPool:
+    """A worker's KV pool, for `sessions` sessions of a peak of 1,024 tokens."""
+    return KVPool(model.num_layers, model.kv_heads, model.head_dim, sessions * 1024 // 16, 16, model.dtype, model.device)
 
 
-# Budgets small enough that each stream evicts (infmllm and h2o with recall: a host tier with pages)
-POLICIES = [
-    ("full", {}),
-    ("infmllm", {"recall": True, "retrieval_tokens": 64}),
-    ("h2o", {"recall": True}),
-    ("sliding", {}),
-]
+# Budgets small enough that each stream evicts; every policy that evicts with recall (a host tier with pages)
+CASES = [(policy, {} if policy == "full" else {"recall": True, "retrieval_tokens": 64}) for policy in POLICIES]
 
 
-@pytest.mark.parametrize("policy, options", POLICIES, ids=[p for p, _ in POLICIES])
+@pytest.mark.parametrize("policy, options", CASES, ids=POLICIES)
 @pytest.mark.parametrize("pooled", [False, True], ids=["own buffers", "in a pool"])
 def test_a_check_leaves_the_session_as_it_was(llava, policy, options, pooled):
     config = SessionConfig(policy=policy, budget_tokens=200, peak_tokens=1024 if pooled else None, **options)
@@ -114,25 +110,29 @@ def test_a_check_reads_what_its_prompt_run_into_the_cache_would(name):
     assert copy.cache.tokens == session.cache.tokens + question.tokens + opening.tokens
 
 
-def test_checks_in_one_step_are_each_as_alone(llava):
+@pytest.mark.parametrize("pooled", [False, True], ids=["own buffers", "in a pool"])
+def test_checks_in_one_step_are_each_as_alone(llava, pooled):
     """Checks of three sessions (caches of different lengths, one with recall) in one step with
-    another session's frames and another's answer: each p(yes) is its check's alone, the frames
-    and the answer what they are without the checks."""
+    another session's frames and another's answer (in a pool: those two written and attended
+    there, the checks beside): each p(yes) is its check's alone, the frames and the answer what
+    they are without the checks."""
+    pool = _pool(llava, 10) if pooled else None
+    peak = 1024 if pooled else None
     configs = [
-        SessionConfig(policy="infmllm", budget_tokens=200),
-        SessionConfig(policy="full"),
-        SessionConfig(policy="infmllm", budget_tokens=200, recall=True),
+        SessionConfig(policy="infmllm", budget_tokens=200, peak_tokens=peak),
+        SessionConfig(policy="full", peak_tokens=peak),
+        SessionConfig(policy="infmllm", budget_tokens=200, recall=True, peak_tokens=peak),
     ]
     conditions = [CONDITION, "someone waves", "the light is on?"]
 
     def sessions() -> list[Session]:
-        return [_streamed(llava, config, frames, seed) for seed, (config, frames) in enumerate(zip(configs, (3, 5, 9)))]
+        return [_streamed(llava, config, frames, seed, pool) for seed, (config, frames) in enumerate(zip(configs, (3, 5, 9)))]
 
     alone = [s.check(c) for s, c in zip(sessions(), conditions)]
     watched = sessions()
     before = [_state(s) for s in watched]
-    framed, framed_alone = _streamed(llava, configs[0], 4, 7), _streamed(llava, configs[0], 4, 7)
-    asked, asked_alone = _streamed(llava, configs[0], 4, 8), _streamed(llava, configs[0], 4, 8)
+    framed, framed_alone = _streamed(llava, configs[0], 4, 7, pool), _streamed(llava, configs[0], 4, 7, pool)
+    asked, asked_alone = _streamed(llava, configs[0], 4, 8, pool), _streamed(llava, configs[0], 4, 8, pool)
     answer = asked.ask("What is it?", max_new_tokens=8)
 
     results = step([*(Check(s, c) for s, c in zip(watched, conditions)), Frames(framed, _frames(2, 9), [4.0, 5.0]), answer])
