@@ -93,10 +93,6 @@ class Ingest(Protocol):
     def next_frames(self, count: int) -> "Batch":
         """Up to `count` frames, with the warnings since the last call."""
 
-    def estimate(self, covered_s: float) -> tuple[float | None, float | None]:
-        """(share in the cache, 0 to 1; seconds left to ingest) once the cache's frames cover
-        `covered_s` of video: an upload's; (None, None) for a live stream, which has no end."""
-
     def take_errors(self) -> list[tuple[str, str, str]]:
         """(code, connection, message) of the errors since the last call."""
 
@@ -158,9 +154,6 @@ class _LiveIngest:
 
     def receipt(self, kind: str) -> None:
         return None  # its frames are in no file: a snapshot must cover them first
-
-    def estimate(self, covered_s: float) -> tuple[None, None]:
-        return None, None  # a live stream has no end to estimate
 
     def hold(self, answering: bool) -> None:
         self.queue.hold(answering)

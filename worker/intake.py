@@ -38,6 +38,7 @@ from worker.ingest import Batch, FramesIngest, LiveLimits, StreamIngest, open_li
 from worker.records import RecordWriter, progress
 from worker.settings import WorkerSettings
 from worker.snapshots import Snapshots
+from worker.step_costs import CacheFill, FullStepTimes
 from worker.threads import Threads
 from worker.upload import UploadIngest
 
@@ -77,6 +78,7 @@ class MediaIntake:
         self.records = records
         self.snapshots = snapshots
         self.counters = counters
+        self.full_steps = FullStepTimes()  # what a step at a full cache took its uploads, for the next
 
     def spool(self, session_id: str) -> Path:
         return self.spool_dir / f"{session_id}.upload"
@@ -254,7 +256,7 @@ class MediaIntake:
             await self.records.event(session_id, MediaErrorEvent(code=code, message=message, connection=connection))
         if appended:
             stats = hosted.engine.stats()
-            share, eta_s = ingest.estimate(stats.video_time_s + 1 / hosted.record.fps)  # a frame covers 1 / fps
+            share, eta_s = self._estimate(hosted, stats)
             await self.records.event(
                 session_id,
                 IngestEvent(
@@ -277,6 +279,20 @@ class MediaIntake:
             await self.records.report_memory(session_id, hosted)
         if hosted.phase is Phase.SAMPLING and ingest.finished:
             await self.finish(session_id, hosted)
+
+    def _estimate(self, hosted: Hosted, stats: SessionStats) -> tuple[float | None, float | None]:
+        """An upload's share in the cache and seconds left after a step (`UploadIngest.estimate`);
+        what a step at its full cache took is kept for the next upload like it. A live stream has
+        no end to estimate."""
+        ingest, record, policy = hosted.ingest, hosted.record, hosted.engine.policy
+        if not isinstance(ingest, UploadIngest):
+            return None, None
+        key = (record.model, record.policy, record.budget_tokens, record.recall)
+        cache = CacheFill(stats.cache_tokens, stats.tokens_seen, policy.budget_tokens if policy.evicts else None)
+        covered_s = stats.video_time_s + 1 / record.fps  # a frame covers 1 / fps
+        estimate = ingest.estimate(covered_s, cache, self.full_steps.get(key))
+        self.full_steps.learn(key, ingest.full_step_s)
+        return estimate
 
     async def _context_full(self, session_id: str, hosted: Hosted, err: ContextFull) -> None:
         """The cache reached the model's context: later frames are not taken (said once)."""

@@ -2,21 +2,20 @@
 (decord, PyAV). Nothing is dropped; the worker goes as fast as it can. One `worker.ingest.Ingest`.
 
 Its progress is the video time its frames in the cache cover over the file's duration, and the
-time left is what remains at the rate (video seconds a second) of its last RATE_WINDOW_STEPS steps,
-from the moment its last byte arrived: so an estimate follows a worker that other sessions slow down.
+time left the remaining steps' seconds, from the cost of its steps measured since its last byte
+arrived (`worker.step_costs`): so an estimate follows a worker that other sessions slow down.
 """
 
 import itertools
 import time
-from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 from streamvqa.protocol import MediaEntry, MediaKind
 from worker.decode import DecodeError, FileFrames, VideoInfo, probe, sample_file
 from worker.ingest import Batch
-
-RATE_WINDOW_STEPS = 8  # steps over which the ingest rate is measured for the time left
+from worker.step_costs import CacheFill, StepCosts
 
 
 class UploadIngest:
@@ -30,18 +29,21 @@ class UploadIngest:
     frames_queued = 0
     dropped = 0
 
-    def __init__(self, spool_path: Path, fps: float, max_side: int, max_bytes: int) -> None:
+    def __init__(
+        self, spool_path: Path, fps: float, max_side: int, max_bytes: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.spool_path = spool_path
         self.fps = fps
         self.max_side = max_side
         self.max_bytes = max_bytes
+        self.clock = clock  # monotonic seconds, which its steps are timed by
         self.bytes_received = 0
         self.info: VideoInfo | None = None
         self.finished = False
         self._file: BinaryIO | None = spool_path.open("wb")
         self._sampled: FileFrames | None = None  # the file's frames, once it has ended
         self._frames = None  # those not yet taken (after a takeover, past the cache's last frame)
-        self._marks: deque[tuple[float, float]] = deque(maxlen=RATE_WINDOW_STEPS + 1)  # (monotonic s, video s covered)
+        self._costs: StepCosts | None = None  # its steps' seconds, from its end on
 
     @property
     def accepts_media(self) -> bool:
@@ -73,7 +75,7 @@ class UploadIngest:
                 raise DecodeError("the upload is empty")
             self.info = probe(self.spool_path)
             self._frames = self._sampled = sample_file(self.spool_path, self.fps, self.max_side, self.info)
-            self._marks.append((time.monotonic(), 0.0))
+            self._costs = StepCosts(self.clock(), 0.0)
         else:
             raise DecodeError(f"unexpected media entry {entry.kind!r} in an upload")
 
@@ -94,9 +96,8 @@ class UploadIngest:
             raise DecodeError("the upload was lost with the worker that held it; upload it again to a new session")
         ingest = cls.__new__(cls)
         ingest.spool_path, ingest.fps, ingest.max_side, ingest.max_bytes = spool, fps, max_side, max_bytes
-        ingest.bytes_received, ingest.info, ingest.finished = state["bytes"], None, False
-        ingest._sampled = ingest._frames = None
-        ingest._marks = deque(maxlen=RATE_WINDOW_STEPS + 1)
+        ingest.bytes_received, ingest.info, ingest.finished, ingest.clock = state["bytes"], None, False, time.monotonic
+        ingest._sampled = ingest._frames = ingest._costs = None
         with spool.open("r+b") as file:
             file.truncate(state["bytes"])  # bytes written after the snapshot come again from the media stream
         ingest._file = None if state["ended"] else spool.open("ab")
@@ -104,7 +105,7 @@ class UploadIngest:
             ingest.info = probe(spool)
             ingest._sampled = sample_file(spool, fps, max_side, ingest.info)
             ingest._frames = (f for f in ingest._sampled if after_s is None or f.time_s > after_s)
-            ingest._marks.append((time.monotonic(), after_s or 0.0))
+            ingest._costs = StepCosts(ingest.clock(), after_s or 0.0)
         return ingest
 
     def next_frames(self, count: int) -> Batch:
@@ -116,21 +117,23 @@ class UploadIngest:
             self.finished = True
         return Batch(frames)
 
-    def estimate(self, covered_s: float) -> tuple[float | None, float | None]:
-        """(share of the video in the cache, 0 to 1; seconds left) once the cache's frames cover
-        `covered_s` of video; None for what is not known yet (a file that states no duration, no
-        step measured)."""
+    def estimate(self, covered_s: float, cache: CacheFill, known_full_step_s: float | None) -> tuple[float | None, float | None]:
+        """After a step: (share of the video in the cache, 0 to 1; seconds left) once the cache's
+        frames cover `covered_s` of video and it stands at `cache`; `known_full_step_s`: what a
+        step at a full cache took the worker in an earlier upload like this one, where it knows.
+        None for what is not known yet (a file that states no duration, no step measured)."""
         duration_s = self.info.duration_s if self.info else None
-        if not duration_s:
+        if not duration_s or self._costs is None:
             return None, None
         covered_s = min(covered_s, duration_s)
-        self._marks.append((time.monotonic(), covered_s))
-        share = round(covered_s / duration_s, 4)
-        (first_s, first_covered_s), (last_s, last_covered_s) = self._marks[0], self._marks[-1]
-        if last_s <= first_s or last_covered_s <= first_covered_s:
-            return share, None
-        rate = (last_covered_s - first_covered_s) / (last_s - first_s)  # video s per s
-        return share, round((duration_s - covered_s) / rate, 1)
+        self._costs.observe(self.clock(), covered_s, cache)
+        left_s = self._costs.seconds_left(duration_s - covered_s, known_full_step_s)
+        return round(covered_s / duration_s, 4), None if left_s is None else round(left_s, 1)
+
+    @property
+    def full_step_s(self) -> float | None:
+        """What a step at a full cache takes this upload, once measured (for the worker to keep)."""
+        return self._costs.full_step_s if self._costs is not None else None
 
     def cut_short(self) -> tuple[float, float | None] | None:
         """Once every frame is taken, for a file cut part-way (its frames end well before the

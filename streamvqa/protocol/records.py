@@ -97,7 +97,8 @@ class SessionRecord(BaseModel):
         None, description="An upload's share in the cache, 0 to 1: the video time its frames cover over its duration."
     )
     ingest_eta_s: float | None = Field(
-        None, description="An upload's seconds left to ingest, at the rate observed over its last steps (None: not known yet)."
+        None, description="An upload's seconds left to ingest: its steps still to come, each at what a step costs at the "
+        "tokens its cache will hold then, and at a full cache (None: not known yet)."
     )
     context_tokens: int = Field(0, description="The most tokens the cache may hold: the model's context (0: not known).")
     context_full: bool = Field(
