@@ -9,7 +9,7 @@ from fastapi_offline import FastAPIOffline
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
-from app import asks, completions, errors, ops, routes, samples, streams
+from app import asks, completions, errors, ops, routes, samples, streams, watches
 from app.chat_media import MediaSlots
 from app.deps import rate_limit
 from app.hosts import HostCheck, allowed_names
@@ -66,6 +66,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(ops.router)
     app.include_router(routes.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
     app.include_router(asks.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
+    app.include_router(watches.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
     app.include_router(completions.router, dependencies=limited)
     app.include_router(samples.router, dependencies=limited)
     app.include_router(streams.router)

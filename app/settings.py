@@ -66,6 +66,9 @@ class GatewaySettings(CommonSettings):
     max_sessions_per_key: int = Field(
         8, ge=1, description="Live sessions one API key (or, without keys, one client address) may hold."
     )
+    max_watches_per_session: int = Field(
+        8, ge=1, le=256, description="Watches one session may have (POST /sessions/{id}/watches); each is checked every few seconds of video."
+    )
     rate_limit_per_s: float = Field(
         50.0, ge=0, description="REST requests per second per API key (or client address); 0 turns the limit off."
     )

@@ -1,7 +1,7 @@
 """A worker's engine step: parts prepared by their owners, run as one `engine.step`, then published.
 
 Each part is one kind of work of a step (questions to start: `worker.answering.Starts`; answer
-tokens: `Tokens`; frames: `worker.intake.Appending`), prepared on the loop (questions and
+tokens: `Tokens`; checks: `worker.watches.Checking`; frames: `worker.intake.Appending`), prepared on the loop (questions and
 frames taken). On the engine's thread each part gives its work (`work()`: an answer is asked
 there), and all of it runs as one engine step (`engine/step.py`: one forward for every prompt);
 back on the loop, each part publishes its own results (`publish`), or the exception that failed
@@ -12,12 +12,12 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from engine import Answer
-from engine.step import Frames, Result, step
+from engine.step import Check, Frames, Result, step
 from worker.threads import Threads
 
 
 class Part(Protocol):
-    def work(self) -> list[Answer | Frames]:
+    def work(self) -> list[Answer | Frames | Check]:
         """On the engine's thread: the part's items of the step."""
 
     async def publish(self, results: list[Result] | Exception) -> None:

@@ -24,6 +24,7 @@ from engine import Session
 from streamvqa.protocol import SessionRecord
 from worker.ingest import Batch, Ingest
 from worker.scheduler import entry_time
+from worker.watches import SessionWatches, check_tokens
 
 if TYPE_CHECKING:
     from worker.answering import AnswerRun  # which needs this module
@@ -105,6 +106,7 @@ class Hosted:
     # its ingest steps not yet reported (their events, its record): (batch, frames appended); more
     # than one only while Redis fails, and then only the last UNREPORTED_STEPS
     reports: deque[tuple[Batch, int]] = field(default_factory=lambda: deque(maxlen=UNREPORTED_STEPS))
+    watches: SessionWatches = field(default_factory=SessionWatches)  # read from Redis between steps
 
     def move(self, phase: Phase) -> None:
         """ValueError when `MOVES` does not allow it."""
@@ -189,6 +191,18 @@ class Hosted:
         return self.ingest.has_work
 
     @property
+    def check_due(self) -> bool:
+        """A watch is due a check of the video in the cache."""
+        if not self.held or self.failed or not self.watches.watches:
+            return False
+        stats = self.engine.stats()
+        return stats.frames > 0 and self.watches.due(stats.video_time_s) is not None
+
+    @property
+    def check_tokens(self) -> int:
+        return check_tokens(self.watches.due(self.engine.stats().video_time_s))
+
+    @property
     def awaits_media(self) -> bool:
         """Its ingest waits for more from a connection: an upload not ended, a live stream whose
         client has neither ended nor left."""
@@ -197,7 +211,7 @@ class Hosted:
     @property
     def busy(self) -> bool:
         """Work is queued or under way: it cannot leave the worker now."""
-        return bool(self.answer or self.questions or self.unacked or self.batch) or self.phase in INGESTING
+        return bool(self.answer or self.questions or self.unacked or self.batch) or self.phase in INGESTING or self.check_due
 
     def holding(self) -> set[bytes]:
         """The entries read and not yet acknowledged that it holds."""

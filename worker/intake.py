@@ -183,7 +183,7 @@ class MediaIntake:
         for hosted in sessions.values():
             ingest = hosted.ingest
             if hosted.batch is None and ingest is not None and ingest.frames_block and ingest.has_work and hosted.held:
-                hosted.batch = self.threads.decode_ahead(ingest.next_frames, self.settings.frames_per_step)
+                hosted.batch = self.threads.decode_ahead(ingest.next_frames, self._count(hosted))
 
     async def frames(self, work: list[tuple[str, Hosted]]) -> "Appending":
         """The frames ready for each session of a step (decoded ahead, or taken from a live
@@ -232,6 +232,15 @@ class MediaIntake:
             await self._report(session_id, hosted, *hosted.reports[0])
             hosted.reports.popleft()
 
+    def _count(self, hosted: Hosted) -> int:
+        """Frames for the session's next step: FRAMES_PER_STEP, or fewer to stop at its next
+        watch's check (`worker/watches.py`)."""
+        most, fps = self.settings.frames_per_step, hosted.record.fps
+        if not hosted.watches.watches:
+            return most
+        stats = hosted.engine.stats()
+        return hosted.watches.frames_before_check(stats.video_time_s + 1 / fps if stats.frames else 0.0, fps, most)
+
     async def _take(self, session_id: str, hosted: Hosted) -> Batch | None:
         """The frames ready for the session's step (None: its ingest failed)."""
         try:
@@ -239,7 +248,7 @@ class MediaIntake:
                 batch: Batch = await hosted.batch  # done: the scheduler chose this step for it
                 hosted.batch = None
                 return batch
-            return hosted.ingest.next_frames(self.settings.frames_per_step)
+            return hosted.ingest.next_frames(self._count(hosted))
         except DecodeError as err:
             await self.fail(session_id, hosted, str(err))
         except Exception:

@@ -15,6 +15,7 @@ The loop composes its collaborators, each a module of its own:
 - `worker.records`: the sessions' records, events and memory reports;
 - `worker.answering`: questions and their answers;
 - `worker.intake`: media into the ingests and frames into the caches;
+- `worker.watches`: the sessions' watches, their checks and firings;
 - `worker.snapshots`: when a session is snapshotted, and the files of sessions that are gone;
 - `worker.hosted`: a held session, and its phase's state machine.
 """
@@ -50,6 +51,7 @@ from worker.scheduler import Scheduler, Step
 from worker.settings import WorkerSettings
 from worker.snapshots import Snapshots, SnapshotStore, sweep
 from worker.threads import Threads
+from worker.watches import Watching
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,7 @@ class Worker:
             redis, keys, settings, self.spool_dir, live_limits, threads, records, self.snapshots, counters
         )
         self.answering = Answering(redis, keys, model, threads, records, counters)
+        self.watching = Watching(redis, keys)
         self.claims = Claims(
             redis, keys, model, settings.max_sessions, self.sessions, self._read, threads, self.leases,
             self.capacity, self.store, records, self.intake, self.answering,
@@ -168,6 +171,7 @@ class Worker:
         await self.claims.take_new(IDLE_BLOCK_MS)
         if not self.sessions:
             return
+        await self.watching.refresh(self.sessions)  # before any frames are taken: a session just taken too
         self.intake.decode_ahead(self.sessions)
         streams = self._streams_to_read()
         if not streams:  # every lease is waiting to be renewed
@@ -230,6 +234,7 @@ class Worker:
             for part in (
                 await self.answering.starts(work(step.starts)) if step.starts else None,
                 await self.answering.tokens(work(step.answers)) if step.answers else None,
+                await self.watching.checks(work(step.checks)) if step.checks else None,
                 await self.intake.frames(work(step.frames)) if step.frames else None,
             )
             if part is not None

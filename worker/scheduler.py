@@ -7,16 +7,23 @@ engine step (`engine/step.py`: one forward for all of its prompts, chunk by chun
 - `starts`: the first question waiting in each of up to `batch_sessions` sessions, the oldest
   asked first (each at most MAX_QUESTION_TOKENS and its turn's markers): its prefill and first token;
 - `answers`: one more token of every answer under way (up to `batch_sessions` of them);
+- `checks`: a check of one due watch of each of up to `batch_sessions` sessions with one due
+  (`worker/watches.py`), while the step stays within `step_tokens`;
 - `frames`: the next group of at most `frames_per_step` frames of sessions with frames ready,
   up to `batch_sessions`, while the step stays within `step_tokens`.
 
-The token budget: a start counts as MAX_QUESTION_TOKENS, an answer as one token, a session's
-frames as `frames_per_step` times the tokens one of its frames took in its cache (`frame_tokens`,
-0 before its first). Frames join a step while its count stays within `step_tokens`; the first
-session in turn always joins a step that starts no question, so frames never wait for answers.
+The token budget: a start counts as MAX_QUESTION_TOKENS, an answer as one token, a check as its
+prompt (`check_tokens`), a session's frames as `frames_per_step` times the tokens one of its
+frames took in its cache (`frame_tokens`, 0 before its first). Checks and frames join a step
+while its count stays within `step_tokens`; the first session in turn of each always joins a
+step that starts no question, so neither waits for answers.
+
+A session with a watch due is checked before it takes more frames, so that the check sees the
+video up to its time; like frames, a check waits for its session's answer and questions (it
+would fall inside the answer's turn).
 
 The rule: every question that can start goes in the next step (the oldest asked first); every
-answer under way gets a token in every step; within each of the three the sessions take turns
+answer under way gets a token in every step; within each of the others the sessions take turns
 after those that ran last, so that past `batch_sessions` every session's turn comes within
 ceil(sessions / batch_sessions) steps. A session does one thing at a time, its questions in
 order and before its media (frames never enter the cache in the middle of an answer, nor while a
@@ -39,7 +46,7 @@ from typing import Literal, Protocol
 
 from streamvqa.protocol import MAX_QUESTION_TOKENS
 
-Kind = Literal["answers", "frames"]  # work that sessions take turns at
+Kind = Literal["answers", "checks", "frames"]  # work that sessions take turns at
 DEFAULT_STEP_TOKENS = 4096
 
 
@@ -62,16 +69,25 @@ class Work(Protocol):
     def frame_tokens(self) -> int:
         """Tokens one frame took in its cache (0 before its first)."""
 
+    @property
+    def check_due(self) -> bool:
+        """One of its watches is due a check."""
+
+    @property
+    def check_tokens(self) -> int:
+        """What that check's prompt counts."""
+
 
 @dataclass(frozen=True)
 class Step:
     starts: tuple[str, ...] = ()  # in the order their questions were asked
-    answers: tuple[str, ...] = ()  # in turn order, as are frames
+    answers: tuple[str, ...] = ()  # in turn order, as are checks and frames
     frames: tuple[str, ...] = ()
+    checks: tuple[str, ...] = ()
 
     @property
     def sessions(self) -> tuple[str, ...]:
-        return self.starts + self.answers + self.frames
+        return self.starts + self.answers + self.checks + self.frames
 
 
 class Scheduler:
@@ -92,22 +108,30 @@ class Scheduler:
         starts = tuple(session_id for _, session_id in waiting[: self.batch_sessions])
         answers = tuple(self._in_turn(sessions, "answers", lambda work: work.answering)[: self.batch_sessions])
         tokens = len(starts) * MAX_QUESTION_TOKENS + len(answers)
+        free = lambda work: not work.answering and work.next_question_at is None  # noqa: E731
+        checks: list[str] = []
+        for session_id in self._in_turn(sessions, "checks", lambda work: work.check_due and free(work))[: self.batch_sessions]:
+            cost = sessions[session_id].check_tokens
+            if tokens + cost > self.step_tokens and (checks or starts):
+                break
+            checks.append(session_id)
+            tokens += cost
         frames: list[str] = []
-        ready = lambda work: work.ingest_ready and not work.answering and work.next_question_at is None  # noqa: E731
+        ready = lambda work: work.ingest_ready and free(work) and not work.check_due  # noqa: E731
         for session_id in self._in_turn(sessions, "frames", ready)[: self.batch_sessions]:
             cost = self.frames_per_step * sessions[session_id].frame_tokens
             if tokens + cost > self.step_tokens and (frames or starts):
                 break
             frames.append(session_id)
             tokens += cost
-        step = Step(starts, answers, tuple(frames))
+        step = Step(starts, answers, tuple(frames), tuple(checks))
         return step if step.sessions else None
 
     def next_step(self, sessions: Mapping[str, Work]) -> Step | None:
         """The step to run now."""
         step = self.peek(sessions)
         if step is not None:
-            for kind in ("answers", "frames"):  # starts go by the time they were asked, not in turn
+            for kind in ("answers", "checks", "frames"):  # starts go by the time they were asked, not in turn
                 if getattr(step, kind):
                     self._last[kind] = getattr(step, kind)[-1]
         return step

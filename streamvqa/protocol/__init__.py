@@ -7,6 +7,7 @@ Both sides import this package; it imports neither torch nor fastapi. One module
 - `options`: what a client chooses for a session and for each answer;
 - `records`: the session record, its states and their legal changes, memory reports, workers;
 - `events`: questions, answer and session events, stream socket messages;
+- `watches`: a session's watches, and the rule that decides when one fires;
 - `scripts`: every Lua script, each named for what it guards.
 
 `docs/protocol.md` lists every key with its owner and bound.
@@ -37,6 +38,7 @@ from streamvqa.protocol.events import (
     StateEvent,
     TokenEvent,
     WarningEvent,
+    WatchFiredEvent,
 )
 from streamvqa.protocol.keys import (
     ANSWER_MAXLEN,
@@ -107,6 +109,7 @@ from streamvqa.protocol.records import (
     check_transition,
     to_hash,
 )
+from streamvqa.protocol.watches import Firing, Watch
 
 __all__ = [
     "ANSWER_MAXLEN", "ANSWER_TTL_S", "ASKED_MAXLEN", "DEFAULT_BUDGET_TOKENS", "DEFAULT_RECENT", "DEFAULT_SINKS",
@@ -118,9 +121,9 @@ __all__ = [
     "TIME_PER_OUTPUT_TOKEN_BUCKETS_S", "REQUEUE_AFTER_S", "STREAMER_TTL_S", "TRANSITIONS",
     "Answer", "AnswerDoneEvent", "AnswerEnvelope", "AnswerErrorEvent", "AnswerEvent", "AnswerStartedEvent", "AnswerTokenEvent",
     "AskMessage", "AskOptions", "BackpressureEvent", "CloseCode", "DoneEvent", "ErrorEvent", "EventEnvelope",
-    "Evidence", "Histogram", "IngestEvent", "Keys", "MediaEntry", "MediaErrorEvent", "MediaKind", "MemoryReport", "MemorySpan",
+    "Evidence", "Firing", "Histogram", "IngestEvent", "Keys", "MediaEntry", "MediaErrorEvent", "MediaKind", "MemoryReport", "MemorySpan",
     "Policy", "PolicyOptions", "Question", "QuestionText", "Sampling", "SessionEvent", "SessionOptions", "SessionRecord",
-    "SessionState", "SessionWarning", "StartMessage", "StartedEvent", "StateEvent", "TokenEvent", "WarningEvent", "WorkerInfo",
+    "SessionState", "SessionWarning", "StartMessage", "StartedEvent", "StateEvent", "TokenEvent", "WarningEvent", "Watch", "WatchFiredEvent", "WorkerInfo",
     "check_transition", "frame_message", "parse_frame_header", "peak_cache_tokens", "reserved_device_bytes",
     "scripts", "session_peak_tokens", "to_hash",
 ]

@@ -139,6 +139,15 @@ class MediaErrorEvent(BaseModel):
     connection: str | None = Field(None, description="The stream connection it concerns (closed with 1007).")
 
 
+class WatchFiredEvent(BaseModel):
+    """A watch's condition became true (`streamvqa.protocol.watches`); sent once per firing."""
+
+    type: Literal["watch_fired"] = "watch_fired"
+    watch_id: str
+    time_s: float = Field(description="Video time of the check that fired: the time of the last frame it saw.")
+    probability: float = Field(description="p(yes) at that check, 0 to 1.")
+
+
 class StartedEvent(BaseModel):
     """The gateway's reply to a stream's `start`."""
 
@@ -162,7 +171,7 @@ class BackpressureEvent(BaseModel):
 
 
 SessionEvent = Annotated[
-    IngestEvent | StateEvent | WarningEvent | MediaErrorEvent | StartedEvent | BackpressureEvent,
+    IngestEvent | StateEvent | WarningEvent | MediaErrorEvent | WatchFiredEvent | StartedEvent | BackpressureEvent,
     Field(discriminator="type"),
 ]
 

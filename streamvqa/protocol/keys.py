@@ -113,9 +113,13 @@ class Keys:
     def sockets(self, session_id: str) -> str:
         return self._of(session_id, "sockets")
 
+    def watches(self, session_id: str) -> str:
+        """The session's watches: a hash, watch id -> the watch (`protocol.watches.Watch`) as JSON."""
+        return self._of(session_id, "watches")
+
     def session_data(self, session_id: str) -> tuple[str, ...]:
         """The keys that live and expire with a session: hash, media, questions, events, snapshot,
-        memory report, asked ids, open sockets, asked questions' text."""
+        memory report, asked ids, open sockets, asked questions' text, watches."""
         return (
             self.session(session_id),
             self.media(session_id),
@@ -126,6 +130,7 @@ class Keys:
             self.asked(session_id),
             self.sockets(session_id),
             self.asked_questions(session_id),
+            self.watches(session_id),
         )
 
     def answer(self, session_id: str, answer_id: str) -> str:

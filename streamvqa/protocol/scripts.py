@@ -267,6 +267,44 @@ return 1
 """)
 
 
+# -- a session's watches (the gateway adds and removes them, the worker checks them) ---------------
+
+# Adds a watch to a live session unless it has ARGV[1] already, with the session's TTL. KEYS = the
+# hash, the watches; ARGV = the limit, the watch id, the watch (JSON). Returns 1 when added, 0 when
+# the session has as many watches as it may, -1 when it is gone.
+ADD_WATCH_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+return 1
+"""
+# Writes a watch after a check, and its firing as an event, once: only while the session and the
+# watch live, and only when the stored watch has had ARGV[2] checks (those the check was decided
+# from) and its last check was before this one's time (a worker that took the session over and
+# checks again what another checked writes nothing). KEYS = the hash, the watches, the events
+# stream; ARGV = the watch id, its checks before, this check's video time, the watch after (JSON),
+# the `watch_fired` event ('' for none), the events' MAXLEN. Returns 1 when written, 0 when the
+# session or the watch is gone, 2 when the stored watch is not the one the check was decided from.
+RECORD_CHECK_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local stored = redis.call('HGET', KEYS[2], ARGV[1])
+if not stored then return 0 end
+local watch = cjson.decode(stored)
+if tonumber(watch['checks'] or 0) ~= tonumber(ARGV[2]) then return 2 end
+local last = watch['checked_s']
+if last ~= nil and last ~= cjson.null and tonumber(last) >= tonumber(ARGV[3]) then return 2 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
+if ARGV[5] ~= '' then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'm', ARGV[5])
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[3], ttl) end
+end
+return 1
+"""
+
+
 # -- a session's lease: the one worker that holds it (the worker) ----------------------------------
 
 # Takes a session's lease (its one worker) and names this worker in its hash, in one step, so that a

@@ -60,8 +60,8 @@ WS_EXAMPLES = settings(REST_EXAMPLES, max_examples=30)
 
 
 class Sessions:
-    """Live sessions for the fuzzed requests: one shared session with one answered question, and
-    a fresh session for each request that uses a session up (DELETE, upload)."""
+    """Live sessions for the fuzzed requests: one shared session with one answered question and
+    one watch, and a fresh session for each request that uses a session up (DELETE, upload)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -70,7 +70,20 @@ class Sessions:
         reply = self.shared.ask("What do you see?", max_new_tokens=2)
         assert reply.status_code == 200, reply.text
         self.answer_id = reply.json()["answer_id"]
+        self._watches = {self.shared.id: self.watch(self.shared)}
         self._fresh: list[Client] = []
+
+    @staticmethod
+    def watch(user: Client) -> str:
+        reply = user.http.post(f"/sessions/{user.id}/watches", json={"condition": "a bike"}, headers=user.auth)
+        assert reply.status_code == 201, reply.text
+        return reply.json()["id"]
+
+    def watch_of(self, user: Client) -> str:
+        """A watch of the user's session (made for a fresh one)."""
+        if user.id not in self._watches:
+            self._watches[user.id] = self.watch(user)
+        return self._watches[user.id]
 
     def create(self) -> Client:
         user = Client(self.url)
@@ -191,6 +204,8 @@ def _request(case, identity: str, upload: tuple[bytes, str | None], url: str, se
             case.headers = {**(case.headers or {}), **user.auth}
         if "answer_id" in case.path_parameters:
             case.path_parameters["answer_id"] = sessions.answer_id
+        if "watch_id" in case.path_parameters:
+            case.path_parameters["watch_id"] = sessions.watch_of(user)
     if identity != "generated" and case.path == "/v1/chat/completions" and isinstance(case.body, dict):
         user = sessions.shared  # named in the body: as its owner (its token as the API key) or a stranger
         case.body["session_id"] = user.id

@@ -15,6 +15,8 @@ class Work:
     answering: bool = False
     ingest_ready: bool = False
     frame_tokens: int = 0
+    check_due: bool = False
+    check_tokens: int = 100
 
 
 def test_questions_not_started_go_first_the_oldest_asked_first_beside_the_answers_under_way():
@@ -92,3 +94,22 @@ def test_nothing_to_do_is_no_step_and_peeking_takes_no_turn():
     for name, value in (("batch_sessions", 0), ("step_tokens", 0), ("frames_per_step", 0)):
         with pytest.raises(ValueError, match=name):
             Scheduler(**{"batch_sessions": 1, name: value})
+
+
+def test_a_watch_due_is_checked_before_its_session_takes_more_frames_and_never_while_it_answers():
+    sessions = {
+        "a": Work(ingest_ready=True, check_due=True),  # its check first: it sees the video up to its time
+        "b": Work(ingest_ready=True),
+        "c": Work(answering=True, check_due=True),  # a check would fall inside the answer's turn
+        "d": Work(next_question_at=(1, 0), check_due=True),
+    }
+    scheduler = Scheduler(batch_sessions=8)
+    assert scheduler.next_step(sessions) == Step(starts=("d",), answers=("c",), frames=("b",), checks=("a",))
+    sessions["a"].check_due = False
+    assert scheduler.next_step(sessions).frames == ("a", "b")
+
+
+def test_checks_take_turns_within_the_step_tokens():
+    sessions = {name: Work(check_due=True, check_tokens=1000) for name in "abcde"}
+    scheduler = Scheduler(batch_sessions=8, step_tokens=2500)
+    assert [scheduler.next_step(sessions).checks for _ in range(3)] == [("a", "b"), ("c", "d"), ("e", "a")]

@@ -1,0 +1,149 @@
+"""A held session's watches: when each is due a check, the checks a step runs, and their outcome
+written to Redis (`streamvqa/protocol/watches.py` has the watch and the rule that fires it).
+
+The gateway adds and removes watches in Redis; the worker reads a held session's watches again
+at most every REFRESH_S (`Watching.refresh`, at the start of each turn of its loop, so that a
+session just taken over knows them before its first frames). A watch is due once the cache's video
+time is `every_s` past its last check (past its creation before its first); the scheduler puts a
+check of a session with one due in a step where the session neither answers nor takes frames
+(`worker/scheduler.py`), the most overdue of its watches first, so checks see the video at their
+own times. An ingest's frames are taken up to a session's next check (`frames_before_check`), so
+that a check runs at the frame where it falls due, not a step of frames later.
+
+Each check's outcome is written by one script (scripts.RECORD_CHECK_LUA): the watch after the
+check and, when it fired, its `watch_fired` event, at once, and only if the stored watch is the
+one the check was decided from. A worker that takes the session over reads the watches Redis
+holds and checks from there: a firing is written once, and sent once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from redis.asyncio import Redis
+
+from engine.step import Check, Result
+from streamvqa import protocol
+from streamvqa.protocol import EventEnvelope, Keys, Watch, WatchFiredEvent, scripts
+from streamvqa.protocol.watches import MAX_CONDITION_CHARS
+
+if TYPE_CHECKING:
+    from worker.hosted import Hosted  # which holds a SessionWatches
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 0.5  # how often a held session's watches are read again from Redis
+CHECK_PROMPT_TOKENS = 64  # a check's prompt beside its condition (docs/engine.md: about 20 on SmolLM2)
+TIME_EPSILON_S = 1e-6
+
+
+@dataclass
+class SessionWatches:
+    """The watches of one held session, as last read from Redis or written by this worker."""
+
+    watches: dict[str, Watch] = field(default_factory=dict)
+    read_at: float = 0.0  # monotonic time they were last read
+    failed_s: dict[str, float] = field(default_factory=dict)  # a watch whose check failed: the video time of that try
+
+    def _due_s(self, watch: Watch) -> float:
+        failed_s = self.failed_s.get(watch.id)
+        return watch.due_s() if failed_s is None else max(watch.due_s(), failed_s + watch.every_s)
+
+    def due(self, video_s: float) -> Watch | None:
+        """The most overdue watch at video time `video_s`, if one is due."""
+        due = [(self._due_s(watch), watch.id) for watch in self.watches.values()]
+        due_s, watch_id = min(due, default=(math.inf, ""))
+        return self.watches[watch_id] if due_s <= video_s + TIME_EPSILON_S else None
+
+    def frames_before_check(self, next_frame_s: float, fps: float, most: int) -> int:
+        """How many of the next frames (the first at `next_frame_s`, then every 1/fps) to take
+        so that the last is the first at or past the next check's time: at most `most`. A watch
+        due now is checked before those frames (the scheduler's rule): its next check is
+        `every_s` after the video time now."""
+        now_s = next_frame_s - 1 / fps
+        due_s = min(
+            (due if (due := self._due_s(watch)) > now_s + TIME_EPSILON_S else now_s + watch.every_s
+             for watch in self.watches.values()),
+            default=math.inf,
+        )
+        if due_s == math.inf:
+            return most
+        return max(1, min(most, math.floor((due_s - next_frame_s) * fps + TIME_EPSILON_S) + 1))
+
+
+class Checking:
+    """The checks of a step, one due watch of each session; then each outcome written."""
+
+    def __init__(self, watching: Watching, work: list[tuple[str, Hosted]]) -> None:
+        self.watching = watching
+        self.items: list[tuple[str, Hosted, Watch, float]] = []  # session id, its session, the watch, the video time
+        for session_id, hosted in work:
+            video_s = hosted.engine.stats().video_time_s
+            watch = hosted.watches.due(video_s)
+            if watch is not None:
+                self.items.append((session_id, hosted, watch, video_s))
+
+    def work(self) -> list[Check]:
+        return [Check(hosted.engine, watch.condition) for _, hosted, watch, _ in self.items]
+
+    async def publish(self, results: list[Result] | Exception) -> None:
+        outcomes = [results] * len(self.items) if isinstance(results, Exception) else results
+        for (session_id, hosted, watch, video_s), outcome in zip(self.items, outcomes, strict=True):
+            if isinstance(outcome, float):
+                await self.watching.record(session_id, hosted, watch, video_s, outcome)
+            else:  # tried again `every_s` later
+                hosted.watches.failed_s[watch.id] = video_s
+                log.warning("session %s: the check of watch %s at %.1f s failed: %s", session_id, watch.id, video_s, outcome)
+
+
+class Watching:
+    """Reads the watches of the sessions a worker holds, and writes their checks' outcomes."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._record = redis.register_script(scripts.RECORD_CHECK_LUA)
+
+    async def refresh(self, sessions: Mapping[str, Hosted]) -> None:
+        """Read the watches of each held session again, at most every REFRESH_S."""
+        now = time.monotonic()
+        for session_id, hosted in sessions.items():
+            if hosted.held and now - hosted.watches.read_at >= REFRESH_S:
+                await self.read(session_id, hosted)
+
+    async def read(self, session_id: str, hosted: Hosted) -> None:
+        """The session's watches as Redis holds them now."""
+        stored = await self.redis.hgetall(self.keys.watches(session_id))
+        hosted.watches.read_at = time.monotonic()
+        hosted.watches.watches = {key.decode(): Watch.model_validate_json(value) for key, value in stored.items()}
+        hosted.watches.failed_s = {key: value for key, value in hosted.watches.failed_s.items() if key in hosted.watches.watches}
+
+    async def checks(self, work: list[tuple[str, Hosted]]) -> Checking:
+        return Checking(self, work)
+
+    async def record(self, session_id: str, hosted: Hosted, watch: Watch, time_s: float, probability: float) -> None:
+        """Write a check's outcome (and its firing, as a `watch_fired` event) unless another
+        worker wrote this watch meanwhile; then read the watches again."""
+        after, firing = watch.checked(time_s, probability)
+        event = ""
+        if firing is not None:
+            fired = WatchFiredEvent(watch_id=watch.id, time_s=firing.time_s, probability=firing.probability)
+            event = EventEnvelope(event=fired).model_dump_json()
+        keys = [self.keys.session(session_id), self.keys.watches(session_id), self.keys.events(session_id)]
+        args = [watch.id, watch.checks, after.checked_s, after.model_dump_json(), event, protocol.EVENTS_MAXLEN]
+        written = await self._record(keys=keys, args=args)
+        hosted.watches.failed_s.pop(watch.id, None)
+        if written == 1:
+            hosted.watches.watches[watch.id] = after
+        else:  # deleted, or written by another worker: what Redis holds now
+            await self.read(session_id, hosted)
+
+
+def check_tokens(watch: Watch | None) -> int:
+    """What a check counts in a step's token budget: its prompt, the condition at most a token a character."""
+    return CHECK_PROMPT_TOKENS + (len(watch.condition) if watch is not None else MAX_CONDITION_CHARS)
