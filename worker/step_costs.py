@@ -3,10 +3,11 @@
 A step's seconds (the wall time from the session's previous step, so the time the worker gives
 other sessions is in it) grow with the tokens its cache holds: a line, fitted by least squares
 over the upload's steps that left its cache below the budget. Once the cache is full every step
-evicts as well, which costs more than the line says (on a CPU, about twice a step's time): that
-is measured, over the latest RATE_WINDOW_STEPS steps, once the cache is full; before, the worker
-knows it from an earlier upload of the same model, policy, budget and recall (`FullStepTimes`);
-failing both, the line's value at the budget stands for it.
+evicts as well, which costs more than the line says (on a CPU, 1.3 to 1.9 times the last steps
+below the budget): that is measured, over the latest RATE_WINDOW_STEPS steps, once the cache is
+full; before, the worker knows it from an earlier upload of the same model, policy, budget and
+recall (`FullStepTimes`), and never takes less than the line's value at the budget (a full step
+does what any step does, and evicts), which alone stands for it where the worker knows nothing.
 
 The time left is the sum of the remaining steps' seconds, each at the tokens its cache will
 hold then: growing by the tokens a step adds (as the latest steps did), up to the budget. The
@@ -49,7 +50,7 @@ class StepCosts:
         self._seen: int | None = None
         self._cache: CacheFill | None = None
         self._window: deque[Step] = deque(maxlen=RATE_WINDOW_STEPS)
-        self._sums = [0.0] * 5  # over the steps below the budget: n, sum x, sum y, sum x^2, sum xy (x: tokens, y: s)
+        self._sums = [0.0] * 6  # over the steps below the budget: n, sum x, sum y, sum x^2, sum xy, sum y^2 (x: tokens, y: s)
 
     def observe(self, at_s: float, covered_s: float, cache: CacheFill) -> None:
         """A step ended at monotonic `at_s`, the cache's frames covering `covered_s` of video."""
@@ -60,15 +61,21 @@ class StepCosts:
         self._at_s, self._covered_s, self._seen, self._cache = at_s, covered_s, cache.tokens_seen, cache
         if not full:
             x = cache.cache_tokens
-            for i, value in enumerate((1, x, step.s, x * x, x * step.s)):
+            for i, value in enumerate((1, x, step.s, x * x, x * step.s, step.s * step.s)):
                 self._sums[i] += value
 
     def _line(self) -> tuple[float, float]:
         """(intercept s, slope s per token) of a step's seconds over the tokens it leaves in the
-        cache, below the budget; a slope under 0 (noise) is taken as 0."""
-        n, sx, sy, sxx, sxy = self._sums
-        variance = n * sxx - sx * sx
-        slope = max((n * sxy - sx * sy) / variance, 0.0) if variance > 0 else 0.0
+        cache, below the budget. A slope no more than twice its standard error, which the noise
+        of a few steps could make, is taken as 0 (extrapolated to the budget, it would count)."""
+        n, sx, sy, sxx, sxy, syy = self._sums
+        spread_x, spread_xy, spread_y = sxx - sx * sx / n, sxy - sx * sy / n, syy - sy * sy / n
+        if n < 3 or spread_x <= 0:
+            return sy / n, 0.0
+        slope = spread_xy / spread_x
+        error = math.sqrt(max(spread_y - slope * spread_xy, 0.0) / (n - 2) / spread_x)
+        if slope <= 2 * error:
+            slope = 0.0
         return (sy - slope * sx) / n, slope
 
     @property
