@@ -1,5 +1,6 @@
 """The `streamvqa` command: ask about a video file, stream a file or a camera live with a
-question every few seconds of video, and look at sessions. docs/client.md has examples.
+question every few seconds of video, watch a file or a camera for a yes/no condition, and look
+at sessions. docs/client.md has examples.
 
 Exit status: 0 when all went well, 1 when the gateway (or the way to it) failed, with its
 message on stderr, 2 for a usage error.
@@ -12,12 +13,13 @@ import contextlib
 import json
 import re
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tqdm import tqdm
 
-from streamvqa.client import Answer, Client, Session, StreamvqaError
+from streamvqa.client import Answer, Client, Session, StreamvqaError, WatchFiredEvent
 from streamvqa.client.wire import gateway_api_key, gateway_url
 
 DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)?")
@@ -25,12 +27,15 @@ DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)?")
 # gateway reports them (`ingest_progress`, `ingest_eta_s`), redrawn at each look.
 INGEST_BAR = "ingest: {percentage:3.0f}%|{bar}| {desc}"
 DURATION_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+# A new watch is checked from the video its session's worker takes after reading it, which it does
+# every 0.5 s (docs/protocol.md): the media waits this long, so that no frame goes by unwatched.
+WATCH_READ_S = 0.6
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command in ("ask", "stream"):
+    if args.command in ("ask", "stream", "watch"):
         _check_media(parser, args)
     try:
         with Client(args.url, args.api_key) as client:
@@ -87,6 +92,28 @@ def stream(client: Client, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         _print_warnings(session.info())
+    return 0
+
+
+def watch(client: Client, args: argparse.Namespace) -> int:
+    """Watch a file (uploaded) or a camera (streamed) for a yes/no condition: one line per
+    firing as it comes, and for a file, once it is all in the cache, the seconds it fired at."""
+    with _new_session(client, args) as session:
+        watched = session.watch(args.condition, every_s=args.every, threshold=args.threshold)
+        every = f"every {watched.every_s:g} s, firing at p(yes) >= {watched.threshold:g}"
+        print(f"watch {watched.id}: {watched.condition!r} {every}", file=sys.stderr)
+        time.sleep(WATCH_READ_S)
+        if args.camera:
+            session.stream_camera(args.camera, fps=args.fps, on_event=_print_firing_event)
+            return 0
+        with _bar(unit="B", unit_scale=True, unit_divisor=1024, desc="upload") as bar:
+            session.upload(args.video, progress=lambda sent, total: _advance(bar, sent, total))
+        fired = []
+        for firing in session.firings(watched.id):
+            _print_firing(firing)
+            fired.append(firing)
+        _print_warnings(session.info())
+        print("fired: " + (", ".join(f"{firing.time_s:.1f} s" for firing in fired) or "never"))
     return 0
 
 
@@ -201,6 +228,15 @@ def _print_answer_line(answer: Answer) -> None:
     print(f"[t={answer.video_time_s:.1f}s] {' '.join(answer.answer.split())}", flush=True)
 
 
+def _print_firing(firing: WatchFiredEvent) -> None:
+    print(f"{firing.time_s:.1f} s  p={firing.probability:.2f}", flush=True)
+
+
+def _print_firing_event(event: dict) -> None:
+    if event["type"] == "watch_fired":
+        _print_firing(WatchFiredEvent.model_validate(event))
+
+
 def _evidence(answer: Answer) -> str:
     frames = ", ".join(f"{e.time_s:.1f}s ({e.weight:.2f})" for e in answer.evidence)
     recalled = f"; recalled from the host tier: {_seconds(answer.recalled_s)}" if answer.recalled_s else ""
@@ -226,8 +262,8 @@ def _duration_s(text: str) -> float:
 
 
 def _check_media(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.command == "stream":
-        if args.every and not args.question:
+    if args.command in ("stream", "watch"):
+        if args.command == "stream" and args.every and not args.question:
             parser.error("--every needs a --question")
         if args.camera and args.video:
             parser.error("give a VIDEO or --camera, not both")
@@ -256,25 +292,39 @@ def _parser() -> argparse.ArgumentParser:
         "--recall", action=argparse.BooleanOptionalAction,
         help="keep what the cache evicts in a host tier; questions bring back what they need (the default for a policy that evicts)",
     )
-    options.add_argument("--max-new-tokens", type=int, default=64, help="the longest answer (default %(default)s)")
-    options.add_argument("--temperature", type=float, help="0 (greedy, the default) to 2: higher draws more freely")
-    options.add_argument("--top-p", type=float, help="draw among the likeliest tokens whose probabilities reach this")
-    options.add_argument("--top-k", type=int, help="draw among the k likeliest tokens")
-    options.add_argument("--seed", type=int, help="the same seed gives the same answer on the same video")
-    options.add_argument("--stop", action="append", help="end the answer before this text (repeat for more, up to 4)")
     options.add_argument("--keep", action="store_true", help="keep the session and print its id and token")
+    answers = argparse.ArgumentParser(add_help=False)  # how answers are made
+    answers.add_argument("--max-new-tokens", type=int, default=64, help="the longest answer (default %(default)s)")
+    answers.add_argument("--temperature", type=float, help="0 (greedy, the default) to 2: higher draws more freely")
+    answers.add_argument("--top-p", type=float, help="draw among the likeliest tokens whose probabilities reach this")
+    answers.add_argument("--top-k", type=int, help="draw among the k likeliest tokens")
+    answers.add_argument("--seed", type=int, help="the same seed gives the same answer on the same video")
+    answers.add_argument("--stop", action="append", help="end the answer before this text (repeat for more, up to 4)")
 
-    command = _command(commands, "ask", ask, "upload a video, then ask about it", [options])
+    command = _command(commands, "ask", ask, "upload a video, then ask about it", [options, answers])
     command.add_argument("video", metavar="VIDEO")
     command.add_argument("--question", "-q", action="append", required=True, help="a question (repeat for more)")
 
     summary = "stream a video file or a camera live, asking as it plays"
-    command = _command(commands, "stream", stream, summary, [options])
+    command = _command(commands, "stream", stream, summary, [options, answers])
     command.add_argument("video", metavar="VIDEO", nargs="?")
     command.add_argument("--camera", metavar="DEVICE", help="a camera, not a file: /dev/video0 (Linux), 0 (macOS)")
     command.add_argument("--question", "-q", help="asked every --every seconds of video, and at the end")
     command.add_argument("--every", type=_duration_s, metavar="DURATION", help="e.g. 10s (without it: only at the end)")
     command.add_argument("--speed", type=float, default=1.0, help="times faster than real time (default %(default)s)")
+
+    summary = "watch a video file or a camera for a yes/no condition, with a line each time it becomes true"
+    command = _command(commands, "watch", watch, summary, [options])
+    command.add_argument("video", metavar="VIDEO", nargs="?")
+    command.add_argument("condition", metavar="CONDITION", help="e.g. 'a red circle is visible'")
+    command.add_argument("--camera", metavar="DEVICE", help="a camera, not a file: /dev/video0 (Linux), 0 (macOS)")
+    command.add_argument(
+        "--every", type=_duration_s, metavar="DURATION",
+        help="video between two checks, at least the frame interval (default: the gateway's, 2s)",
+    )
+    command.add_argument(
+        "--threshold", type=float, metavar="P", help="p(yes) at or above which it fires, in (0, 1] (default: the gateway's, 0.5)"
+    )
 
     _command(commands, "sessions", sessions, "list your sessions (of your API key; without keys, of your address where "
              "the gateway sets ADDRESS_OWNS_SESSIONS)")

@@ -1,5 +1,6 @@
 """A Python client for the streamvqa gateway: sessions, uploads, questions (whole or streamed),
-and live `frames` streams with questions on the socket. docs/client.md shows it at work.
+watches and their firings, and live `frames` streams with questions on the socket. docs/client.md
+shows it at work.
 
     from streamvqa.client import Client
 
@@ -14,7 +15,7 @@ as frames also needs PyAV and Pillow (`pip install 'streamvqa[worker]'`).
 
 from streamvqa.client.aio import AsyncAnswerStream, AsyncClient, AsyncSession
 from streamvqa.client.frames import camera_frames, file_frames
-from streamvqa.client.models import Answer, Evidence, StreamResult, StreamvqaError
+from streamvqa.client.models import Answer, Evidence, StreamResult, StreamvqaError, Watch, WatchFiredEvent
 from streamvqa.client.sync import AnswerStream, Client, Session
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "Session",
     "StreamResult",
     "StreamvqaError",
+    "Watch",
+    "WatchFiredEvent",
     "camera_frames",
     "file_frames",
 ]

@@ -16,7 +16,7 @@ from websockets.exceptions import ConnectionClosed
 from streamvqa.client import frames as media
 from streamvqa.client import wire
 from streamvqa.client.live import AnswerHandler, EventHandler, LiveStream, Pacer
-from streamvqa.client.models import Answer, StreamResult, StreamvqaError
+from streamvqa.client.models import Answer, StreamResult, StreamvqaError, Watch, WatchFiredEvent
 from streamvqa.client.sse import SseDecoder, answer_event
 from streamvqa.protocol import frame_message
 
@@ -115,6 +115,47 @@ class AsyncSession:
 
     async def memory(self) -> dict:
         return (await self._call("GET", "/memory")).json()
+
+    async def watch(self, condition: str, every_s: float | None = None, threshold: float | None = None) -> Watch:
+        reply = await self._call("POST", "/watches", 201, json=wire.watch_body(condition, every_s, threshold))
+        return Watch.model_validate(reply.json())
+
+    async def watches(self) -> list[Watch]:
+        return [Watch.model_validate(watch) for watch in (await self._call("GET", "/watches")).json()["watches"]]
+
+    async def unwatch(self, watch_id: str) -> None:
+        try:
+            await self._call("DELETE", f"/watches/{watch_id}", 204)
+        except StreamvqaError as err:
+            if err.code != "watch_not_found":
+                raise
+
+    async def events(self, since: str | None = "0") -> AsyncIterator[dict]:
+        """See `Session.events`."""
+        headers = {**wire.bearer(self.token), **wire.SSE_HEADERS}
+        following = self.client.http.stream("GET", f"{self._path}/events", params=wire.events_params(since), headers=headers)
+        with wire.transport_errors(self.client.base_url):
+            async with following as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    wire.checked(response)
+                decoder = SseDecoder()
+                async for line in response.aiter_lines():
+                    if (event := decoder.feed(line)) is None:
+                        continue
+                    body = event.json()
+                    if body.get("type") == "gone":
+                        return
+                    yield body
+
+    async def firings(self, watch_id: str | None = None) -> AsyncIterator[WatchFiredEvent]:
+        """See `Session.firings`: `async for fired in session.firings()`."""
+        async for event in self.events():
+            if wire.ends_media(event):
+                wire.ingest_finished(await self.info())  # raises for media that failed
+                return
+            if fired := wire.firing(event, watch_id):
+                yield fired
 
     async def delete(self) -> None:
         try:

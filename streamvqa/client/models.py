@@ -1,4 +1,5 @@
-"""What the client returns and raises: answers, live-stream results, and the one error type."""
+"""What the client returns and raises: answers, watches and their firings, live-stream results,
+and the one error type."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import httpx
 from pydantic import ConfigDict
 
 from streamvqa import protocol
-from streamvqa.protocol import Evidence  # an answer's evidence, as the client exports it
+# an answer's evidence, a watch (with its `fired` list) and one firing, as the client exports them
+from streamvqa.protocol import Evidence, Watch, WatchFiredEvent
 
 # Why a stream socket was closed, as an error `code` (docs/streaming.md, "Close codes").
 CLOSE_CODES = {

@@ -15,7 +15,7 @@ from websockets.sync.client import ClientConnection, connect
 from streamvqa.client import frames as media
 from streamvqa.client import wire
 from streamvqa.client.live import AnswerHandler, EventHandler, LiveStream, Pacer
-from streamvqa.client.models import Answer, StreamResult, StreamvqaError
+from streamvqa.client.models import Answer, StreamResult, StreamvqaError, Watch, WatchFiredEvent
 from streamvqa.client.sse import SseDecoder, answer_event
 from streamvqa.protocol import frame_message
 
@@ -133,6 +133,60 @@ class Session:
         spans of video time with the tokens seen, held and in the host tier for each
         (`GET /sessions/{id}/memory`)."""
         return self._call("GET", "/memory").json()
+
+    def watch(self, condition: str, every_s: float | None = None, threshold: float | None = None) -> Watch:
+        """Watch the video for a yes/no condition: from the session's video time now on, every
+        `every_s` seconds of video (default 2) its worker scores p(yes), and the watch fires when
+        it reaches `threshold` (default 0.5), once per episode (docs/api.md, "Watches"). Its
+        firings come from `firings()`, and stay in the watch's `fired`."""
+        reply = self._call("POST", "/watches", 201, json=wire.watch_body(condition, every_s, threshold))
+        return Watch.model_validate(reply.json())
+
+    def watches(self) -> list[Watch]:
+        """The session's watches, oldest first, each with its firings and its last check."""
+        return [Watch.model_validate(watch) for watch in self._call("GET", "/watches").json()["watches"]]
+
+    def unwatch(self, watch_id: str) -> None:
+        """Stop a watch and forget its firings (their events stay); a gone watch is no error."""
+        try:
+            self._call("DELETE", f"/watches/{watch_id}", 204)
+        except StreamvqaError as err:
+            if err.code != "watch_not_found":
+                raise
+
+    def events(self, since: str | None = "0") -> Iterator[dict]:
+        """The session's events as they come (`GET /sessions/{id}/events`: `ingest`, `state`,
+        `warning`, `error`, `watch_fired`), each a dict with its `type`: from the first it keeps
+        (`since="0"`, the last 1000) or only new ones (None). Ends when the session is deleted or
+        expires; leave the loop to stop sooner."""
+        headers = {**wire.bearer(self.token), **wire.SSE_HEADERS}
+        params = wire.events_params(since)
+        with (
+            wire.transport_errors(self.client.base_url),
+            self.client.http.stream("GET", f"{self._path}/events", params=params, headers=headers) as response,
+        ):
+            if response.status_code != 200:
+                response.read()
+                wire.checked(response)
+            decoder = SseDecoder()
+            for line in response.iter_lines():
+                if (event := decoder.feed(line)) is None:
+                    continue
+                body = event.json()
+                if body.get("type") == "gone":
+                    return
+                yield body
+
+    def firings(self, watch_id: str | None = None) -> Iterator[WatchFiredEvent]:
+        """The firings of the session's watches (of `watch_id` alone, if given) as they come, from
+        the first, until the session's media is all in the cache: an upload's end, a live stream's
+        end. StreamvqaError (`session_error`) when its media failed."""
+        for event in self.events():
+            if wire.ends_media(event):
+                wire.ingest_finished(self.info())  # raises for media that failed
+                return
+            if fired := wire.firing(event, watch_id):
+                yield fired
 
     def delete(self) -> None:
         """Forget the session (its worker frees its memory); deleting a gone session is no error."""

@@ -12,7 +12,7 @@ from typing import IO, Any, TypedDict
 import httpx
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from streamvqa.client.models import StreamvqaError
+from streamvqa.client.models import StreamvqaError, WatchFiredEvent
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 300.0  # the gateway's own ASK_TIMEOUT_S: an answer may take this long
@@ -73,6 +73,32 @@ class SamplingOptions(TypedDict, total=False):
 def ask_body(question: str, max_new_tokens: int, stream: bool = False, **sampling: Any) -> dict[str, Any]:
     chosen = {name: value for name, value in sampling.items() if value is not None}
     return {"question": question, "max_new_tokens": max_new_tokens, **chosen, **({"stream": True} if stream else {})}
+
+
+def watch_body(condition: str, every_s: float | None, threshold: float | None) -> dict[str, Any]:
+    """The body of `POST /sessions/{id}/watches`; each option left at None keeps the gateway's
+    default (every_s 2, threshold 0.5)."""
+    options = {"every_s": every_s, "threshold": threshold}
+    return {"condition": condition, **{name: value for name, value in options.items() if value is not None}}
+
+
+def events_params(since: str | None) -> dict[str, str]:
+    return {"since": since} if since else {}
+
+
+def firing(event: dict, watch_id: str | None) -> WatchFiredEvent | None:
+    """A session event as a firing of the watch `watch_id` (of any watch when None); None for
+    any other event."""
+    if event.get("type") != "watch_fired" or watch_id not in (None, event.get("watch_id")):
+        return None
+    return WatchFiredEvent.model_validate(event)
+
+
+def ends_media(event: dict) -> bool:
+    """Whether a session event says its media is all in the cache (`state` ingested) or failed
+    (`error` session_error): the end of an upload's or a live stream's firings."""
+    kind = event.get("type")
+    return (kind == "state" and event.get("state") == "ingested") or (kind == "error" and event.get("code") == "session_error")
 
 
 def checked(response: httpx.Response, *expected: int) -> httpx.Response:

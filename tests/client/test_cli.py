@@ -142,6 +142,23 @@ def test_stream_plays_a_file_live_and_answers_every_few_seconds_of_video(stack):
     assert "streamed 10 frames: 10 in the cache up to 9.0 s, 0 dropped" in run.stderr
 
 
+def test_watch_uploads_a_file_prints_each_firing_as_it_comes_then_the_seconds_it_fired_at(stack):
+    """The tiny random model's p(yes) is arbitrary but never near 0 nor 1: at a threshold of 1e-6
+    the condition always holds (it fires once, at its first check), at 1 it never does."""
+    watching = ["--fps", "1", "--every", "2s"]
+    run = streamvqa("watch", str(BIKES), "a bike is visible", *watching, "--threshold", "1e-6", url=stack.url)
+    assert run.returncode == 0, run.stderr
+    firing, summary = run.stdout.splitlines()
+    assert re.fullmatch(r"2\.0 s  p=0\.\d\d", firing), firing  # checks at 2, 4, 6 and 8 s of its 0..9 s
+    assert summary == "fired: 2.0 s"
+    watch_line = re.search(r"^watch [0-9a-f]{32}: 'a bike is visible' every 2 s, firing at p\(yes\) >= 1e-06$", run.stderr, re.M)
+    assert watch_line, run.stderr
+    assert session_is_gone(stack.url, re.search(r"^session ([0-9a-f]{32})$", run.stderr, re.M)[1])
+
+    never = streamvqa("watch", str(CARPHONE), "a bike is visible", "--threshold", "1", url=stack.url)
+    assert (never.returncode, never.stdout) == (0, "fired: never\n"), never.stderr
+
+
 def test_ask_about_a_file_cut_short_warns_on_stderr_and_answers_about_what_it_has(stack, tmp_path):
     whole = tmp_path / "whole.mp4"
     cut = tmp_path / "cut.mp4"
@@ -193,6 +210,9 @@ def test_usage_errors_exit_2():
         (["stream", "-q", "hi"], "give a VIDEO file or --camera DEVICE"),
         (["stream", str(BIKES), "--every", "5s"], "--every needs a --question"),
         (["stream", str(BIKES), "--every", "soon", "-q", "hi"], "not a duration: 'soon'"),
+        (["watch", "a bike is visible"], "give a VIDEO file or --camera DEVICE"),
+        (["watch", str(BIKES), "a bike", "--camera", "0"], "give a VIDEO or --camera, not both"),
+        (["watch", str(BIKES), "a bike", "--every", "soon"], "not a duration: 'soon'"),
         (["info", "abc"], "required: --token"),
     ]:
         run = streamvqa(*args)

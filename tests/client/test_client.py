@@ -22,6 +22,10 @@ from tests.support import sample_video
 BIKES = sample_video("bikes.mp4")  # 10 s at 25 fps, 509,868 bytes
 BIKES_TIMES = [float(t) for t in range(10)]  # its frames at fps 1
 CARPHONE = sample_video("carphone_pristine.mp4")  # 4 frames at fps 1, the last at 3.003 s
+# The tiny random model's p(yes) is arbitrary but never near 0 nor 1: a watch at ALWAYS fires once,
+# at its first check, and is never armed again; one at NEVER never fires (tests/app/test_watches.py).
+ALWAYS, NEVER = 1e-6, 1.0
+WATCH_READ_S = 0.7  # the worker reads a session's watches every 0.5 s
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +148,37 @@ def test_failures_raise_one_error_type_with_status_and_code(api, bikes):
     doomed.delete()  # deleting it again is no error
 
 
+def test_watches_fire_as_an_upload_goes_in_and_are_listed_and_removed(api):
+    with api.create_session(fps=1) as session:
+        always = session.watch("a bike is visible", every_s=2, threshold=ALWAYS)
+        never = session.watch("a bike is visible", threshold=NEVER)
+        assert (always.every_s, always.threshold, always.created_video_s, always.fired) == (2.0, ALWAYS, 0.0, [])
+        assert (never.every_s, never.threshold) == (2.0, NEVER)  # the gateway's default every_s
+        time.sleep(WATCH_READ_S)
+        session.upload(BIKES)  # frames at 0..9 s: checks at 2, 4, 6 and 8 s
+        fired = list(session.firings())
+        assert [(f.watch_id, f.time_s) for f in fired] == [(always.id, 2.0)]
+        assert ALWAYS <= fired[0].probability < 1
+        watches = session.watches()
+        assert [(w.id, [f.time_s for f in w.fired]) for w in watches] == [(always.id, [2.0]), (never.id, [])]
+        assert watches[0].fired[0].probability == fired[0].probability
+        session.unwatch(never.id)
+        session.unwatch(never.id)  # a gone watch is no error
+        assert [w.id for w in session.watches()] == [always.id]
+        with pytest.raises(StreamvqaError) as refused:
+            session.watch("a bike is visible", every_s=0.5)  # under the 1 s frame interval
+        assert (refused.value.status, refused.value.code) == (422, "invalid_request")
+
+
+def test_firings_of_a_session_whose_media_failed_raise(api):
+    with api.create_session(fps=1) as session:
+        session.watch("a bike is visible", threshold=ALWAYS)
+        session.upload(io.BytesIO(b"not a video at all\n" * 100))
+        with pytest.raises(StreamvqaError) as failed:
+            list(session.firings())
+    assert (failed.value.status, failed.value.code) == (None, "session_error")
+
+
 def test_frames_stream_in_and_are_sampled_at_the_session_fps(api):
     events = []
     with api.create_session(fps=1) as session:
@@ -216,6 +251,16 @@ def test_the_async_client_does_the_same(stack):
                 assert (result.frames_sent, result.frames_ingested, result.video_time_s) == (5, 5, 4.0)
                 assert result.answers[-1].video_time_s == 4.0
                 assert all(a.video_time_s >= 2.0 for a in result.answers)
+
+            async with await api.create_session(fps=1) as watched:
+                always = await watched.watch("a phone", every_s=1, threshold=ALWAYS)
+                never = await watched.watch("a phone", every_s=1, threshold=NEVER)
+                await asyncio.sleep(WATCH_READ_S)
+                await watched.upload(CARPHONE)  # frames at 0, 1.001, 2.002 and 3.003 s (29.97 frames/s)
+                assert [(f.watch_id, f.time_s) async for f in watched.firings()] == [(always.id, 1.001)]
+                assert [w.id for w in await watched.watches()] == [always.id, never.id]
+                await watched.unwatch(always.id)
+                assert [(w.id, w.fired) for w in await watched.watches()] == [(never.id, [])]
 
             async with await api.create_session(fps=1) as played:
                 result = await played.stream_file(CARPHONE, speed=None, question="Where?")
