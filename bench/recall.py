@@ -120,11 +120,11 @@ def restored(model, snapshot: bytes, recall: bool, pool: KVPool | None = None) -
 
 def ask(model, snapshot: bytes, stream: Stream, places: list[range], recall: bool, answer_tokens: int,
         pool: KVPool | None = None) -> list[dict]:
-    """Each question from a fresh copy of the streamed session."""
+    """Each question from a fresh copy of the streamed session, and where its fact was when the answer began."""
     results = []
     for fact, where in zip(stream.facts, places, strict=True):
         session = restored(model, snapshot, recall, pool)
-        results.append(asked(session, fact, answer_tokens, stream.facts, where))
+        results.append(asked(session, fact, answer_tokens, stream.facts, where, retention.whereabouts))
         session.release()
     return results
 
@@ -260,7 +260,8 @@ def _verbose(verbose: bool, policy: str, recall: bool | None, stream: Stream, re
         for fact, result in zip(stream.facts, results, strict=True):
             emit(run=policy, recall=recall, tokens=stream.tokens, question=fact.question, expected=fact.number,
                  answer=result["answer"], right=result["right"],
-                 wrong_fact=result["wrong_fact"], fact_held=round(result["fact_held"], 3))
+                 wrong_fact=result["wrong_fact"], fact_held=round(result["fact_held"], 3),
+                 **{name: round(result[name], 3) for name in retention.WHERE if name in result})
 
 
 if __name__ == "__main__":
