@@ -2,9 +2,7 @@
 the memory view, errors, and a phone-sized screen. The default model has random weights, so the
 tests assert an answer's shape (text, evidence chips, timings), never its words."""
 
-import os
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -12,100 +10,9 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.e2e.dashboard import ARTIFACTS, create_session, field, screenshot, upload
 from tests.media import cut_before_frame, faststart_mp4
 from tests.support import Client, running_stack, sample_video
-
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-TIMEOUT_MS = 30_000
-
-
-def _chromium() -> str | None:
-    return os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-@pytest.fixture(scope="module")
-def playwright():
-    if _chromium() is None:
-        pytest.skip("no Chromium found (install Debian's `chromium`, or set CHROMIUM); .ci/run installs it")
-    playwright_api = pytest.importorskip("playwright.sync_api")
-    with playwright_api.sync_playwright() as playwright:
-        yield playwright
-
-
-@pytest.fixture
-def launch(playwright, stack):
-    """launch(extra_args, viewport, permissions, url) -> a page on the dashboard (of `stack`, or of
-    the gateway at `url`); fails the test on a JavaScript error in the page."""
-    browsers, errors = [], []
-
-    def open_page(extra_args=(), viewport=(1280, 800), permissions=(), url=None):
-        browser = playwright.chromium.launch(executable_path=_chromium(), args=[*CHROMIUM_ARGS, *extra_args])
-        browsers.append(browser)
-        context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
-        if permissions:
-            context.grant_permissions(list(permissions), origin=url or stack.url)
-        page = context.new_page()
-        page.set_default_timeout(TIMEOUT_MS)
-        page.on("pageerror", lambda error: errors.append(str(error)))
-        page.goto(url or stack.url)
-        return page
-
-    yield open_page
-    for browser in browsers:
-        browser.close()
-    assert errors == [], f"JavaScript errors in the page: {errors}"
-
-
-@pytest.fixture
-def page(launch):
-    return launch()
-
-
-def screenshot(page, name: str) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / name), full_page=True)
-
-
-def create_session(
-    page,
-    policy: str | None = None,
-    budget: int | None = None,
-    fps: float | None = None,
-    recall: bool | None = None,
-    host_budget: int | None = None,
-) -> None:
-    page.wait_for_selector("#model option[value='tiny-random-llava']", state="attached")
-    if policy:
-        page.select_option("#policy", policy)
-    if budget:
-        page.fill("#budget", str(budget))
-    if fps:
-        page.fill("#fps", str(fps))
-    if recall is not None:
-        page.get_by_label("Recall").set_checked(recall)
-    if host_budget:
-        page.fill("#host-budget", str(host_budget))
-    page.get_by_role("button", name="Create session").click()
-    page.wait_for_selector("#session-line:has-text('Session ')")
-    page.wait_for_selector("#connection[data-state='live']")
-
-
-def upload(page, path: Path) -> None:
-    page.set_input_files("#file", str(path))
-    page.get_by_role("button", name="Upload").click()
-
-
-def field(page, name: str) -> str:
-    return page.text_content(f"#status [data-field='{name}']")
 
 
 def frames_ingested(page) -> int:
