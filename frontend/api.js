@@ -108,6 +108,21 @@ export class Session {
     await call(this.path, { method: "DELETE", token: this.token });
   }
 
+  /** `GET /sessions/{id}/watches`: {watches: [...] oldest first, each with its `fired`, max_watches}. */
+  async watches() {
+    return (await call(`${this.path}/watches`, { token: this.token })).json();
+  }
+
+  /** `POST /sessions/{id}/watches`: the watch as created (422 for a bad field, 429 `too_many_watches`). */
+  async watch(condition, every_s, threshold) {
+    const json = { condition, every_s, threshold };
+    return (await call(`${this.path}/watches`, { method: "POST", token: this.token, json })).json();
+  }
+
+  async unwatch(watchId) {
+    await call(`${this.path}/watches/${encodeURIComponent(watchId)}`, { method: "DELETE", token: this.token });
+  }
+
   /** Upload a file with XMLHttpRequest (fetch reports no upload progress); onProgress(sent, total).
    *  Resolves with {bytes}; rejects with an ApiError. */
   upload(file, onProgress) {
@@ -141,7 +156,7 @@ export class Session {
     return this.events(`${this.path}/answers/${answerId}`, onEvent, onStatus, (name) => name === "done" || name === "error");
   }
 
-  /** The session's events (`ingest`, `state`, `warning`, `error`, `gone`), resumed after a drop. */
+  /** The session's events (`ingest`, `state`, `warning`, `error`, `watch_fired`, `gone`), resumed after a drop. */
   sessionEvents(onEvent, onStatus) {
     return this.events(`${this.path}/events`, onEvent, onStatus, (name) => name === "gone");
   }

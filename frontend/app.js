@@ -10,6 +10,7 @@ import { CachePlot } from "./plot.js";
 import { Stage } from "./preview.js";
 import { SessionList } from "./sessions.js";
 import { FrameStreamer, openCapture } from "./source.js";
+import { Watches } from "./watches.js";
 
 const $ = (selector) => document.querySelector(selector);
 const fields = (name) => document.querySelectorAll(`[data-field="${name}"]`);
@@ -118,6 +119,15 @@ const conversation = new Conversation({
   },
 });
 stage.onTime = (time_s) => memory.setPlayhead(time_s);
+const watches = new Watches({
+  form: $("#watch-form"),
+  hint: $("#watch-hint"),
+  list: $("#watch-list"),
+  marks: $("#watch-marks"),
+  toast: { element: $("#watch-toast"), text: $("#watch-toast-text"), show: $("#watch-toast-show"), dismiss: $("#watch-toast-dismiss") },
+  onSeek: (time_s) => stage.seek(time_s),
+  onError: showError,
+});
 const owned = new SessionList({
   list: $("#session-list"),
   empty: $("#sessions-empty"),
@@ -328,6 +338,7 @@ function attach(session, record, restored = false) {
   ui.sessionLine.textContent = `Session ${session.id.slice(0, 8)}`;
   ui.sessionLine.title = session.id;
   conversation.use(session);
+  watches.use(session, record.fps);
   if (restored) {
     conversation.restore(session).catch((err) => {
       if (session === state.session) showError(`The conversation could not be loaded: ${err.message}.`);
@@ -362,6 +373,7 @@ function detach(message) {
   sessionStorage.removeItem(STORAGE_KEY);
   owned.setCurrent(null);
   conversation.use(null);
+  watches.use(null);
   memory.clear();
   plot.forget();
   stage.clear();
@@ -390,6 +402,7 @@ async function poll(session) {
     if (record.media) {
       const report = await session.memory();
       memory.render(report);
+      watches.setScale(memory.total_s);
       plot.setReport(report);
     }
     setLink("poll", "ok");
@@ -438,6 +451,8 @@ function onSessionEvent(name, data) {
     ui.sourceStatus.textContent = `Note: ${data.message}`;
   } else if (name === "error" && data.code !== "session_error") {
     showError(`The video could not be read: ${data.message}`);
+  } else if (name === "watch_fired") {
+    watches.fired(data);
   } else if (name === "gone") {
     lost({ message: data.message });
   }
@@ -484,6 +499,7 @@ function renderRecord(record) {
   }
   ui.timeline.dataset.seekable = String(stage.seekable);
   if (record) conversation.refuse(askRefusal(r));
+  if (record) watches.refuse(watchRefusal(r));
   updateSources();
 }
 
@@ -491,6 +507,15 @@ function renderRecord(record) {
 function askRefusal(r) {
   if (r.state === "error") return "The session failed: it takes no questions. Start a new session.";
   if (!r.frames_ingested) return "No video yet: upload a file or start the camera, then ask.";
+  return null;
+}
+
+/** Why no watch can be added now, or null: a watch is checked only on video that comes after it. */
+function watchRefusal(r) {
+  if (r.state === "error") return "The session failed: it has no video to watch.";
+  if (r.media === "upload" && r.state === "ingested") {
+    return "The file is all in: a watch added now would have no video left to check. Add watches before uploading.";
+  }
   return null;
 }
 
