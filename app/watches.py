@@ -89,7 +89,8 @@ async def get_watch(session: AuthorizedSession, watch_id: str, redis: RedisDep, 
 @router.delete("/sessions/{session_id}/watches/{watch_id}", status_code=status.HTTP_204_NO_CONTENT)
 async def delete_watch(session: AuthorizedSession, watch_id: str, redis: RedisDep, keys: KeysDep) -> None:
     """Stop the watch and forget its firings (its events stay in the session's events)."""
-    if not await redis.hdel(keys.watches(session.id), watch_id):
+    delete = redis.register_script(scripts.DELETE_WATCH_LUA)
+    if not await delete(keys=[keys.session(session.id), keys.watches(session.id)], args=[watch_id]):
         raise _no_watch(watch_id)
 
 

@@ -13,7 +13,6 @@ import contextlib
 import json
 import re
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,10 +26,6 @@ DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)?")
 # gateway reports them (`ingest_progress`, `ingest_eta_s`), redrawn at each look.
 INGEST_BAR = "ingest: {percentage:3.0f}%|{bar}| {desc}"
 DURATION_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-# A new watch is checked from the video its session's worker takes after reading it, which it does
-# every 0.5 s (docs/protocol.md): the media waits this long, so that no frame goes by unwatched.
-WATCH_READ_S = 0.6
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
@@ -102,7 +97,6 @@ def watch(client: Client, args: argparse.Namespace) -> int:
         watched = session.watch(args.condition, every_s=args.every, threshold=args.threshold)
         every = f"every {watched.every_s:g} s, firing at p(yes) >= {watched.threshold:g}"
         print(f"watch {watched.id}: {watched.condition!r} {every}", file=sys.stderr)
-        time.sleep(WATCH_READ_S)
         if args.camera:
             session.stream_camera(args.camera, fps=args.fps, on_event=_print_firing_event)
             return 0

@@ -171,7 +171,6 @@ class Worker:
         await self.claims.take_new(IDLE_BLOCK_MS)
         if not self.sessions:
             return
-        await self.watching.refresh(self.sessions)  # before any frames are taken: a session just taken too
         self.intake.decode_ahead(self.sessions)
         streams = self._streams_to_read()
         if not streams:  # every lease is waiting to be renewed
@@ -181,6 +180,7 @@ class Worker:
             await self._take_entries(await self._read({stream: "0" for stream in streams}, RECOVER_COUNT, None), seen=True)
             self._reread = False
         await self._take_entries(await self._read(streams, READ_COUNT, self._block_ms()))
+        await self.watching.refresh(self.sessions)  # after the media read: a watch made before it is known before its frames
         self.intake.hold_while_answering(self.sessions)
         step = self.scheduler.next_step(self.sessions)
         if step is not None:

@@ -1,9 +1,11 @@
 """A held session's watches: when each is due a check, the checks a step runs, and their outcome
 written to Redis (`streamvqa/protocol/watches.py` has the watch and the rule that fires it).
 
-The gateway adds and removes watches in Redis; the worker reads a held session's watches again
-at most every REFRESH_S (`Watching.refresh`, at the start of each turn of its loop, so that a
-session just taken over knows them before its first frames). A watch is due once the cache's video
+The gateway adds and removes watches in Redis and counts each change in the session's hash
+(`watches_rev`). Before each step the worker reads, in one round trip, that count of every session
+it holds, and reads again the watches of those whose count moved (`Watching.refresh`): a watch
+made before a frame was sent is known before that frame is taken, and a session just taken over
+knows its watches before its first frames. A watch is due once the cache's video
 time is `every_s` past its last check (past its creation before its first); the scheduler puts a
 check of a session with one due in a step where the session neither answers nor takes frames
 (`worker/scheduler.py`), the most overdue of its watches first, so checks see the video at their
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REFRESH_S = 0.5  # how often a held session's watches are read again from Redis
 CHECK_PROMPT_TOKENS = 64  # a check's prompt beside its condition (docs/engine.md: about 20 on SmolLM2)
 TIME_EPSILON_S = 1e-6
 
@@ -47,7 +47,7 @@ class SessionWatches:
     """The watches of one held session, as last read from Redis or written by this worker."""
 
     watches: dict[str, Watch] = field(default_factory=dict)
-    read_at: float = 0.0  # monotonic time they were last read
+    rev: bytes | None = None  # the session's `watches_rev` when they were last read (None: never read)
     failed_s: dict[str, float] = field(default_factory=dict)  # a watch whose check failed: the video time of that try
 
     def _due_s(self, watch: Watch) -> float:
@@ -110,16 +110,27 @@ class Watching:
         self._record = redis.register_script(scripts.RECORD_CHECK_LUA)
 
     async def refresh(self, sessions: Mapping[str, Hosted]) -> None:
-        """Read the watches of each held session again, at most every REFRESH_S."""
-        now = time.monotonic()
-        for session_id, hosted in sessions.items():
-            if hosted.held and now - hosted.watches.read_at >= REFRESH_S:
-                await self.read(session_id, hosted)
+        """Read again the watches of each held session whose `watches_rev` moved since they
+        were last read (or that were never read): one round trip for the counts."""
+        held = [(session_id, hosted) for session_id, hosted in sessions.items() if hosted.held]
+        if not held:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id, _ in held:
+                pipe.hget(self.keys.session(session_id), "watches_rev")
+            revs = await pipe.execute()
+        for (session_id, hosted), rev in zip(held, revs, strict=True):
+            rev = rev or b"0"
+            if rev != hosted.watches.rev:
+                await self.read(session_id, hosted, rev)
 
-    async def read(self, session_id: str, hosted: Hosted) -> None:
-        """The session's watches as Redis holds them now."""
+    async def read(self, session_id: str, hosted: Hosted, rev: bytes | None = None) -> None:
+        """The session's watches as Redis holds them now; `rev`: the count read just before
+        (None: read it too)."""
+        if rev is None:
+            rev = await self.redis.hget(self.keys.session(session_id), "watches_rev") or b"0"
         stored = await self.redis.hgetall(self.keys.watches(session_id))
-        hosted.watches.read_at = time.monotonic()
+        hosted.watches.rev = rev
         hosted.watches.watches = {key.decode(): Watch.model_validate_json(value) for key, value in stored.items()}
         hosted.watches.failed_s = {key: value for key, value in hosted.watches.failed_s.items() if key in hosted.watches.watches}
 

@@ -269,15 +269,25 @@ return 1
 
 # -- a session's watches (the gateway adds and removes them, the worker checks them) ---------------
 
-# Adds a watch to a live session unless it has ARGV[1] already, with the session's TTL. KEYS = the
-# hash, the watches; ARGV = the limit, the watch id, the watch (JSON). Returns 1 when added, 0 when
-# the session has as many watches as it may, -1 when it is gone.
+# Adds a watch to a live session unless it has ARGV[1] already, with the session's TTL, and counts
+# the change in the hash's `watches_rev` (its worker reads the watches again when that moves).
+# KEYS = the hash, the watches; ARGV = the limit, the watch id, the watch (JSON). Returns 1 when
+# added, 0 when the session has as many watches as it may, -1 when it is gone.
 ADD_WATCH_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[1]) then return 0 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'watches_rev', 1)
 local ttl = redis.call('PTTL', KEYS[1])
 if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+return 1
+"""
+# Removes a watch and counts the change in the hash's `watches_rev` (only while the hash exists: a
+# field alone must not recreate a gone session's hash). KEYS = the hash, the watches; ARGV = the
+# watch id. Returns 1 when removed, 0 when there was no such watch.
+DELETE_WATCH_LUA = """
+if redis.call('HDEL', KEYS[2], ARGV[1]) == 0 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HINCRBY', KEYS[1], 'watches_rev', 1) end
 return 1
 """
 # Writes a watch after a check, and its firing as an event, once: only while the session and the
