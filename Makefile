@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway bench-needle bench-evidence bench-recall bench-fairness bench-chaos bench-pool bench-gpu bench-training train-demo
+.PHONY: run test install clean bench-memory bench-speed bench-quality bench-ingest bench-load bench-gateway bench-needle bench-evidence bench-recall bench-fairness bench-watch bench-chaos bench-pool bench-gpu bench-training train-demo
 
 run: $(STAMP)
 	$(BIN)/python -m streamvqa.run
@@ -47,6 +47,10 @@ bench-recall: $(STAMP)
 
 bench-fairness: $(STAMP)
 	$(BIN)/python -m bench.fairness $(BENCH_ARGS)
+
+# Watches on generated scenes (BENCH_ARGS="quality ...") and with many sessions streaming (BENCH_ARGS="load ...").
+bench-watch: $(STAMP)
+	$(BIN)/python -m bench.watch $(or $(BENCH_ARGS),quality)
 
 # Kills workers, gateways and Redis at random for 5 minutes while sessions stream, upload and ask.
 bench-chaos: $(STAMP)

@@ -15,6 +15,13 @@ loopback. Clients use either gateway and move to the other when theirs is down:
   gone): then the stream counts as failed and stops;
 - uploaders: create a session, upload a generated 6-s video, wait until it is ingested, ask two
   questions, delete it; again and again;
+- watches: each streamer's session has one at the default threshold, and adds one at
+  LEAST_THRESHOLD (which fires at its first check, whatever p(yes) is: a firing that must come)
+  every NEW_WATCH_EVERY_S, deleting its oldest once it fired (at most LEAST_KEPT); each upload's
+  session has one at LEAST_THRESHOLD, made before the upload. Each session's firings are
+  followed over its Server-Sent Events (through either gateway, resuming after the last event
+  id on any break), and each watch's state is read at the end (at its deletion for those
+  deleted), once its first check is done where one must be;
 - one idle session, shown one frame, then asked now and then (it leaves its worker in between:
   IDLE_RELEASE_S=20);
 - a chat user (`--chatters`): every few seconds a `/v1/chat/completions` about an image, one of
@@ -36,6 +43,12 @@ and counted in `clients_cut`):
   `answered_twice` (two final events, or more tokens than the answer has);
 - frames `sent`, `ingested`, `duplicated`, `lost` (streams), and uploads whose frame count is off;
 - `stuck`: sessions left `pending` or `ingesting`, or that did not answer a last question;
+- watches: `watches` made, `firings` (`watch_fired` events over SSE), `firings_due` (watches at
+  LEAST_THRESHOLD whose first check's time the video passed), `firings_lost` (such a watch with
+  no firing in its state, or a firing in a watch's state never sent), `firings_twice` (a
+  `watch_fired` sent again for the same watch and time, or a LEAST_THRESHOLD watch that fired at
+  two times), `firings_unrecorded` (sent, and not in the watch's state), `watches_unjudged`
+  (whose state could not be read);
 - chat completions: `chat_answered` (200), `chat_failed` (another reply to an image the worker
   reads), `chat_refused_right` and `chat_refused_wrong` (the refused image's replies, the worst
   one's seconds in `chat_refused_max_s`); their answers count among `asked` above;
@@ -43,9 +56,10 @@ and counted in `clients_cut`):
   `failed`; `streams_video_s`: how far each live stream's video got; `mean_batch`: sessions per
   engine step of the workers alive at the end.
 
-Every counter is printed, 0 or not (besides those by status or code, `ask_refused_<status>` and
-`error_<code>`, printed when they happen). Targets: 0 lost, 0 twice, 0 stuck, 0 failed, 0 wrong
-chat refusals (docs/benchmarks.md has the figures).
+Every counter is printed, 0 or not (besides those by status or code, `ask_refused_<status>`,
+`watch_refused_<status>` and `error_<code>`, printed when they happen). Targets: 0 lost, 0 twice,
+0 stuck, 0 failed, 0 wrong chat refusals, 0 firings lost, twice or unrecorded
+(docs/benchmarks.md has the figures).
 
 One module, over 400 lines: a benchmark's whole fault schedule, its clients and its report read best in one place.
 """
@@ -61,7 +75,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
 
@@ -74,7 +89,9 @@ from PIL import Image
 from redis.exceptions import RedisError
 
 from streamvqa import children
+from streamvqa.client.sse import SseDecoder
 from streamvqa.protocol import AnswerEnvelope, EventEnvelope, frame_message
+from streamvqa.protocol.watches import DEFAULT_THRESHOLD
 from streamvqa.redis_server import EmbeddedRedis, free_port
 from streamvqa.run import wait_until_serving
 
@@ -97,6 +114,13 @@ COUNTERS = (  # tally.counts printed always, 0 or not
 )
 VERDICTS = ("answered", "reset", "lost", "answered_twice")  # of each asked answer (besides error_<code>)
 FRAME_COUNTS = ("sent", "ingested", "duplicated", "lost", "dropped")
+WATCH_CONDITION = "a red circle is visible"
+WATCH_EVERY_S = 2.0
+LEAST_THRESHOLD = 1e-6  # fires at a watch's first check, whatever p(yes) is (a threshold must be > 0)
+NEW_WATCH_EVERY_S = 10.0  # how often a streamer adds a watch at LEAST_THRESHOLD
+LEAST_KEPT = 4  # a streamer's watches at LEAST_THRESHOLD at once (MAX_WATCHES_PER_SESSION is 8)
+WATCH_SETTLE_S = 30.0  # how long a watch whose first check is due may take to run it, at the end
+SSE_READ_S = 40.0  # without a byte on a session's events (keepalives come every 15 s): connect again
 
 
 def _jpeg(index: int) -> bytes:
@@ -181,6 +205,16 @@ class Deployment:
         self.redis.stop()
 
 
+@dataclass
+class Watched:
+    """A watch a client made, and its state when it was judged."""
+
+    threshold: float
+    due_s: float  # the video time of its first check
+    fired_s: list[float] | None = None  # the firings its state holds, once judged (None: not judged)
+    must_fire: bool = False  # at LEAST_THRESHOLD, and the session's video passed `due_s`
+
+
 class Tally:
     def __init__(self) -> None:
         self.asked: dict[str, str] = {}  # answer id -> session id
@@ -198,6 +232,9 @@ class Tally:
         self.chats: set[str] = set()  # the sessions chat completions answered from
         self.chat_refused_s: list[float] = []  # how long each refused image's reply took
         self.chat_wrong: list[str] = []  # what a refused image got instead of its 400, or an image's failure
+        self.watches: dict[tuple[str, str], Watched] = {}  # (session, watch id) -> the watch
+        self.fired: defaultdict[tuple[str, str], list[float]] = defaultdict(list)  # (session, watch id) -> each firing over SSE
+        self.followers: list[asyncio.Task] = []  # the streamers' sessions' events, followed until the end
 
 
 class Api:
@@ -272,7 +309,9 @@ async def _streamer(api: Api, tally: Tally, stop: asyncio.Event, rng: random.Ran
     sid, token = session
     tally.streams[sid] = token
     tally.sent[sid] = set()
+    tally.followers.append(asyncio.create_task(_follow(api, session, tally)))
     asker = asyncio.create_task(_asking(api, session, tally, stop, ASK_EVERY_S))
+    watcher = asyncio.create_task(_watching(api, session, tally, stop))
     recent: deque[tuple[float, bytes]] = deque(maxlen=RESENT_FRAMES)
     connection, index, started = None, 0, time.monotonic()
     ended, connected_at = False, time.monotonic()
@@ -317,6 +356,117 @@ async def _streamer(api: Api, tally: Tally, stop: asyncio.Event, rng: random.Ran
             api.at = (api.at + 1) % len(api.urls) if rng.random() < 0.5 else api.at
             await asyncio.sleep(0.5)
     await asker
+    await watcher
+
+
+async def _add_watch(api: Api, session: tuple[str, str], tally: Tally, threshold: float) -> str | None:
+    """A watch on the session, its id (None when the call failed or was refused)."""
+    sid, token = session
+    body = {"condition": WATCH_CONDITION, "every_s": WATCH_EVERY_S, "threshold": threshold}
+    try:
+        reply = await api.call("POST", f"/sessions/{sid}/watches", token, json=body)
+    except httpx.TransportError:
+        return None
+    if reply.status_code != 201:
+        tally.counts[f"watch_refused_{reply.status_code}"] += 1
+        return None
+    watch = reply.json()
+    tally.watches[sid, watch["id"]] = Watched(threshold, watch["created_video_s"] + WATCH_EVERY_S)
+    return watch["id"]
+
+
+async def _watching(api: Api, session: tuple[str, str], tally: Tally, stop: asyncio.Event) -> None:
+    """A streamer's watches: one at the default threshold, and one at LEAST_THRESHOLD every
+    NEW_WATCH_EVERY_S, the oldest judged and deleted once it fired when LEAST_KEPT are there."""
+    await _add_watch(api, session, tally, DEFAULT_THRESHOLD)
+    least: deque[str] = deque()
+    while not stop.is_set() and session[0] not in tally.failed:
+        if len(least) >= LEAST_KEPT and await _judge_watch(api, session, least[0], tally, settle_s=0, delete=True):
+            least.popleft()
+        if len(least) < LEAST_KEPT and (watch_id := await _add_watch(api, session, tally, LEAST_THRESHOLD)):
+            least.append(watch_id)
+        try:
+            await asyncio.wait_for(stop.wait(), NEW_WATCH_EVERY_S)
+        except TimeoutError:
+            pass
+
+
+async def _judge_watch(api: Api, session: tuple[str, str], watch_id: str, tally: Tally, settle_s: float = WATCH_SETTLE_S,
+                       delete: bool = False) -> bool:
+    """Read the watch's state (after at most `settle_s` for its first check, where its session's
+    video passed it and it must fire) and keep its firings; with `delete`, only a watch that
+    fired is judged, then deleted. Whether it was judged."""
+    sid, token = session
+    watched = tally.watches[sid, watch_id]
+    deadline = time.monotonic() + settle_s
+    try:
+        while True:
+            found = await api.call("GET", f"/sessions/{sid}", token)
+            video_s = found.json().get("video_time_s") if found.status_code == 200 else None
+            reply = await api.call("GET", f"/sessions/{sid}/watches/{watch_id}", token)
+            if reply.status_code == 404 and delete and watched.fired_s is not None:
+                return True  # judged, and deleted by a call whose reply was lost
+            if reply.status_code != 200 or video_s is None:
+                return False
+            state = reply.json()
+            must_fire = watched.threshold == LEAST_THRESHOLD and video_s >= watched.due_s - 1e-6
+            if state["checks"] or not must_fire or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        if delete and not state["fired"]:
+            return False
+        watched.fired_s, watched.must_fire = [f["time_s"] for f in state["fired"]], must_fire
+        if delete:
+            await api.call("DELETE", f"/sessions/{sid}/watches/{watch_id}", token)
+        return True
+    except httpx.TransportError:
+        return False
+
+
+async def _judge_watches(api: Api, session: tuple[str, str], tally: Tally) -> None:
+    """Every watch of the session not judged yet; then at most a few seconds for the firings
+    their states hold to arrive over SSE."""
+    sid = session[0]
+    mine = [watch_id for (s, watch_id), watched in tally.watches.items() if s == sid and watched.fired_s is None]
+    await asyncio.gather(*(_judge_watch(api, session, watch_id, tally) for watch_id in mine))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+        set(w.fired_s or ()) - set(tally.fired[key]) for key, w in tally.watches.items() if key[0] == sid
+    ):
+        await asyncio.sleep(0.2)
+
+
+async def _follow(api: Api, session: tuple[str, str], tally: Tally) -> None:
+    """The session's events over SSE from its first, through either gateway, resuming after the
+    last event id on any break, until the session is gone (or the task is cancelled): each
+    `watch_fired` is kept in `tally.fired`."""
+    sid, token = session
+    last_id = None
+    while True:
+        headers = {"Authorization": f"Bearer {token}", "Accept": "text/event-stream"}
+        headers |= {"Last-Event-ID": last_id} if last_id else {}
+        url = f"{api.urls[api.at]}/sessions/{sid}/events"
+        try:
+            timeout = httpx.Timeout(10, read=SSE_READ_S)
+            async with api.http.stream("GET", url, params={} if last_id else {"since": "0"}, headers=headers, timeout=timeout) as reply:
+                if reply.status_code in (401, 403, 404):
+                    return
+                if reply.status_code == 200:
+                    decoder = SseDecoder()
+                    async for line in reply.aiter_lines():
+                        event = decoder.feed(line)
+                        if event is None:
+                            continue
+                        last_id = event.id or last_id
+                        if event.event == "gone":
+                            return
+                        if event.event == "watch_fired":
+                            fired = event.json()
+                            tally.fired[sid, fired["watch_id"]].append(fired["time_s"])
+        except (httpx.HTTPError, ValueError):
+            pass
+        api.at = (api.at + 1) % len(api.urls)
+        await asyncio.sleep(0.5)
 
 
 async def _failed(api: Api, session: tuple[str, str], tally: Tally) -> bool:
@@ -365,6 +515,8 @@ async def _uploader(api: Api, tally: Tally, stop: asyncio.Event, video: bytes, s
             await asyncio.sleep(1.0)
             continue
         tally.counts["uploads"] += 1
+        await _add_watch(api, session, tally, LEAST_THRESHOLD)
+        follower = asyncio.create_task(_follow(api, session, tally))
         if not await _upload(api, session, video):
             tally.counts["uploads_refused"] += 1
         else:
@@ -379,6 +531,8 @@ async def _uploader(api: Api, tally: Tally, stop: asyncio.Event, video: bytes, s
                 tally.uploads_off.append((sid, found.get("frames_ingested")))
             for _ in range(2):
                 await api.ask(session, tally, "What happened?")
+        await _judge_watches(api, session, tally)
+        follower.cancel()
         await _judge(store, prefix, sid, tally)
         await api.call("DELETE", f"/sessions/{sid}", token)
 
@@ -510,6 +664,14 @@ async def _run(deployment: Deployment, args: argparse.Namespace, tally: Tally) -
             await asyncio.wait_for(_end_states(apis[-1], probes, tally), max(1.0, ends_at - time.monotonic()))
         except TimeoutError:
             tally.counts["end_not_checked"] += 1
+        streams = [session for session in tally.streams.items() if session[0] not in tally.failed]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(_judge_watches(apis[-1], s, tally) for s in streams)),
+                                   max(WATCH_SETTLE_S + 15, ends_at - time.monotonic()))
+        except TimeoutError:
+            pass  # what was not judged is counted unjudged
+        for follower in tally.followers:
+            follower.cancel()
         tally.mean_batch = await _mean_batch(http, deployment.urls)
         for sid in [sid for sid, _ in probes] + sorted(tally.chats):
             await _judge(store, deployment.prefix, sid, tally)
@@ -606,6 +768,27 @@ async def _frames(store: aioredis.Redis, prefix: str, tally: Tally) -> None:
         tally.lost_frames += sorted(sent - set(times))
 
 
+def firing_counts(tally: Tally) -> dict[str, int]:
+    """The watches' firings: those that had to come, and those lost, sent twice, or sent and not recorded."""
+    counts = Counter({"watches": len(tally.watches), "firings": sum(len(times) for times in tally.fired.values()),
+                      **dict.fromkeys(("firings_due", "firings_lost", "firings_twice", "firings_unrecorded", "watches_unjudged"), 0)})
+    for key, watched in tally.watches.items():
+        sent = tally.fired.get(key, [])
+        counts["firings_twice"] += len(sent) - len(set(sent))
+        if watched.fired_s is None:
+            counts["watches_unjudged"] += 1
+            continue
+        recorded = set(watched.fired_s)
+        if watched.threshold == LEAST_THRESHOLD:
+            counts["firings_twice"] += max(0, len(recorded) - 1)  # it cannot fire again: a check redone
+        if watched.must_fire:
+            counts["firings_due"] += 1
+            counts["firings_lost"] += not recorded
+        counts["firings_lost"] += len(recorded - set(sent))
+        counts["firings_unrecorded"] += len(set(sent) - recorded)
+    return dict(counts)
+
+
 def summary(args: argparse.Namespace, tally: Tally, error: str | None, wall_s: float, logs: str) -> dict:
     """The run's one JSON line: every counter, 0 or not (see the module's text)."""
     recoveries = [seconds for _, seconds in tally.recoveries]
@@ -626,7 +809,8 @@ def summary(args: argparse.Namespace, tally: Tally, error: str | None, wall_s: f
         "streams_video_s": sorted(tally.video_s.values(), key=lambda t: t or 0), "mean_batch": tally.mean_batch,
         **{name: tally.counts[name] for name in COUNTERS},
         "chat_refused_max_s": max(tally.chat_refused_s, default=None), "chat_wrong": tally.chat_wrong[:10],
-        **{k: v for k, v in tally.counts.items() if k.startswith("ask_refused")},
+        **firing_counts(tally),
+        **{k: v for k, v in tally.counts.items() if k.startswith(("ask_refused", "watch_refused"))},
         "error": error, "wall_s": round(wall_s, 1), "logs": logs,
     }
 

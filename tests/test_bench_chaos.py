@@ -1,7 +1,7 @@
 """bench.chaos ends by itself: a live stream whose session failed is counted as failed, and its
 client stops, instead of connecting again for ever (the run then never printed its summary). Its
 summary prints every counter, 0 or not; a short run with faults prints the targets (0 lost, 0
-twice, 0 stuck, every refused chat image a 400)."""
+twice, 0 stuck, every refused chat image a 400, every watch's firing that must come sent once)."""
 
 import argparse
 import asyncio
@@ -52,7 +52,8 @@ def test_the_summary_prints_every_counter_when_none_counted():
     printed = summary(args, Tally(), None, 1.0, "logs")
     zero = ["asked", "answered", "reset", "lost", "answered_twice", "unjudged", "frames_sent", "frames_ingested",
             "frames_duplicated", "frames_lost", "frames_dropped", "uploads_wrong_frames", "stuck", "failed_sessions",
-            "not_recovered", *COUNTERS]
+            "not_recovered", "watches", "firings", "firings_due", "firings_lost", "firings_twice", "firings_unrecorded",
+            "watches_unjudged", *COUNTERS]
     assert {name: printed.get(name) for name in zero} == dict.fromkeys(zero, 0)
     assert "chat_refused_right" in COUNTERS and "chat_refused_wrong" in COUNTERS
 
@@ -87,6 +88,8 @@ def test_a_short_run_with_faults_prints_its_counters_on_target():
     assert printed["error"] is None, run.stdout[-3000:]
     assert sum(printed["faults"].values()) >= 1 and printed["not_recovered"] == 0, printed
     targets = ("lost", "answered_twice", "stuck", "unjudged", "frames_lost", "frames_duplicated", "uploads_wrong_frames",
-               "failed_sessions", "chat_failed", "chat_refused_wrong", "clients_cut", "client_errors")
+               "failed_sessions", "chat_failed", "chat_refused_wrong", "clients_cut", "client_errors",
+               "firings_lost", "firings_twice", "firings_unrecorded", "watches_unjudged")
     assert {name: printed[name] for name in targets} == dict.fromkeys(targets, 0), printed
     assert printed["answered"] >= 10 and printed["chat_answered"] >= 1 and printed["chat_refused_right"] >= 1, printed
+    assert printed["firings_due"] >= 2 and printed["firings"] >= printed["firings_due"], printed  # the stream's and an upload's
