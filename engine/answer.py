@@ -75,11 +75,16 @@ class Answer(Iterator[str]):
             self.session.pin_turn(self.session.cache.appended + question.tokens, closing.tokens, new_turn=True)
         return prompt
 
+    def probed(self) -> None:
+        """The probe ran before the question, read only: what it paid the frames is the
+        baseline of the answer's evidence (engine/evidence.py)."""
+        self._contrast.probe(self.session.cache.observed())
+
     def question_ran(self) -> None:
         """The question's prompt ran: the answer begins from the logits after it."""
         self._ran = True
         cache = self.session.cache
-        self._contrast.question(cache.frame_attention(self.prompt_tokens), cache.between_frames)
+        self._contrast.add(cache.frame_attention(self.prompt_tokens))
         if self.session.policy.evict_on_question:
             self.session.cache.evict()
         self._fed = self.session.logits
@@ -206,4 +211,4 @@ class Answer(Iterator[str]):
         closing it), against its question's (engine/evidence.py)."""
         rows, self._unweighed = self._unweighed, 0
         if rows:
-            self._contrast.answer(self.session.cache.frame_attention(rows))
+            self._contrast.add(self.session.cache.frame_attention(rows))

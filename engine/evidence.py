@@ -1,17 +1,19 @@
-"""An answer's evidence: the video times its own tokens attend to beyond what any query would.
+"""An answer's evidence: the video times its question and answer attend to beyond what any question would.
 
 Every query of a chat pays some frames a share of its attention whatever it is about: the
 opening frames (attention sinks) and the newest ones. Summed, those shares put the first second
 and the last seconds among the evidence of nearly every answer on real video (docs/engine.md,
 "Evidence"). So each query's attention is taken as shares: per token held of each video time,
-the share of what it paid all frame times (a row summing to 1). The baseline of a time is the
-mean share of the question's queries (its tokens and the markers closing it, which run before
-a word of the answer) plus BETWEEN_FRAMES_SCALE times the mean share of the text between the
-last frames (its time and newline, the same whatever is asked: the pull of the newest frames).
-An answer query's excess is its share of a time less that baseline, where positive; a time's
-evidence is the excess of every answer query summed. A time that every query attends to alike
-draws no excess however much it draws; a time the question already attends to (the frame a
-conversation is about) stays evidence where some answer tokens attend to it more still.
+the share of what it paid all frame times (a row summing to 1).
+
+The baseline is measured, not guessed: before a question runs, a question about nothing in
+particular (PROBE) runs read only against the same cache (`KVCache.observe`: nothing of it
+stays), and its queries' mean share of each time is what any question pays there. A time's
+excess is the mean share of the question's queries and the answer's (its tokens and the markers
+closing its turn) less (1 + PROBE_MARGIN) times that baseline; the times of most excess are the
+evidence. Where no time draws that much more than the probe did, the times that draw more at all
+are; where none does (an answer that reads the video exactly as a question about nothing would),
+there is none.
 
 State of one answer, bounded by the frame times the cache holds; the answer (engine/answer.py)
 reads the cache and hands the attention in.
@@ -23,8 +25,9 @@ import torch
 
 from engine.kv_cache import FrameAttention
 
+PROBE = "Describe the video."  # the question about nothing in particular whose attention is the baseline
 EVIDENCE_FLOOR = 0.5  # a time is evidence only if its excess is at least this share of the best's
-BETWEEN_FRAMES_SCALE = 0.5  # the weight in the baseline of what the text between the last frames paid each time
+PROBE_MARGIN = 0.1  # a time is evidence only where it draws more than 1 + this times the probe's share
 
 
 @dataclass(frozen=True)
@@ -41,45 +44,43 @@ def shares(attention: FrameAttention) -> torch.Tensor:
 
 
 class Contrast:
-    """The question's mean share of each video time, then the answer's excess over it, summed."""
+    """The probe's mean share of each video time (the baseline), then the question's and the
+    answer's shares, summed, against it."""
 
     def __init__(self) -> None:
-        self.baseline: dict[float, float] = {}  # by video time: the question's queries' mean share
-        self.excess: dict[float, float] = {}  # by video time: the answer's queries' excess, summed
-        self.paid: dict[float, float] = {}  # by video time: the answer's queries' shares, summed
+        self.baseline: dict[float, float] = {}  # by video time: what any question pays it
+        self.paid: dict[float, float] = {}  # by video time: the shares of the question's and answer's queries, summed
+        self.queries = 0  # how many queries `paid` sums
 
-    def question(self, attention: FrameAttention | None, between_frames: FrameAttention | None = None) -> None:
-        """The baseline: the mean share of the question's queries (its tokens and the markers
-        closing it), plus BETWEEN_FRAMES_SCALE times that of the text between the last frames."""
-        for source, scale in ((attention, 1.0), (between_frames, BETWEEN_FRAMES_SCALE)):
-            if source is None:
-                continue
-            for t, share in zip(source.times.tolist(), shares(source).mean(dim=0).tolist()):
-                self.baseline[t] = self.baseline.get(t, 0.0) + scale * share
+    def probe(self, attention: FrameAttention | None) -> None:
+        """The baseline: the mean share of the probe's queries."""
+        if attention is not None:
+            self.baseline = dict(zip(attention.times.tolist(), shares(attention).mean(dim=0).tolist()))
 
-    def answer(self, attention: FrameAttention | None) -> None:
-        """The attention of answer queries not yet weighed (a time the question did not see has
-        a baseline of 0)."""
+    def add(self, attention: FrameAttention | None) -> None:
+        """The attention of queries of the question or the answer not yet weighed (a time the
+        probe did not see has a baseline of 0)."""
         if attention is None:
             return
-        times = attention.times.tolist()
-        baseline = torch.tensor([self.baseline.get(t, 0.0) for t in times])
-        paid = shares(attention)
-        excess = (paid - baseline).clamp(min=0).sum(dim=0)
-        for t, e, p in zip(times, excess.tolist(), paid.sum(dim=0).tolist()):
-            self.excess[t] = self.excess.get(t, 0.0) + e
-            self.paid[t] = self.paid.get(t, 0.0) + p
+        for t, share in zip(attention.times.tolist(), shares(attention).sum(dim=0).tolist()):
+            self.paid[t] = self.paid.get(t, 0.0) + share
+        self.queries += attention.mass.shape[0]
 
     def top(self, k: int) -> list[Evidence]:
-        """The times of most excess; when no time drew any (the answer attended to the frames as
-        its question did), those it paid most per token held."""
-        return top_evidence(self.excess, k) or top_evidence(self.paid, k)
+        """The times of most excess over the baseline and its margin, else over the baseline
+        alone; none where no time draws more than its baseline."""
+        count = max(self.queries, 1)
+        for scale in (1 + PROBE_MARGIN, 1.0):
+            chosen = top_evidence({t: paid / count - scale * self.baseline.get(t, 0.0) for t, paid in self.paid.items()}, k)
+            if chosen:
+                return chosen
+        return []
 
 
 def top_evidence(excess: dict[float, float], k: int) -> list[Evidence]:
     """The `k` video times of most excess attention, of those with at least EVIDENCE_FLOOR of
-    the most; each weighted by its share of the excess of every time."""
-    total = sum(excess.values())
+    the most; each weighted by its share of the positive excess of every time."""
+    total = sum(e for e in excess.values() if e > 0)
     if total <= 0:
         return []
     best = sorted(excess.items(), key=lambda item: -item[1])[:k]

@@ -114,6 +114,21 @@ def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float, 
     return logits.softmax(dim=-1)
 
 
+def _by_time(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> FrameAttention | None:
+    """Per layer, its frame tokens' times (M,) and what each query paid them (w, M), summed by
+    video time over the layers; None without any."""
+    if not parts:
+        return None
+    times = torch.unique(torch.cat([t for t, _ in parts]))
+    mass = torch.zeros(parts[0][1].shape[0], times.shape[0])
+    held = torch.zeros(times.shape[0])
+    for frame_times, paid in parts:
+        slot = torch.searchsorted(times, frame_times)
+        mass.index_add_(1, slot, paid)
+        held.index_add_(0, slot, torch.ones_like(frame_times))
+    return FrameAttention(times, mass, held)
+
+
 class KVCache:
     def __init__(
         self,
@@ -172,8 +187,7 @@ class KVCache:
         self.evicted_tokens = 0
         self.evict_s = 0.0
         self.max_position = -1
-        # What the text between frames of the last frame prompt paid the frames held, by time (read_between_frames)
-        self.between_frames: FrameAttention | None = None
+        self._observed: list[tuple[torch.Tensor, torch.Tensor]] = []  # a read-only prompt's, by layer (`observe`)
 
     def _homes(self, layer: int) -> tuple[torch.Tensor | None, ...]:
         if self.lease is None:
@@ -613,22 +627,27 @@ class KVCache:
             kept = self._queries[layer].read()[:, -window:]
             received = causal_attention(kept, self.rotated_keys(layer), self._scaling[layer], rows).sum(dim=1).cpu()  # (kv_heads, w, N)
             parts.append((self.times[layer][frames], received.permute(1, 0, 2)[:, frames]))
-        if not parts:
-            return None
-        times = torch.unique(torch.cat([t for t, _ in parts]))
-        mass = torch.zeros(parts[0][1].shape[0], times.shape[0])
-        held = torch.zeros(times.shape[0])
-        for frame_times, paid in parts:
-            slot = torch.searchsorted(times, frame_times)
-            mass.index_add_(1, slot, paid)
-            held.index_add_(0, slot, torch.ones_like(frame_times))
-        return FrameAttention(times, mass, held)
+        return _by_time(parts)
 
-    def read_between_frames(self) -> None:
-        """After a frame prompt ran, before it is evicted: keep what its text tokens (the times
-        and newlines between frames, the same whatever is asked) paid each frame time held, as
-        the part of every answer's baseline that follows the stream (engine/evidence.py)."""
-        self.between_frames = self.frame_attention(kind=TEXT)
+    def observe(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+        """While a read-only prompt's c tokens run through `layer` (a question's probe,
+        `engine/evidence.py`): keep what its last `evidence_window` queries (q_heads, c, head_dim)
+        paid the layer's frames, given the keys they attend (kv_heads, N + c, head_dim): the
+        cache's N, rotated, then the prompt's own. `observed` reads it once every layer ran."""
+        with outside_inference():
+            if layer == 0:
+                self._observed = []
+            frames = self.kinds[layer] == FRAME  # (kv_heads, N)
+            if not frames.any():
+                return
+            received = causal_attention(queries[:, -self.evidence_window :], keys, scaling).sum(dim=1).cpu()  # (kv_heads, w, N + c)
+            self._observed.append((self.times[layer][frames], received[:, :, : frames.shape[1]].permute(1, 0, 2)[:, frames]))
+
+    def observed(self) -> FrameAttention | None:
+        """What the last read-only prompt run with `observe` paid the frames, as `frame_attention`
+        reads the kept queries'; None when it saw none. Read once."""
+        parts, self._observed = self._observed, []
+        return _by_time(parts)
 
     def held_per_second(self, kind: int, seconds: int) -> torch.Tensor:
         """(seconds,) tokens of `kind` still held from each second of video, averaged over the
@@ -663,7 +682,6 @@ class KVCache:
             "counters": [self.evictions, self.evicted_tokens, self.evict_s, self.max_position],
             "layout": [cached.layout.rows.clone() for cached in self.hf.layers] if self.positions_3d else None,
             "retrieval": [self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages],
-            "between_frames": None if self.between_frames is None else tuple(self.between_frames),
         }
 
     def load(
@@ -697,7 +715,5 @@ class KVCache:
         for window, queries in zip(self._queries, here(state["queries"], dtype), strict=True):
             window.set(queries)
         self.pins = state.get("pins", [])
-        between = state.get("between_frames")  # a snapshot of a version without it: read again at the next frame
-        self.between_frames = None if between is None else FrameAttention(*between)
         self._scaling = state["scaling"]
         self.evictions, self.evicted_tokens, self.evict_s, self.max_position = state["counters"]

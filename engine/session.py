@@ -322,8 +322,7 @@ class Session:
                 self._logits = ran.logits.clone()
 
     def appended_frames(self, times: list[float]) -> None:
-        """After a frame prompt ran: read what its text paid the frames (evidence), evict, and count its frames."""
-        self.cache.read_between_frames()
+        """After a frame prompt ran: evict, and count its frames."""
         self.cache.evict()
         self._frames += len(times)
         self._video_time_s = times[-1]

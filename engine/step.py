@@ -2,7 +2,9 @@
 
 Work comes in three kinds, of distinct sessions of one model:
 - an `Answer` to advance by one piece: its question's prompt when it has not begun (then its
-  first token is chosen), else the token it chose last (then the next is chosen);
+  first token is chosen), after its probe (a question about nothing in particular, run read only
+  the round before: the baseline of its evidence, `engine/evidence.py`), else the token it chose
+  last (then the next is chosen);
 - `Frames` to append: encoded together (one vision call per pooling), then cut into the
   session's frame prompts (`frames_per_prompt` frames each);
 - a `Check` to score: its condition's yes/no prompt, run read only against its session's cache,
@@ -10,8 +12,9 @@ Work comes in three kinds, of distinct sessions of one model:
 
 A step runs in rounds: each round is one run of the runner (`engine/runner.py`, one forward per
 chunk) over the next prompt of every item that has one left: the first round holds every
-answer's and every check's prompt and every session's first frame prompt, later rounds the
-frames' further prompts, and a last round closes the turns of the answers that said all (the
+beginning answer's probe, every other answer's and every check's prompt and every session's first
+frame prompt, later rounds the questions after their probes and the frames' further prompts, and
+a last round closes the turns of the answers that said all (the
 token chosen last and the markers closing the answer). After its prompt, each session applies
 what ran and evicts, exactly as alone (a check's session applies nothing: its p(yes) is read
 from the logits after its prompt). One session alone is a step of one: `Session.append_frames`,
@@ -34,6 +37,7 @@ import numpy as np
 
 from engine import runner
 from engine.check import answer_ids, p_yes, prompt_text
+from engine.evidence import PROBE
 
 if TYPE_CHECKING:
     from engine.answer import Answer
@@ -74,7 +78,8 @@ class _Job:
     after: Callable[[], None] = lambda: None  # once the session applied what ran: its eviction, its answer's next state
     before: Callable[[], None] = lambda: None  # checks just before it runs (raises to fail the item)
     retry_alone: bool = False  # after a failed forward of several: run alone (an answer's token, a check)
-    keeps: bool = True  # False: a check's prompt, run read only; its result is p(yes), nothing is applied
+    keeps: bool = True  # False: run read only (a check's prompt, an answer's probe): nothing is applied
+    observes: bool = False  # read only, what it paid the frames kept for `after` to read (an answer's probe)
 
 
 def step(work: Sequence["Answer | Frames | Check"]) -> list[Result]:
@@ -83,9 +88,9 @@ def step(work: Sequence["Answer | Frames | Check"]) -> list[Result]:
     plan: dict[int, list[_Job]] = {}  # per item, the prompts it still runs, in order
     answers = [(i, item) for i, item in enumerate(work) if not isinstance(item, (Frames, Check))]
     for i, answer in answers:
-        job = _answer_job(i, answer)
-        if job is not None:
-            plan[i] = [job]
+        jobs = _answer_jobs(i, answer)
+        if jobs:
+            plan[i] = jobs
     for i, item in enumerate(work):
         if isinstance(item, Check):
             try:
@@ -128,6 +133,9 @@ def _apply(jobs: list[_Job], work: Sequence["Answer | Frames | Check"], results:
         try:
             if isinstance(ran, Exception):
                 raise ran
+            if job.observes:
+                job.after()  # the probe's attention read
+                continue
             if not job.keeps:
                 results[job.item] = p_yes(ran.logits, answer_ids(job.session.model.tokenizer))
                 continue
@@ -150,26 +158,36 @@ def _closing_job(item: int, answer: "Answer") -> _Job | None:
     return _Job(item, answer.session, closing, answer.closed, retry_alone=True)
 
 
-def _answer_job(item: int, answer: "Answer") -> _Job | None:
-    """The prompt that advances an answer: its question's, or its last token; None if none."""
+def _answer_jobs(item: int, answer: "Answer") -> list[_Job]:
+    """The prompts that advance an answer: its probe (where the context has room for it) and its
+    question's, or its last token; none if none."""
+    session = answer.session
     question = answer.begin()
     if question is not None:
-        return _Job(item, answer.session, question, answer.question_ran)
+        probe = _read_only_parts(session, PROBE)
+        asked = _Job(item, session, question, answer.question_ran)
+        if sum(part.tokens for part in probe) > session.context_tokens - session.cache.tokens:
+            return [asked]
+        return [_Job(item, session, probe, answer.probed, keeps=False, observes=True), asked]
     token = answer.unfed()
     if token is not None:
-        return _Job(item, answer.session, token, lambda: answer.fed(answer.session.logits), retry_alone=True)
-    return None
+        return [_Job(item, session, token, lambda: answer.fed(session.logits), retry_alone=True)]
+    return []
 
 
 def _check_job(item: int, check: Check) -> _Job:
-    """A check's prompt: its condition's question (user text), then the markers that close the
-    user's turn and open the assistant's, to run read only. Refused (raises) while its session
-    answers, or past its context."""
-    session, model = check.session, check.session.model
-    question = session.part(model.tokenize(prompt_text(check.condition), user=True))
-    opening = session.part(model.tokenize(model.chat.user_to_assistant))
-    session.make_check_room(question.tokens + opening.tokens)
-    return _Job(item, session, [question, opening], retry_alone=True, keeps=False)
+    """A check's prompt, to run read only. Refused (raises) while its session answers, or past
+    its context."""
+    parts = _read_only_parts(check.session, prompt_text(check.condition))
+    check.session.make_check_room(sum(part.tokens for part in parts))
+    return _Job(item, check.session, parts, retry_alone=True, keeps=False)
+
+
+def _read_only_parts(session: "Session", text: str) -> list["Part"]:
+    """A question (user text) and the markers that close the user's turn and open the
+    assistant's: a check's or a probe's prompt."""
+    model = session.model
+    return [session.part(model.tokenize(text, user=True)), session.part(model.tokenize(model.chat.user_to_assistant))]
 
 
 def _fail_answer(item: "Answer | Frames | Check") -> None:
@@ -219,7 +237,7 @@ def _appended(session: "Session", times: list[float]) -> Callable[[], None]:
 
 def _prompt(job: _Job) -> runner.Prompt:
     prompt = job.session.prompt(job.parts)
-    return prompt if job.keeps else replace(prompt, keep=False)  # a check's: read only
+    return prompt if job.keeps else replace(prompt, keep=False, observe=job.observes)  # read only
 
 
 def _run(jobs: list[_Job]) -> list[runner.Ran | Exception]:

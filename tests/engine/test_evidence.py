@@ -1,52 +1,66 @@
-"""An answer's evidence: the frame times its tokens attend to beyond what its question's tokens did."""
+"""An answer's evidence: the frame times its question and answer attend to beyond what a question
+about nothing in particular (the probe, run read only before the question) did."""
 
 import numpy as np
 import pytest
 import torch
 
 from engine import Session, SessionConfig, load_model
-from engine.evidence import Contrast, Evidence, top_evidence
+from engine.evidence import PROBE, Contrast, Evidence, top_evidence
 from engine.kv_cache import FrameAttention
 
 TIMES = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])  # the opening, three seconds, the newest
 HELD = torch.tensor([10.0, 10.0, 5.0, 10.0, 10.0])  # the second at 2.0 s held in part
 # Per query (rows), the attention paid each time's tokens: every query pays the opening and
-# the newest second most; the answer's first token pays 2.0 s more than the question did
-QUESTION = FrameAttention(TIMES, torch.tensor([[5.0, 1.0, 0.5, 1.0, 2.0], [5.0, 1.0, 0.5, 1.0, 2.0]]), HELD)
-ANSWER = FrameAttention(TIMES, torch.tensor([[5.0, 1.0, 1.5, 1.0, 2.0], [6.0, 1.0, 0.5, 1.0, 3.0]]), HELD)
+# the newest second most; the question pays 2.0 s more than the probe did, the answer's token
+# the opening and the newest a little more
+PROBED = FrameAttention(TIMES, torch.tensor([[5.0, 1.0, 0.5, 1.0, 2.0], [5.0, 1.0, 0.5, 1.0, 2.0]]), HELD)
+QUESTION = FrameAttention(TIMES, torch.tensor([[5.0, 1.0, 1.5, 1.0, 2.0]]), HELD)
+ANSWER = FrameAttention(TIMES, torch.tensor([[6.0, 1.0, 0.5, 1.0, 3.0]]), HELD)
 
 
-def test_the_answer_s_excess_over_its_question_is_its_evidence_not_what_every_query_attends_to():
+def test_the_excess_of_question_and_answer_over_the_probe_is_the_evidence_not_what_every_query_attends_to():
     contrast = Contrast()
-    contrast.question(QUESTION)
-    contrast.answer(ANSWER)
-    # Shares of attention per token held: the question's [0.5, 0.1, 0.1, 0.1, 0.2]; the answer's
-    # first token's [0.417, 0.083, 0.25, 0.083, 0.167] (0.15 more at 2.0 s), its second's
-    # [0.5, 0.083, 0.083, 0.083, 0.25] (0.05 more at 4.0 s, under half of the best)
-    assert contrast.top(3) == [Evidence(2.0, 0.75)]
+    contrast.probe(PROBED)
+    contrast.add(QUESTION)
+    contrast.add(ANSWER)
+    # Shares of attention per token held: the probe's [0.5, 0.1, 0.1, 0.1, 0.2]; the question's
+    # [0.417, 0.083, 0.25, 0.083, 0.167], the answer's [0.5, 0.083, 0.083, 0.083, 0.25]: their
+    # mean less 1.1 times the probe's is [-0.092, -0.027, 0.057, -0.027, -0.012]: 2.0 s alone
+    # (the newest, 4% over the probe's share, is not)
+    assert contrast.top(3) == [Evidence(2.0, 1.0)]
 
 
-def test_what_the_text_between_frames_paid_weighs_half_in_the_baseline():
-    """The times and newlines between frames attend to the newest frames whatever is asked:
-    half their shares join the question's, so the newest second is evidence only where the
-    answer attends to it more than both together."""
-    between = FrameAttention(TIMES, torch.tensor([[0.0, 0.0, 0.0, 0.0, 4.0]]), HELD)  # the newest alone
-    question = FrameAttention(TIMES, torch.tensor([[5.0, 1.0, 1.0, 1.0, 2.0]]), HELD)
-    answer = FrameAttention(TIMES, torch.tensor([[4.0, 1.0, 2.0, 1.0, 6.0]]), HELD)
-    # shares: the question's [0.455, 0.091, 0.182, 0.091, 0.182], the answer's [0.25, 0.0625,
-    # 0.25, 0.0625, 0.375]; the text between frames adds 0.5 to the newest second's baseline
-    with_between, question_alone = Contrast(), Contrast()
-    with_between.question(question, between)
-    question_alone.question(question)
-    for contrast in (with_between, question_alone):
-        contrast.answer(answer)
-    assert with_between.top(3) == [Evidence(2.0, 1.0)]  # 0.068 over its baseline
-    assert question_alone.top(3) == [Evidence(4.0, 0.7391)]  # 0.193; 2.0 s at 0.068 is under half of it
-
-
-def test_without_a_question_every_share_is_excess():
+def test_an_answer_that_attends_as_the_probe_did_cites_nothing():
+    """The opening and the newest draw the most attention, from the probe as from the answer:
+    nothing stands out, so no time is evidence (the opening is not cited for want of another)."""
     contrast = Contrast()
-    contrast.answer(FrameAttention(TIMES[:2], torch.tensor([[3.0, 1.0]]), HELD[:2]))
+    contrast.probe(PROBED)
+    contrast.add(PROBED)
+    assert contrast.top(3) == []
+
+
+def test_a_time_is_evidence_where_it_draws_a_tenth_more_than_the_probe_did_else_where_it_draws_more():
+    """A time the question and answer attend to a little more than a question about nothing
+    (the newest second, 6% more) is not evidence beside one they attend to a tenth more; alone,
+    it is."""
+    probed = FrameAttention(TIMES, torch.tensor([[2.0, 1.0, 1.0, 1.0, 4.0]]), HELD)  # shares .2, .1, .2, .1, .4
+    answer = FrameAttention(TIMES, torch.tensor([[1.0, 1.0, 1.2, 0.9, 3.9]]), HELD)  # .109, .109, .261, .098, .424
+    contrast = Contrast()
+    contrast.probe(probed)
+    contrast.add(answer)
+    # excess over 1.1 times the probe's: -.111, -.001, .041, -.012, -.016
+    assert contrast.top(3) == [Evidence(2.0, 1.0)]
+    newest = Contrast()
+    newest.probe(probed)
+    newest.add(FrameAttention(TIMES, torch.tensor([[2.0, 1.0, 1.0, 0.9, 4.3]]), HELD))  # .196, .098, .196, .088, .422
+    # over 1.1 times the probe's nothing (4.0 s: .422 < .44); over the probe's, 4.0 s alone (.022)
+    assert newest.top(3) == [Evidence(4.0, 1.0)]
+
+
+def test_without_a_probe_every_share_is_excess():
+    contrast = Contrast()
+    contrast.add(FrameAttention(TIMES[:2], torch.tensor([[3.0, 1.0]]), HELD[:2]))
     assert contrast.top(3) == [Evidence(0.0, 0.75)]  # 1.0 s at a third of the best is left out
 
 
@@ -60,33 +74,36 @@ def model():
     return load_model("tiny-random-llava", "cpu")
 
 
-def test_after_each_frame_the_cache_keeps_what_the_text_between_frames_paid(model):
-    """The baseline's second part: the queries of the last frame prompt's text ("[4.0s]" and
-    the newline, 7 tokens of the tiny model's), not of its frame's 16 visual tokens."""
-    session = Session(model, SessionConfig(policy="full"))
-    rng = np.random.default_rng(1)
-    session.append_frames([rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(5)], TIMES.tolist())
-    between = session.cache.between_frames
-    assert between.times.tolist() == TIMES.tolist() and between.mass.shape == (7, 5)
-
-
-def test_an_answer_weighs_its_own_tokens_against_its_question_s(model):
-    """Through a session: the question's prompt (its tokens and the markers closing it) gives
-    the baseline; the answer's tokens and the markers closing its turn give the excess, even
-    when the opening and the newest frame draw the most attention of every query."""
+def test_an_answer_weighs_its_question_and_its_own_tokens_against_its_probe(model):
+    """Through a session: the probe runs read only before the question (what it paid the frames
+    is read, nothing of it stays in the cache); the question's prompt and the answer's tokens
+    with the markers closing its turn give the excess over it."""
     session = Session(model, SessionConfig(policy="full"))
     rng = np.random.default_rng(0)
     session.append_frames([rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(5)], TIMES.tolist())
+    before = session.cache.tokens
     asked: list[int] = []
+    probed = []
+    observed = session.cache.observed
 
     def frame_attention(queries: int | None = None) -> FrameAttention:
         asked.append(queries)
         return QUESTION if len(asked) == 1 else ANSWER
 
+    def probe_attention() -> FrameAttention:
+        probed.append(observed())  # what the probe really paid the five frames
+        return PROBED
+
     session.cache.frame_attention = frame_attention
-    session.cache.between_frames = None  # the text between frames paid every time alike
+    session.cache.observed = probe_attention
     answer = session.ask("What changed?", max_new_tokens=3)
     text = "".join(answer)
-    assert answer.evidence == [Evidence(2.0, 0.75)]
+    assert answer.evidence == [Evidence(2.0, 1.0)]
     closing = len(model.tokenize(model.chat.assistant_to_user))
     assert asked == [answer.prompt_tokens, answer.tokens + closing], text
+    probe_tokens = len(model.tokenize(PROBE, user=True)) + len(model.tokenize(model.chat.user_to_assistant))
+    (real,) = probed
+    assert real.times.tolist() == TIMES.tolist() and real.mass.shape == (probe_tokens, 5)
+    assert bool((real.mass > 0).all())
+    # the cache holds the question, the answer and its closing, and nothing of the probe
+    assert session.cache.tokens == before + answer.prompt_tokens + answer.tokens + closing

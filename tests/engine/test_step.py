@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import ContextFull, Session, SessionConfig, load_model
+from engine.evidence import PROBE
 from engine.step import Frames, step
 from demo_training import scenes
 from tests.support import answer_together, fault_at_call, needs_demo
@@ -82,9 +83,10 @@ def test_answers_run_together_are_the_answers_run_alone(llava, monkeypatch):
     assert answer_together(answers) == expected
     monkeypatch.undo()
     assert [a.tokens for a in answers] == [10, 10, 10, 10]
-    # the questions in one forward, then 9 of a token each, then the four turns closed in one
-    # (each a token and its turn's closing markers)
-    assert len(widths) == 11 and widths[1:10] == [4] * 9
+    # the four probes (read only, the evidence's baseline) in one forward, the questions in one,
+    # then 9 of a token each, then the four turns closed in one (each a token and its closing)
+    probe = len(llava.tokenize(PROBE, user=True)) + len(llava.tokenize(llava.chat.user_to_assistant))
+    assert len(widths) == 12 and widths[0] == 4 * probe and widths[2:11] == [4] * 9
     assert [(a.evidence, a.recalled_s, a.finish_reason) for a in answers] == [
         (a.evidence, a.recalled_s, a.finish_reason) for a in singles
     ]
