@@ -346,7 +346,7 @@ class Session:
         result = step([Check(self, condition)])[0]
         if isinstance(result, Exception):
             raise result
-        return result
+        return result.p_yes
 
     def ask(self, question: str, max_new_tokens: int = 64, sampling: Sampling = GREEDY) -> Answer:
         """Answer against the cache, greedily unless `sampling` says otherwise; the question and

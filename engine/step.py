@@ -8,7 +8,9 @@ Work comes in three kinds, of distinct sessions of one model:
 - `Frames` to append: encoded together (one vision call per pooling), then cut into the
   session's frame prompts (`frames_per_prompt` frames each);
 - a `Check` to score: its condition's yes/no prompt, run read only against its session's cache,
-  which keeps nothing of it (`engine/check.py`).
+  which keeps nothing of it (`engine/check.py`); where its p(yes) reaches the check's
+  `evidence_at`, a probe runs read only the round after, and the times the check attended to
+  beyond it are its evidence (`engine/evidence.py`).
 
 A step runs in rounds: each round is one run of the runner (`engine/runner.py`, one forward per
 chunk) over the next prompt of every item that has one left: the first round holds every
@@ -21,7 +23,7 @@ from the logits after its prompt). One session alone is a step of one: `Session.
 `Session.check` and iterating an `Answer` call `step`.
 
 Results, one per item in order: an answer's piece (a str; None once it is over), a check's
-p(yes) (a float in [0, 1]) or None for frames, or the exception where the item failed: frames a
+`Checked` (p(yes) in [0, 1] and its evidence) or None for frames, or the exception where the item failed: frames a
 session cannot take (`ValueError`, `ContextFull`; the frames before them stay appended), a check
 of a session that is answering (`ValueError`), or a failed forward. A failed forward leaves every
 session of it as it was; an answer's token or a check in it then runs alone, so that a fault of
@@ -31,13 +33,13 @@ one session does not end another's answer.
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from engine import runner
 from engine.check import answer_ids, p_yes, prompt_text
-from engine.evidence import PROBE
+from engine.evidence import PROBE, Contrast, Evidence
 
 if TYPE_CHECKING:
     from engine.answer import Answer
@@ -45,7 +47,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Result = str | float | None | Exception
+
+class Checked(NamedTuple):
+    """A check's outcome."""
+
+    p_yes: float  # in [0, 1]
+    evidence: list[Evidence]  # where p_yes reached the check's `evidence_at`: the times it attended to beyond a probe
+
+
+Result = str | Checked | None | Exception
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,7 @@ class Check:
 
     session: "Session"
     condition: str
+    evidence_at: float | None = None  # at or above this p(yes), its evidence too (a watch that fires: its threshold)
 
 
 @dataclass
@@ -78,8 +89,9 @@ class _Job:
     after: Callable[[], None] = lambda: None  # once the session applied what ran: its eviction, its answer's next state
     before: Callable[[], None] = lambda: None  # checks just before it runs (raises to fail the item)
     retry_alone: bool = False  # after a failed forward of several: run alone (an answer's token, a check)
-    keeps: bool = True  # False: run read only (a check's prompt, an answer's probe): nothing is applied
-    observes: bool = False  # read only, what it paid the frames kept for `after` to read (an answer's probe)
+    keeps: bool = True  # False: run read only (a check's prompt, a probe): nothing is applied, `read` reads it
+    observes: bool = False  # read only, what it paid the frames kept for `read` (a probe; a check that wants evidence)
+    read: Callable[[runner.Ran], None] = lambda ran: None  # a read-only prompt ran: its outcome
 
 
 def step(work: Sequence["Answer | Frames | Check"]) -> list[Result]:
@@ -94,7 +106,7 @@ def step(work: Sequence["Answer | Frames | Check"]) -> list[Result]:
     for i, item in enumerate(work):
         if isinstance(item, Check):
             try:
-                plan[i] = [_check_job(i, item)]
+                plan[i] = [_check_job(i, item, results, plan)]
             except Exception as err:
                 results[i] = err
     _plan_frames([(i, item) for i, item in enumerate(work) if isinstance(item, Frames)], plan, results)
@@ -133,11 +145,8 @@ def _apply(jobs: list[_Job], work: Sequence["Answer | Frames | Check"], results:
         try:
             if isinstance(ran, Exception):
                 raise ran
-            if job.observes:
-                job.after()  # the probe's attention read
-                continue
             if not job.keeps:
-                results[job.item] = p_yes(ran.logits, answer_ids(job.session.model.tokenizer))
+                job.read(ran)
                 continue
             job.session.ran(job.parts, ran)
             job.after()  # the session's eviction, each its own
@@ -168,19 +177,36 @@ def _answer_jobs(item: int, answer: "Answer") -> list[_Job]:
         asked = _Job(item, session, question, answer.question_ran)
         if sum(part.tokens for part in probe) > session.context_tokens - session.cache.tokens:
             return [asked]
-        return [_Job(item, session, probe, answer.probed, keeps=False, observes=True), asked]
+        return [_Job(item, session, probe, keeps=False, observes=True, read=lambda ran: answer.probed()), asked]
     token = answer.unfed()
     if token is not None:
         return [_Job(item, session, token, lambda: answer.fed(session.logits), retry_alone=True)]
     return []
 
 
-def _check_job(item: int, check: Check) -> _Job:
-    """A check's prompt, to run read only. Refused (raises) while its session answers, or past
-    its context."""
-    parts = _read_only_parts(check.session, prompt_text(check.condition))
-    check.session.make_check_room(sum(part.tokens for part in parts))
-    return _Job(item, check.session, parts, retry_alone=True, keeps=False)
+def _check_job(item: int, check: Check, results: list[Result], plan: dict[int, list[_Job]]) -> _Job:
+    """A check's prompt, to run read only; where its p(yes) reaches `evidence_at`, a probe is
+    planned for the next round, whose attention is the baseline of the check's evidence.
+    Refused (raises) while its session answers, or past its context."""
+    session, wants_evidence = check.session, check.evidence_at is not None
+    parts = _read_only_parts(session, prompt_text(check.condition))
+    session.make_check_room(sum(part.tokens for part in parts))
+
+    def read(ran: runner.Ran) -> None:
+        probability = p_yes(ran.logits, answer_ids(session.model.tokenizer))
+        results[item] = Checked(probability, [])
+        if wants_evidence and probability >= check.evidence_at:
+            contrast = Contrast()
+            contrast.add(session.cache.observed())  # the check's own attention
+
+            def probed(ran: runner.Ran) -> None:
+                contrast.probe(session.cache.observed())
+                results[item] = Checked(probability, contrast.top(session.config.evidence_top_k))
+
+            probe = _read_only_parts(session, PROBE)
+            plan[item] = [_Job(item, session, probe, retry_alone=True, keeps=False, observes=True, read=probed)]
+
+    return _Job(item, session, parts, retry_alone=True, keeps=False, observes=wants_evidence, read=read)
 
 
 def _read_only_parts(session: "Session", text: str) -> list["Part"]:

@@ -223,7 +223,8 @@ def _print_answer_line(answer: Answer) -> None:
 
 
 def _print_firing(firing: WatchFiredEvent) -> None:
-    print(f"{firing.time_s:.1f} s  p={firing.probability:.2f}", flush=True)
+    evidence = ", ".join(f"{e.time_s:.1f}s ({e.weight:.2f})" for e in firing.evidence)
+    print(f"{firing.time_s:.1f} s  p={firing.probability:.2f}  evidence: {evidence or 'none'}", flush=True)
 
 
 def _print_firing_event(event: dict) -> None:

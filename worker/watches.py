@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 
-from engine.step import Check, Result
+from engine.step import Check, Checked, Result
 from streamvqa import protocol
-from streamvqa.protocol import EventEnvelope, Keys, Watch, WatchFiredEvent, scripts
+from streamvqa.protocol import EventEnvelope, Evidence, Keys, Watch, WatchFiredEvent, scripts
 from streamvqa.protocol.watches import MAX_CONDITION_CHARS
 
 if TYPE_CHECKING:
@@ -89,12 +89,15 @@ class Checking:
                 self.items.append((session_id, hosted, watch, video_s))
 
     def work(self) -> list[Check]:
-        return [Check(hosted.engine, watch.condition) for _, hosted, watch, _ in self.items]
+        # an armed watch fires at its threshold: its check then reads its evidence too
+        return [
+            Check(hosted.engine, watch.condition, watch.threshold if watch.armed else None) for _, hosted, watch, _ in self.items
+        ]
 
     async def publish(self, results: list[Result] | Exception) -> None:
         outcomes = [results] * len(self.items) if isinstance(results, Exception) else results
         for (session_id, hosted, watch, video_s), outcome in zip(self.items, outcomes, strict=True):
-            if isinstance(outcome, float):
+            if isinstance(outcome, Checked):
                 await self.watching.record(session_id, hosted, watch, video_s, outcome)
             else:  # tried again `every_s` later
                 hosted.watches.failed_s[watch.id] = video_s
@@ -137,13 +140,14 @@ class Watching:
     async def checks(self, work: list[tuple[str, Hosted]]) -> Checking:
         return Checking(self, work)
 
-    async def record(self, session_id: str, hosted: Hosted, watch: Watch, time_s: float, probability: float) -> None:
+    async def record(self, session_id: str, hosted: Hosted, watch: Watch, time_s: float, checked: Checked) -> None:
         """Write a check's outcome (and its firing, as a `watch_fired` event) unless another
         worker wrote this watch meanwhile; then read the watches again."""
-        after, firing = watch.checked(time_s, probability)
+        evidence = [Evidence(time_s=e.time_s, weight=e.weight) for e in checked.evidence]
+        after, firing = watch.checked(time_s, checked.p_yes, evidence)
         event = ""
         if firing is not None:
-            fired = WatchFiredEvent(watch_id=watch.id, time_s=firing.time_s, probability=firing.probability)
+            fired = WatchFiredEvent(watch_id=watch.id, time_s=firing.time_s, probability=firing.probability, evidence=firing.evidence)
             event = EventEnvelope(event=fired).model_dump_json()
         keys = [self.keys.session(session_id), self.keys.watches(session_id), self.keys.events(session_id)]
         args = [watch.id, watch.checks, after.checked_s, after.model_dump_json(), event, protocol.EVENTS_MAXLEN]

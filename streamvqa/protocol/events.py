@@ -146,6 +146,7 @@ class WatchFiredEvent(BaseModel):
     watch_id: str
     time_s: float = Field(description="Video time of the check that fired: the time of the last frame it saw.")
     probability: float = Field(description="p(yes) at that check, 0 to 1.")
+    evidence: list[Evidence] = Field([], description="The frames the check attended to beyond a question about nothing.")
 
 
 class StartedEvent(BaseModel):

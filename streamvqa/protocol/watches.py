@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from streamvqa.protocol.events import Evidence
+
 MAX_CONDITION_CHARS = 300
 DEFAULT_EVERY_S = 2.0
 MAX_EVERY_S = 3600.0
@@ -30,6 +32,10 @@ MAX_FIRINGS_KEPT = 100  # a watch keeps its latest firings, no more
 class Firing(BaseModel):
     time_s: float = Field(description="Video time of the check that fired: the time of the last frame it saw.")
     probability: float = Field(description="p(yes) at that check, 0 to 1.")
+    evidence: list[Evidence] = Field(
+        [], description="The frames the check attended to beyond what a question about nothing does, strongest first "
+        "(as an answer's evidence; docs/engine.md, Evidence)."
+    )
 
 
 class Watch(BaseModel):
@@ -53,11 +59,13 @@ class Watch(BaseModel):
         """The video time at or after which its next check runs."""
         return (self.created_video_s if self.checked_s is None else self.checked_s) + self.every_s
 
-    def checked(self, time_s: float, probability: float) -> tuple[Watch, Firing | None]:
-        """The watch after a check at video time `time_s` that gave p(yes) = `probability`, and
-        the firing it makes (None when it does not fire)."""
+    def checked(self, time_s: float, probability: float, evidence: list[Evidence] | None = None) -> tuple[Watch, Firing | None]:
+        """The watch after a check at video time `time_s` that gave p(yes) = `probability` (and,
+        where it fires, `evidence`), and the firing it makes (None when it does not fire)."""
         above = probability >= self.threshold
-        firing = Firing(time_s=round(time_s, 3), probability=round(probability, 6)) if above and self.armed else None
+        firing = None
+        if above and self.armed:
+            firing = Firing(time_s=round(time_s, 3), probability=round(probability, 6), evidence=evidence or [])
         below = 0 if above else self.below + 1
         armed = (self.armed and not above) or (not above and below >= REARM_CHECKS)
         fired = [*self.fired, firing][-MAX_FIRINGS_KEPT:] if firing else self.fired

@@ -112,6 +112,9 @@ def test_on_an_upload_a_true_condition_fires_once_at_its_first_check_and_an_impo
     assert fired["checked_s"] == pytest.approx(8.0, abs=0.01)  # checks at 2, 4, 6 and 8 s of video
     assert [f["time_s"] for f in fired["fired"]] == pytest.approx([2.0], abs=0.01)
     assert ALWAYS <= fired["fired"][0]["probability"] < 1
+    evidence = fired["fired"][0]["evidence"]  # what the check that fired attended to, of the frames at 0, 1 and 2 s
+    assert 1 <= len(evidence) <= 3 and {e["time_s"] for e in evidence} <= {0.0, 1.0, 2.0}
+    assert all(0 < e["weight"] <= 1 for e in evidence)
     silent = watch_after(client, never["id"], 4)
     assert (silent["checked_s"], silent["fired"]) == (pytest.approx(8.0, abs=0.01), [])
     assert silent["probability"] == pytest.approx(fired["probability"], abs=1e-6)  # one condition, the same video

@@ -10,7 +10,7 @@ import torch
 from engine import POLICIES, Session, SessionConfig, load_model, runner
 from engine.check import answer_ids, p_yes, prompt_text
 from engine.kv_pool import KVPool
-from engine.step import Check, Frames, step
+from engine.step import Check, Checked, Frames, step
 from demo_training import scenes
 from tests.support import fault_at_call, needs_demo
 
@@ -136,7 +136,8 @@ def test_checks_in_one_step_are_each_as_alone(llava, pooled):
     answer = asked.ask("What is it?", max_new_tokens=8)
 
     results = step([*(Check(s, c) for s, c in zip(watched, conditions)), Frames(framed, _frames(2, 9), [4.0, 5.0]), answer])
-    assert results[:3] == pytest.approx(alone, abs=1e-5)
+    assert [r.p_yes for r in results[:3]] == pytest.approx(alone, abs=1e-5)
+    assert [r.evidence for r in results[:3]] == [[], [], []]  # none asked for
     assert results[3] is None
     for session, state in zip(watched, before):
         _unchanged(session, state)
@@ -182,7 +183,7 @@ def test_a_failed_forward_leaves_every_session_of_it_as_it_was(llava, monkeypatc
     fault_at_call(llava.hf.model.language_model.layers[1], monkeypatch, 1)
     results = step([Check(watched, CONDITION), Frames(framed, _frames(1, 2), [4.0])])
     monkeypatch.undo()
-    assert results[0] == pytest.approx(alone, abs=1e-6)
+    assert results[0].p_yes == pytest.approx(alone, abs=1e-6)
     assert isinstance(results[1], RuntimeError)
     _unchanged(watched, before)
     assert _same(_cache(framed), framed_before[1])
@@ -206,3 +207,34 @@ def test_the_demo_model_checks_a_scene_and_leaves_it_as_it_was():
     scores = [session.check("a red circle is visible"), session.check("a green triangle is visible")]
     _unchanged(session, before)
     assert all(0.0 <= p <= 1.0 for p in scores)
+
+
+def test_a_check_that_reaches_its_evidence_at_reads_the_times_it_attended_to_beyond_a_probe(llava):
+    """A watch that fires asks its check for evidence (its threshold as `evidence_at`): a probe
+    runs read only after it, and the times the check's queries paid more than the probe's are
+    its evidence; a check under `evidence_at` runs no probe. Either way the session is as it
+    was, and its p(yes) is the plain check's."""
+    session = _streamed(llava, SessionConfig(policy="infmllm", budget_tokens=200), 6, 3)
+    before = _state(session)
+    alone = session.check(CONDITION)
+    widths = []
+    original = llava.hf.model.language_model.layers[0].forward
+
+    def counted(hidden, *args, **kwargs):
+        widths.append(hidden.shape[1])
+        return original(hidden, *args, **kwargs)
+
+    llava.hf.model.language_model.layers[0].forward = counted
+    try:
+        (fired,) = step([Check(session, CONDITION, evidence_at=0.0)])
+        runs_fired, widths[:] = len(widths), []
+        (silent,) = step([Check(session, CONDITION, evidence_at=1.0)])
+        runs_silent = len(widths)
+    finally:
+        del llava.hf.model.language_model.layers[0].forward
+    assert (runs_fired, runs_silent) == (2, 1)  # the check, then the probe; the check alone
+    assert isinstance(fired, Checked) and fired.p_yes == pytest.approx(alone, abs=1e-6)
+    assert 1 <= len(fired.evidence) <= 3 and {e.time_s for e in fired.evidence} <= {0.0, 1.0, 2.0, 3.0, 4.0, 5.0}
+    assert all(0 < e.weight <= 1 for e in fired.evidence)
+    assert silent == Checked(fired.p_yes, [])
+    _unchanged(session, before)
