@@ -76,14 +76,14 @@ export class Watches {
     this.render();
   }
 
-  /** A `watch_fired` event: {watch_id, time_s, probability}. */
-  async fired({ watch_id, time_s, probability }) {
+  /** A `watch_fired` event: {watch_id, time_s, probability, evidence}. */
+  async fired({ watch_id, time_s, probability, evidence }) {
     const session = this.session;
     if (!session) return;
     if (!this.watches.has(watch_id)) await this.load(session); // one added elsewhere, through the API
     const watch = this.watches.get(watch_id);
     if (!watch || session !== this.session) return;
-    const firing = { time_s, probability };
+    const firing = { time_s, probability, evidence: evidence || [] };
     watch.fired = merged(watch.fired, [firing]);
     this.render();
     this.announce(watch, firing);
@@ -139,7 +139,7 @@ export class Watches {
 
   /** A firing on the page, and as a notification where the user allowed them. */
   announce(watch, firing) {
-    const text = `“${watch.condition}” at ${videoTime(firing.time_s)} of video`;
+    const text = `“${watch.condition}” at ${videoTime(firing.time_s)} of video${seenAt(firing.evidence)}`;
     this.toast.text.textContent = `Watch fired: ${text}`;
     this.toastTime_s = firing.time_s;
     this.toast.element.hidden = false;
@@ -204,7 +204,7 @@ export class Watches {
         mark.dataset.watch = watch.id;
         mark.dataset.time = String(firing.time_s);
         mark.style.left = `${Math.min(100, (100 * firing.time_s) / this.total_s)}%`;
-        mark.title = `“${watch.condition}” at ${videoTime(firing.time_s)} (p(yes) ${percent(firing.probability)})`;
+        mark.title = `“${watch.condition}” at ${videoTime(firing.time_s)} (p(yes) ${percent(firing.probability)})${seenAt(firing.evidence)}`;
         mark.setAttribute("aria-label", `Show ${videoTime(firing.time_s)}, where “${watch.condition}” fired`);
         mark.addEventListener("click", () => this.onSeek(firing.time_s));
         marks.push(mark);
@@ -221,6 +221,12 @@ function merged(a, b) {
     if (!all.some((f) => Math.abs(f.time_s - firing.time_s) < TIME_EPSILON_S)) all.push(firing);
   }
   return all.sort((x, y) => x.time_s - y.time_s).slice(-MAX_FIRINGS_KEPT);
+}
+
+/** The seconds a firing's check attended to beyond a question about nothing (its evidence), in time order. */
+function seenAt(evidence) {
+  if (!evidence || !evidence.length) return "";
+  return ` · seen at ${[...evidence].sort((a, b) => a.time_s - b.time_s).map((e) => videoTime(e.time_s)).join(", ")}`;
 }
 
 function firings(fired) {

@@ -77,7 +77,9 @@ def test_a_watch_fires_as_a_mark_on_the_timeline_that_seeks_the_video_and_goes_w
     timeline, box = page.locator("#timeline").bounding_box(), mark.bounding_box()
     assert (box["x"] + box["width"] / 2 - timeline["x"]) / timeline["width"] == pytest.approx(fired_s / 10, abs=0.01)
 
-    shown = f"“{CONDITION}” at {fired_s:.1f} s of video"
+    seen = sorted(e["time_s"] for e in watch["fired"][0]["evidence"])  # what the check that fired attended to
+    assert seen and all(0.0 <= t <= fired_s for t in seen)
+    shown = f"“{CONDITION}” at {fired_s:.1f} s of video · seen at " + ", ".join(f"{t:.1f} s" for t in seen)
     assert page.text_content("#watch-toast-text") == f"Watch fired: {shown}"
     assert page.is_visible("#watch-toast")
     assert page.evaluate("window.notificationsShown") == [{"title": "Watch fired", "body": shown}]
