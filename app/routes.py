@@ -149,13 +149,17 @@ def too_many_sessions(settings: GatewaySettings) -> ApiError:
 
 
 def _no_place(short: str, model: str, room: Room, no_room: str) -> str:
-    """Why NoPlace: no place, or `no_room` (what the session needs) and which memory is reserved."""
+    """Why NoPlace: no place, or `no_room` (what the session needs) and which memory is reserved,
+    with what each worker offers (a session takes its memory on one worker, never across them)."""
     if short == "places":
         return f"the workers serving {model!r} hold as many active sessions as they may ({room.places}); idle ones leave them"
-    memory, offered = ("cache", room.device_limit) if short == "device" else ("host tier", room.host_limit)
+    memory, limits = ("cache", room.device_limits) if short == "device" else ("host tier", room.host_limits)
+    mib = [f"{limit / 2**20:,.1f}" for limit in limits]
+    offers = f"{mib[0]} MiB" if len(set(mib)) == 1 else f"{', '.join(mib)} MiB"
+    each = f" on each of {len(mib)} workers" if len(mib) > 1 and len(set(mib)) == 1 else ""
     return (
-        f"{no_room}: the sessions they hold or are about to take reserve the rest of the {offered / 2**20:,.1f} MiB "
-        f"of {memory} memory they offer; idle ones give theirs back"
+        f"{no_room}: the sessions each worker holds or is about to take reserve the rest of the {memory} "
+        f"memory it offers ({offers}{each}); idle ones give theirs back"
     )
 
 

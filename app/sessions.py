@@ -84,15 +84,6 @@ class Room:
             host_limits=tuple(w.host_memory_bytes for w in workers) if known else (),
         )
 
-    @property
-    def device_limit(self) -> int:
-        """The cache memory the workers offer, in all (-1: not known)."""
-        return sum(self.device_limits) if self.device_limits else -1
-
-    @property
-    def host_limit(self) -> int:
-        return sum(self.host_limits) if self.host_limits else -1
-
     def limits(self) -> list[int]:
         """Each worker's device and host bytes, in turn (scripts.TAKE_PLACE_LUA's arguments)."""
         return [limit for pair in zip(self.device_limits, self.host_limits, strict=True) for limit in pair]

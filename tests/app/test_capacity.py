@@ -99,10 +99,10 @@ def _create_at_once(stack: Stack, count: int, **options: object) -> tuple[list[C
     # tiny-random-llava: a 2,048-token budget (without recall) peaks at 2,048 + 2,048 + 1,024 tokens (budget, a
     # prompt, an answer), x 512 bytes x 1.5 (the rotated copy of the keys): 3,932,160 bytes; two
     # fit in 10 MB, a third does not
-    ({"KV_MEMORY": "10MB"}, {"budget_tokens": 2048, "recall": False}, "cache"),
+    ({"KV_MEMORY": "10MB"}, {"budget_tokens": 2048, "recall": False}, "cache"),  # 9.5 MiB
     # a 200,000-token host tier takes 200,000 x 536 bytes: 107,200,000; two fit in 250 MB, a
     # third does not (their index, 4 MB each on the device, fits the cache memory)
-    ({"HOST_MEMORY": "250MB"}, {"budget_tokens": 256, "recall": True, "host_budget_tokens": 200_000}, "host tier"),
+    ({"HOST_MEMORY": "250MB"}, {"budget_tokens": 256, "recall": True, "host_budget_tokens": 200_000}, "host tier"),  # 238.4 MiB
 ])
 def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_get_503(make_stack, env, options, memory):
     stack = make_stack(1, MAX_SESSIONS="8", IDLE_RELEASE_S="0", **env)
@@ -113,7 +113,8 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
     # the peaks: budget, a prompt, an answer (5,120), and with recall what a question borrows (3,456)
     needs = "5120 tokens at its peak" if memory == "cache" else "3456 tokens at its peak and a 200000-token host tier"
     no_room = f"no worker serving 'tiny-random-llava' has room now for a cache of {needs}"
-    reserved = f"of {memory} memory they offer; idle ones give theirs back"
+    offered = "9.5 MiB" if memory == "cache" else "238.4 MiB"  # the one worker's, not a sum over workers
+    reserved = f"reserve the rest of the {memory} memory it offers ({offered}); idle ones give theirs back"
     for r in refused:  # refused by a worker's advertised room, or by the memory reserved at once
         assert r["message"] == no_room or (r["message"].startswith(no_room + ": ") and r["message"].endswith(reserved)), refused
     admitted = [user for user, reply in zip(users, replies, strict=True) if reply.status_code == 201]
@@ -167,3 +168,17 @@ def test_a_burst_of_sessions_is_admitted_only_as_far_as_each_worker_holds_them(m
         time.sleep(0.2)
     assert late.wait_for_state("ready", timeout_s=30)["worker"] in ("a", "b")
 
+
+
+def test_a_refusal_for_memory_names_what_each_worker_offers_not_their_sum():
+    """A session's memory is reserved on one worker: the 503 says what each offers."""
+    from app.routes import _no_place
+    from app.sessions import Room
+
+    room = Room(places=8, device_bytes=1, host_bytes=1, device_limits=(2**29, 2**29), host_limits=(2**30, 2**28))
+    assert _no_place("device", "m", room, "no room").endswith(
+        "reserve the rest of the cache memory it offers (512.0 MiB on each of 2 workers); idle ones give theirs back"
+    )
+    assert _no_place("host", "m", room, "no room").endswith(
+        "reserve the rest of the host tier memory it offers (1,024.0, 256.0 MiB); idle ones give theirs back"
+    )
