@@ -15,18 +15,18 @@ Work comes in three kinds, of distinct sessions of one model:
 A step runs in rounds: each round is one run of the runner (`engine/runner.py`, one forward per
 chunk) over the next prompt of every item that has one left: the first round holds every
 beginning answer's probe, every other answer's and every check's prompt and every session's first
-frame prompt, later rounds the questions after their probes and the frames' further prompts, and
-a last round closes the turns of the answers that said all (the
+frame prompt, later rounds the questions after their probes (and a firing check's probe) and the
+frames' further prompts, and a last round closes the turns of the answers that said all (the
 token chosen last and the markers closing the answer). After its prompt, each session applies
 what ran and evicts, exactly as alone (a check's session applies nothing: its p(yes) is read
 from the logits after its prompt). One session alone is a step of one: `Session.append_frames`,
 `Session.check` and iterating an `Answer` call `step`.
 
 Results, one per item in order: an answer's piece (a str; None once it is over), a check's
-`Checked` (p(yes) in [0, 1] and its evidence) or None for frames, or the exception where the item failed: frames a
-session cannot take (`ValueError`, `ContextFull`; the frames before them stay appended), a check
-of a session that is answering (`ValueError`), or a failed forward. A failed forward leaves every
-session of it as it was; an answer's token or a check in it then runs alone, so that a fault of
+`Checked` (p(yes) in [0, 1] and its evidence) or None for frames, or the exception where the
+item failed: frames a session cannot take (`ValueError`, `ContextFull`; the frames before them
+stay appended), a check of a session that is answering (`ValueError`), or a failed forward. A
+failed forward leaves every session of it as it was; an answer's token or a check in it then runs alone, so that a fault of
 one session does not end another's answer.
 """
 
