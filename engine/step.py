@@ -168,13 +168,15 @@ def _closing_job(item: int, answer: "Answer") -> _Job | None:
 
 
 def _answer_jobs(item: int, answer: "Answer") -> list[_Job]:
-    """The prompts that advance an answer: its probe (where the context has room for it) and its
-    question's, or its last token; none if none."""
+    """The prompts that advance an answer: its probe (where it wants evidence and the context has
+    room for the probe) and its question's, or its last token; none if none."""
     session = answer.session
     question = answer.begin()
     if question is not None:
-        probe = _read_only_parts(session, PROBE)
         asked = _Job(item, session, question, answer.question_ran)
+        if session.config.evidence_top_k == 0:
+            return [asked]
+        probe = _read_only_parts(session, PROBE)
         if sum(part.tokens for part in probe) > session.context_tokens - session.cache.tokens:
             return [asked]
         return [_Job(item, session, probe, keeps=False, observes=True, read=lambda ran: answer.probed()), asked]
