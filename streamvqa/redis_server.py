@@ -2,6 +2,7 @@
 embedded server, or a local cluster."""
 
 import importlib.util
+import random
 import shutil
 import socket
 import subprocess
@@ -101,18 +102,40 @@ def find_redis_cli() -> str:
     return _binary(beside, "redis-cli", "it creates a local cluster (`redis-cli --cluster create`)")
 
 
-def free_cluster_port() -> int:
-    """A free port whose cluster bus port (10000 above it) is free too."""
-    while True:
-        port = free_port()
-        if port + 10000 > 65535:
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (32768 when it does not say)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_ports(count: int) -> list[int]:
+    """`count` free ports whose cluster bus ports (10000 above each) are free too, none of them
+    another's bus port, all below the kernel's ephemeral range: a port checked free inside that
+    range can be taken by any outgoing connection before the node binds it."""
+    high = min(_ephemeral_low(), 65536) - 10000
+    low = 10000 if high > 12000 else 1024
+    chosen: list[int] = []
+    taken: set[int] = set()
+    for _ in range(20000):
+        port = random.randrange(low, max(high, low + 1))
+        if {port, port + 10000} & taken or not (_bindable(port) and _bindable(port + 10000)):
             continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
+        chosen.append(port)
+        taken |= {port, port + 10000}
+        if len(chosen) == count:
+            return chosen
+    raise RuntimeError(f"found no {count} free ports for a local cluster")
 
 
 class LocalCluster:
@@ -125,19 +148,20 @@ class LocalCluster:
     def __init__(self, directory: Path, masters: int = 3, node_timeout_ms: int = 2000) -> None:
         self.directory = directory
         self.node_timeout_ms = node_timeout_ms
-        self.ports = [free_cluster_port() for _ in range(2 * masters)]
+        self.masters = masters
+        self.ports = free_cluster_ports(2 * masters)
         self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
         self._processes: dict[int, Popen] = {}
 
-    def start(self, timeout_s: float = 30.0) -> str:
-        for port in self.ports:
-            self._start_node(port)
+    def start(self, timeout_s: float = 30.0, tries: int = 3) -> str:
         deadline = time.monotonic() + timeout_s
-        while not all(_answers_ping(port) for port in self.ports):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self._processes.values()):
-                self.stop()
+        for attempt in range(tries):
+            if self._nodes_answer(deadline):
+                break
+            if attempt + 1 == tries:
                 raise RuntimeError(f"a cluster node did not start; see the logs in {self.directory}")
-            time.sleep(0.05)
+            self.ports = free_cluster_ports(2 * self.masters)  # one was taken between choice and bind
+            self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
         nodes = [f"127.0.0.1:{port}" for port in self.ports]
         created = subprocess.run(
             [find_redis_cli(), "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"],
@@ -152,6 +176,17 @@ class LocalCluster:
                 raise RuntimeError("the cluster did not reach cluster_state:ok with a replica per master")
             time.sleep(0.1)
         return self.url
+
+    def _nodes_answer(self, deadline: float) -> bool:
+        """Starts a node on each port; True once all answer, False (all stopped) when one exits."""
+        for port in self.ports:
+            self._start_node(port)
+        while not all(_answers_ping(port) for port in self.ports):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self._processes.values()):
+                self.stop()
+                return False
+            time.sleep(0.05)
+        return True
 
     def _start_node(self, port: int) -> None:
         folder = self.directory / str(port)

@@ -2,6 +2,7 @@
 worker killed mid-stream, and a session's keys in one slot."""
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -96,3 +97,16 @@ def test_the_launcher_needs_a_node_to_reach_a_cluster(tmp_path):
     run = subprocess.run([sys.executable, "-m", "streamvqa.run"], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "REDIS_CLUSTER=true needs REDIS_URL: a node of the cluster" in run.stderr
+
+
+def test_a_cluster_starts_on_other_ports_when_one_it_chose_was_taken(tmp_path):
+    cluster = LocalCluster(tmp_path / "cluster", masters=3)
+    chosen = list(cluster.ports)
+    with socket.socket() as squatter:  # another process binds a chosen port before the node does
+        squatter.bind(("127.0.0.1", chosen[2]))
+        squatter.listen()
+        with cluster:
+            assert cluster.ports != chosen and chosen[2] not in cluster.ports
+            client = connect_sync(cluster.url, cluster=True)
+            client.set("a-key", "a-value")
+            assert client.get("a-key") in (b"a-value", "a-value")
