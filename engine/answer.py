@@ -62,6 +62,11 @@ class Answer(Iterator[str]):
     def tokens(self) -> int:
         return len(self._ids)
 
+    @property
+    def contrast(self) -> Contrast:
+        """What its question and answer paid each frame time, and its probe's baseline."""
+        return self._contrast
+
     # -- the steps -----------------------------------------------------------------------------
 
     def begin(self) -> list["Part"] | None:
@@ -75,10 +80,11 @@ class Answer(Iterator[str]):
             self.session.pin_turn(self.session.cache.appended + question.tokens, closing.tokens, new_turn=True)
         return prompt
 
-    def probed(self) -> None:
-        """The probe ran before the question, read only: what it paid the frames is the
-        baseline of the answer's evidence (engine/evidence.py)."""
-        self._contrast.probe(self.session.cache.observed())
+    def probed(self, answer_queries: int) -> None:
+        """The probe ran before the question, read only: what it paid the frames, its last
+        `answer_queries` queries apart (its answer's), is the baseline of the answer's evidence
+        (engine/evidence.py)."""
+        self._contrast.probe(self.session.cache.observed(), answer_queries)
 
     def question_ran(self) -> None:
         """The question's prompt ran: the answer begins from the logits after it."""
@@ -211,4 +217,4 @@ class Answer(Iterator[str]):
         closing it), against its question's (engine/evidence.py)."""
         rows, self._unweighed = self._unweighed, 0
         if rows:
-            self._contrast.add(self.session.cache.frame_attention(rows))
+            self._contrast.add(self.session.cache.frame_attention(rows), answer=True)

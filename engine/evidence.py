@@ -7,13 +7,18 @@ and the last seconds among the evidence of nearly every answer on real video (do
 the share of what it paid all frame times (a row summing to 1).
 
 The baseline is measured, not guessed: before a question runs, a question about nothing in
-particular (PROBE) runs read only against the same cache (`KVCache.observe`: nothing of it
-stays), and its queries' mean share of each time is what any question pays there. A time's
-excess is the mean share of the question's queries and the answer's (its tokens and the markers
-closing its turn) less (1 + PROBE_MARGIN) times that baseline; the times of most excess are the
-evidence. Where no time draws that much more than the probe did, the times that draw more at all
-are; where none does (an answer that reads the video exactly as a question about nothing would),
-there is none.
+particular (PROBE) and the first words of an answer to it (PROBE_ANSWER) run read only against
+the same cache (`KVCache.observe`: nothing of them stays). Its question's queries' mean share of
+each time is what any question pays there. An answer's tokens read the opening, the newest
+and the most salient frames more than a question's do, whatever was asked, so an answer's
+baseline is the mean of the probe question's share and its answer's (PROBE_ANSWER_WEIGHT): the
+answer's two words alone are salience too, and a needle the real answer reads they read as
+well (docs/engine.md, "Evidence"). A time's excess is the shares of the question's queries (with
+the markers closing its turn) less (1 + PROBE_MARGIN) times the question's baseline, plus the
+shares of the answer's queries (its tokens and the markers closing its turn) less as much of the
+answer's baseline, over all those queries; the times of most excess are the evidence. Where no
+time draws that much more than the probe did, the times that draw more at all are; where none
+does (an answer that reads the video exactly as one about nothing would), there is none.
 
 State of one answer, bounded by the frame times the cache holds; the answer (engine/answer.py)
 reads the cache and hands the attention in.
@@ -26,6 +31,8 @@ import torch
 from engine.kv_cache import FrameAttention
 
 PROBE = "Describe the video."  # the question about nothing in particular whose attention is the baseline
+PROBE_ANSWER = "I see"  # the first words of an answer to it, run after it: part of the baseline of an answer's queries
+PROBE_ANSWER_WEIGHT = 0.5  # an answer's baseline: this much of the probe answer's share, the rest its question's
 EVIDENCE_FLOOR = 0.5  # a time is evidence only if its excess is at least this share of the best's
 PROBE_MARGIN = 0.1  # a time is evidence only where it draws more than 1 + this times the probe's share
 
@@ -44,34 +51,49 @@ def shares(attention: FrameAttention) -> torch.Tensor:
 
 
 class Contrast:
-    """The probe's mean share of each video time (the baseline), then the question's and the
-    answer's shares, summed, against it."""
+    """The probe's mean share of each video time for its question and for its answer, then the
+    question's and the answer's shares, summed, against the baselines made of them."""
 
     def __init__(self) -> None:
-        self.baseline: dict[float, float] = {}  # by video time: what any question pays it
-        self.paid: dict[float, float] = {}  # by video time: the shares of the question's and answer's queries, summed
-        self.queries = 0  # how many queries `paid` sums
+        # by role (False: a question's queries, True: an answer's), by video time:
+        self.probed: dict[bool, dict[float, float]] = {}  # the probe's question's and answer's mean share
+        self.paid: dict[bool, dict[float, float]] = {False: {}, True: {}}  # the shares of the queries weighed, summed
+        self.queries = {False: 0, True: 0}  # how many queries `paid` sums
 
-    def probe(self, attention: FrameAttention | None) -> None:
-        """The baseline: the mean share of the probe's queries."""
-        if attention is not None:
-            self.baseline = dict(zip(attention.times.tolist(), shares(attention).mean(dim=0).tolist()))
-
-    def add(self, attention: FrameAttention | None) -> None:
-        """The attention of queries of the question or the answer not yet weighed (a time the
-        probe did not see has a baseline of 0)."""
+    def probe(self, attention: FrameAttention | None, answer_queries: int = 0) -> None:
+        """The probe's mean shares: of its last `answer_queries` queries (its answer's) and of
+        the rest (its question's); of all of them for both where one part is missing."""
         if attention is None:
             return
-        for t, share in zip(attention.times.tolist(), shares(attention).sum(dim=0).tolist()):
-            self.paid[t] = self.paid.get(t, 0.0) + share
-        self.queries += attention.mass.shape[0]
+        rows, times = shares(attention), attention.times.tolist()
+        split = rows.shape[0] - answer_queries
+        parts = (rows[:split], rows[split:]) if 0 < split < rows.shape[0] else (rows, rows)
+        self.probed = {role: dict(zip(times, part.mean(dim=0).tolist())) for role, part in zip((False, True), parts)}
 
-    def top(self, k: int) -> list[Evidence]:
-        """The times of most excess over the baseline and its margin, else over the baseline
-        alone; none where no time draws more than its baseline."""
-        count = max(self.queries, 1)
-        for scale in (1 + PROBE_MARGIN, 1.0):
-            chosen = top_evidence({t: paid / count - scale * self.baseline.get(t, 0.0) for t, paid in self.paid.items()}, k)
+    def add(self, attention: FrameAttention | None, answer: bool = False) -> None:
+        """The attention of queries of the question (or, `answer`, of the answer) not yet weighed
+        (a time the probe did not see has a baseline of 0)."""
+        if attention is None:
+            return
+        paid = self.paid[answer]
+        for t, share in zip(attention.times.tolist(), shares(attention).sum(dim=0).tolist()):
+            paid[t] = paid.get(t, 0.0) + share
+        self.queries[answer] += attention.mass.shape[0]
+
+    def top(self, k: int, answer_weight: float = PROBE_ANSWER_WEIGHT, margin: float = PROBE_MARGIN) -> list[Evidence]:
+        """The times of most excess over the baselines and their margin, else over the baselines
+        alone; none where no time draws more than its baseline. A question's baseline is the
+        probe question's share, an answer's `answer_weight` of the probe answer's and the rest
+        of its question's."""
+        question, answer = self.probed.get(False, {}), self.probed.get(True, {})
+        baseline = {False: question, True: {t: answer_weight * answer.get(t, 0.0) + (1 - answer_weight) * q for t, q in question.items()}}
+        count = max(sum(self.queries.values()), 1)
+        for scale in (1 + margin, 1.0):
+            excess: dict[float, float] = {}
+            for role, paid in self.paid.items():
+                for t, share in paid.items():
+                    excess[t] = excess.get(t, 0.0) + (share - self.queries[role] * scale * baseline[role].get(t, 0.0)) / count
+            chosen = top_evidence(excess, k)
             if chosen:
                 return chosen
         return []

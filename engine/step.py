@@ -2,9 +2,9 @@
 
 Work comes in three kinds, of distinct sessions of one model:
 - an `Answer` to advance by one piece: its question's prompt when it has not begun (then its
-  first token is chosen), after its probe (a question about nothing in particular, run read only
-  the round before: the baseline of its evidence, `engine/evidence.py`), else the token it chose
-  last (then the next is chosen);
+  first token is chosen), after its probe (a question about nothing in particular and the first
+  words of an answer, run read only the round before: the baselines of its evidence,
+  `engine/evidence.py`), else the token it chose last (then the next is chosen);
 - `Frames` to append: encoded together (one vision call per pooling), then cut into the
   session's frame prompts (`frames_per_prompt` frames each);
 - a `Check` to score: its condition's yes/no prompt, run read only against its session's cache,
@@ -39,7 +39,7 @@ import numpy as np
 
 from engine import runner
 from engine.check import answer_ids, p_yes, prompt_text
-from engine.evidence import PROBE, Contrast, Evidence
+from engine.evidence import PROBE, PROBE_ANSWER, Contrast, Evidence
 
 if TYPE_CHECKING:
     from engine.answer import Answer
@@ -176,10 +176,10 @@ def _answer_jobs(item: int, answer: "Answer") -> list[_Job]:
         asked = _Job(item, session, question, answer.question_ran)
         if session.config.evidence_top_k == 0:
             return [asked]
-        probe = _read_only_parts(session, PROBE)
+        probe = probe_parts(session)
         if sum(part.tokens for part in probe) > session.context_tokens - session.cache.tokens:
             return [asked]
-        return [_Job(item, session, probe, keeps=False, observes=True, read=lambda ran: answer.probed()), asked]
+        return [_Job(item, session, probe, keeps=False, observes=True, read=lambda ran: answer.probed(probe[-1].tokens)), asked]
     token = answer.unfed()
     if token is not None:
         return [_Job(item, session, token, lambda: answer.fed(session.logits), retry_alone=True)]
@@ -201,11 +201,12 @@ def _check_job(item: int, check: Check, results: list[Result], plan: dict[int, l
             contrast = Contrast()
             contrast.add(session.cache.observed())  # the check's own attention
 
+            probe = probe_parts(session)
+
             def probed(ran: runner.Ran) -> None:
-                contrast.probe(session.cache.observed())
+                contrast.probe(session.cache.observed(), probe[-1].tokens)
                 results[item] = Checked(probability, contrast.top(session.config.evidence_top_k))
 
-            probe = _read_only_parts(session, PROBE)
             plan[item] = [_Job(item, session, probe, retry_alone=True, keeps=False, observes=True, read=probed)]
 
     return _Job(item, session, parts, retry_alone=True, keeps=False, observes=wants_evidence, read=read)
@@ -216,6 +217,11 @@ def _read_only_parts(session: "Session", text: str) -> list["Part"]:
     assistant's: a check's or a probe's prompt."""
     model = session.model
     return [session.part(model.tokenize(text, user=True)), session.part(model.tokenize(model.chat.user_to_assistant))]
+
+
+def probe_parts(session: "Session") -> list["Part"]:
+    """The probe (engine/evidence.py): its question's prompt, then the first words of an answer."""
+    return [*_read_only_parts(session, PROBE), session.part(session.model.tokenize(PROBE_ANSWER))]
 
 
 def _fail_answer(item: "Answer | Frames | Check") -> None:

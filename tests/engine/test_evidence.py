@@ -1,12 +1,13 @@
 """An answer's evidence: the frame times its question and answer attend to beyond what a question
-about nothing in particular (the probe, run read only before the question) did."""
+about nothing in particular and an answer's first words to it (the probe, run read only before
+the question) did."""
 
 import numpy as np
 import pytest
 import torch
 
 from engine import Session, SessionConfig, load_model
-from engine.evidence import PROBE, Contrast, Evidence, top_evidence
+from engine.evidence import PROBE, PROBE_ANSWER, Contrast, Evidence, top_evidence
 from engine.kv_cache import FrameAttention
 
 TIMES = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])  # the opening, three seconds, the newest
@@ -58,6 +59,30 @@ def test_a_time_is_evidence_where_it_draws_a_tenth_more_than_the_probe_did_else_
     assert newest.top(3) == [Evidence(4.0, 1.0)]
 
 
+def test_an_answer_is_weighed_against_the_probe_s_answer_and_a_question_against_its_question():
+    """Answers read the newest second more than questions do, whatever was asked: the probe's
+    answer (its last query) too. Against the probe's question alone, the answer's share of the
+    newest second stood out; against the mean of the probe's question and answer, only what the
+    question asked for does."""
+    probed = FrameAttention(TIMES, torch.tensor([[2.0, 1.0, 1.0, 1.0, 2.0], [2.0, 1.0, 1.0, 1.0, 6.0]]), HELD)
+    # shares: the probe's question .25, .125, .25, .125, .25; its answer .167, .083, .167, .083, .5;
+    # an answer's baseline their mean, .208, .104, .208, .104, .375
+    question = FrameAttention(TIMES, torch.tensor([[2.0, 1.0, 1.6, 1.0, 2.0]]), HELD)  # .217, .109, .348, .109, .217
+    answer = FrameAttention(TIMES, torch.tensor([[2.0, 1.0, 1.0, 1.0, 3.5]]), HELD)  # .211, .105, .211, .105, .368
+    against_both = Contrast()
+    against_both.probe(probed, answer_queries=1)
+    against_both.add(question)
+    against_both.add(answer, answer=True)
+    # excess: 2.0 s (.348 - 1.1 x .25 + .211 - 1.1 x .208) / 2 = .027; 4.0 s (-.058 - .044) / 2 < 0
+    assert against_both.top(3) == [Evidence(2.0, 1.0)]
+    against_question = Contrast()  # a probe of a question alone, as before
+    against_question.probe(FrameAttention(TIMES, probed.mass[:1], HELD))
+    against_question.add(question)
+    against_question.add(answer, answer=True)
+    # 4.0 s: (.217 - .275 + .368 - .275) / 2 = .018; 2.0 s: (.073 - .064) / 2 = .004, under half of it
+    assert [e.time_s for e in against_question.top(3)] == [4.0]
+
+
 def test_without_a_probe_every_share_is_excess():
     contrast = Contrast()
     contrast.add(FrameAttention(TIMES[:2], torch.tensor([[3.0, 1.0]]), HELD[:2]))
@@ -90,7 +115,7 @@ def test_an_answer_weighs_its_question_and_its_own_tokens_against_its_probe(mode
         asked.append(queries)
         return QUESTION if len(asked) == 1 else ANSWER
 
-    def probe_attention() -> FrameAttention:
+    def probe_attention() -> FrameAttention:  # the question's and the answer's rows alike
         probed.append(observed())  # what the probe really paid the five frames
         return PROBED
 
@@ -101,9 +126,10 @@ def test_an_answer_weighs_its_question_and_its_own_tokens_against_its_probe(mode
     assert answer.evidence == [Evidence(2.0, 1.0)]
     closing = len(model.tokenize(model.chat.assistant_to_user))
     assert asked == [answer.prompt_tokens, answer.tokens + closing], text
-    probe_tokens = len(model.tokenize(PROBE, user=True)) + len(model.tokenize(model.chat.user_to_assistant))
+    probe_tokens = sum(len(ids) for ids in (model.tokenize(PROBE, user=True), model.tokenize(model.chat.user_to_assistant), model.tokenize(PROBE_ANSWER)))
     (real,) = probed
-    assert real.times.tolist() == TIMES.tolist() and real.mass.shape == (probe_tokens, 5)
+    window = session.cache.evidence_window  # the probe's last queries, its answer's among them
+    assert real.times.tolist() == TIMES.tolist() and real.mass.shape == (min(probe_tokens, window), 5)
     assert bool((real.mass > 0).all())
     # the cache holds the question, the answer and its closing, and nothing of the probe
     assert session.cache.tokens == before + answer.prompt_tokens + answer.tokens + closing

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import ContextFull, Session, SessionConfig, load_model
-from engine.evidence import PROBE
+from engine.evidence import PROBE, PROBE_ANSWER
 from engine.step import Frames, step
 from demo_training import scenes
 from tests.support import answer_together, fault_at_call, needs_demo
@@ -85,11 +85,14 @@ def test_answers_run_together_are_the_answers_run_alone(llava, monkeypatch):
     assert [a.tokens for a in answers] == [10, 10, 10, 10]
     # the four probes (read only, the evidence's baseline) in one forward, the questions in one,
     # then 9 of a token each, then the four turns closed in one (each a token and its closing)
-    probe = len(llava.tokenize(PROBE, user=True)) + len(llava.tokenize(llava.chat.user_to_assistant))
+    probe = sum(len(ids) for ids in (llava.tokenize(PROBE, user=True), llava.tokenize(llava.chat.user_to_assistant), llava.tokenize(PROBE_ANSWER)))
     assert len(widths) == 12 and widths[0] == 4 * probe and widths[2:11] == [4] * 9
-    assert [(a.evidence, a.recalled_s, a.finish_reason) for a in answers] == [
-        (a.evidence, a.recalled_s, a.finish_reason) for a in singles
+    # the same evidence: the same times, weights alike but for the batched products' rounding
+    assert [([e.time_s for e in a.evidence], a.recalled_s, a.finish_reason) for a in answers] == [
+        ([e.time_s for e in a.evidence], a.recalled_s, a.finish_reason) for a in singles
     ]
+    for batched, single in zip(answers, singles):
+        assert [e.weight for e in batched.evidence] == pytest.approx([e.weight for e in single.evidence], abs=2e-4)
     for a, b in zip(alone, together):
         _same_cache(a, b)
         assert a.stats().evictions == b.stats().evictions and a.stats().tokens_seen == b.stats().tokens_seen
