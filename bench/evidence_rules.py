@@ -44,14 +44,16 @@ DEMO_BUDGET = 3413  # the service's default budget for streamvqa-demo with recal
 NEEDLE_SECONDS = 60
 NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
 NEEDLE_RUNS = (("full", None), ("infmllm", 256))
-# (the probe answer's weight in an answer's baseline, the margin): the rule now first
+# (the probe answer's weight in an answer's baseline, the margin, whether the answer's queries
+# count): the rule now first
 RULES = {
-    "now": (PROBE_ANSWER_WEIGHT, PROBE_MARGIN),
-    "probe question alone (before)": (0.0, 0.1),
-    "probe answer weight 0.25": (0.25, 0.1),
-    "probe answer weight 1": (1.0, 0.1),
-    "weight 0.5, margin 0": (0.5, 0.0),
-    "weight 0.5, margin 0.2": (0.5, 0.2),
+    "now": (PROBE_ANSWER_WEIGHT, PROBE_MARGIN, True),
+    "probe question alone (before)": (0.0, 0.1, True),
+    "probe answer weight 0.25": (0.25, 0.1, True),
+    "probe answer weight 1": (1.0, 0.1, True),
+    "weight 0.5, margin 0": (0.5, 0.0, True),
+    "weight 0.5, margin 0.2": (0.5, 0.2, True),
+    "the question's queries alone": (0.0, 0.1, False),
 }
 
 
@@ -70,11 +72,14 @@ def _contrast_of(answer) -> dict:
     return dict(probed=by_role(contrast.probed), paid=by_role(contrast.paid), queries={str(r).lower(): n for r, n in contrast.queries.items()})
 
 
-def _rebuilt(fields: dict) -> Contrast:
+def _rebuilt(fields: dict, answer: bool = True) -> Contrast:
+    """The recorded contrast; without `answer`, with the question's queries alone."""
     contrast = Contrast()
     maps = lambda by_role: {role == "true": {float(t): v for t, v in values.items()} for role, values in by_role.items()}
     contrast.probed, contrast.paid = maps(fields["probed"]), maps(fields["paid"])
     contrast.queries = {role == "true": n for role, n in fields["queries"].items()}
+    if not answer:
+        contrast.paid[True], contrast.queries[True] = {}, 0
     return contrast
 
 
@@ -126,9 +131,9 @@ def record(args: argparse.Namespace) -> None:
 def score(args: argparse.Namespace) -> None:
     rows = [json.loads(line) for line in open(args.out)]
     tune = {n for n in args.tune.split(",") if n} | {f"needle{t}" for t in args.tune_trials.split(",") if t}
-    for rule, (weight, margin) in RULES.items():
+    for rule, (weight, margin, answer) in RULES.items():
         for label, chosen in (("tune", [r for r in rows if r["set"] in tune]), ("held", [r for r in rows if r["set"] not in tune])):
-            cited = [[e.time_s for e in _rebuilt(r["contrast"]).top(3, weight, margin)] for r in chosen]
+            cited = [[e.time_s for e in _rebuilt(r["contrast"], answer).top(3, weight, margin)] for r in chosen]
             counts = {"opening": [0, 0], "newest": [0, 0], "needle": [0, 0], "none": [0, 0]}
 
             def count(key: str, hit: bool) -> None:
