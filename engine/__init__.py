@@ -6,21 +6,48 @@ from engine.policies import POLICIES
 from engine.sampling import Sampling
 from engine.memory_map import Memory, SessionStats, Span
 from engine.answer import Answer, Evidence
-from engine.session import ContextFull, Session, SessionConfig
+from engine.session import DEFAULT_SYSTEM_PROMPT, ContextFull, Session, SessionConfig, turn_marker_tokens
+from engine.step import Check, Checked, Frames, Result, step
+from engine.kv_pool import KVPool, PoolFull, page_bytes
+from engine.host_pool import GRID_BYTES, HostPool, host_page_bytes
+from engine.host_tier import index_bytes_per_token
+from engine.page_runs import PageRuns, Run
+from engine.model import resolve_device
+from engine.numerics import choose_dtype
+from engine.resident import trim_heap
 
 __all__ = [
     "BUILTIN_MODELS",
+    "DEFAULT_SYSTEM_PROMPT",
+    "GRID_BYTES",
     "POLICIES",
     "Answer",
+    "Check",
+    "Checked",
     "ContextFull",
     "Evidence",
+    "Frames",
+    "HostPool",
+    "KVPool",
     "Memory",
     "Model",
+    "PageRuns",
+    "PoolFull",
+    "Result",
+    "Run",
     "Sampling",
     "Session",
     "SessionConfig",
     "SessionStats",
     "Span",
     "UnknownModelError",
+    "choose_dtype",
+    "host_page_bytes",
+    "index_bytes_per_token",
     "load_model",
+    "page_bytes",
+    "resolve_device",
+    "step",
+    "trim_heap",
+    "turn_marker_tokens",
 ]

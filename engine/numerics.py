@@ -27,7 +27,7 @@ class Numerics:
         return str(self.dtype).removeprefix("torch.")
 
 
-def choose(setting: str, device: str) -> Numerics:
+def choose_dtype(setting: str, device: str) -> Numerics:
     """The dtype for `setting` (`auto`, `float32`, `bfloat16`) on `device` (`cpu`, `cuda`, `cuda:1`...)."""
     if setting not in CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(CHOICES)}, got {setting!r}")

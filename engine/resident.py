@@ -44,7 +44,7 @@ def give_back(tensor: torch.Tensor, dim: int, start: int, stop: int) -> int:
     return given
 
 
-def trim() -> None:
+def trim_heap() -> None:
     """Give back what the C heap holds free (glibc's `malloc_trim`): the activations of steps
     that ran, freed by torch but kept by the allocator for reuse."""
     if _TRIM is not None:

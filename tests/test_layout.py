@@ -112,6 +112,21 @@ def test_the_rooms_keep_their_walls():
             assert not reaches("demo_training", module), module
 
 
+def test_the_worker_imports_the_engine_through_its_face_alone():
+    """The worker names nothing below engine/__init__.py: what it needs of the engine is there."""
+    below = []
+    for path in sorted((ROOT / "worker").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            below += [f"{path.name}: {name}" for name in names if name.startswith("engine.")]
+    assert below == []
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_each_package_imports_alone(package):
     result = subprocess.run([sys.executable, "-c", f"import {package}"], cwd=ROOT, capture_output=True, text=True, timeout=120)

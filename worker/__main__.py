@@ -11,9 +11,7 @@ import huggingface_hub.utils
 import torch
 import transformers.utils.logging
 
-from engine import Model, load_model
-from engine.model import resolve_device
-from engine.numerics import choose
+from engine import Model, choose_dtype, load_model, resolve_device
 from streamvqa.redis_client import close, connect
 from worker.loop import Worker
 from worker.settings import WorkerSettings
@@ -33,7 +31,7 @@ def load(settings: WorkerSettings) -> Model:
     log.info("loading %s…", settings.model)
     started_s = time.monotonic()
     try:
-        numerics = choose(settings.dtype, resolve_device(settings.torch_device))
+        numerics = choose_dtype(settings.dtype, resolve_device(settings.torch_device))
         model = load_model(settings.model, settings.torch_device, settings.model_cache_dir, numerics.dtype)
     except Exception as err:
         log.debug("loading %s failed", settings.model, exc_info=True)

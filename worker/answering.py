@@ -15,9 +15,7 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from engine import ContextFull, Model, Sampling, Session
-from engine.step import Result
-from engine.session import Answer, SessionStats
+from engine import Answer, ContextFull, Model, Result, Sampling, Session, SessionStats
 from streamvqa import protocol
 from streamvqa.protocol import AnswerEnvelope, DoneEvent, ErrorEvent, Evidence, Keys, Question, TokenEvent, scripts
 from worker.capacity import Counters

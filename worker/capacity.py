@@ -19,10 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine import Model, SessionConfig
-from engine.host_pool import GRID_BYTES, HostPool, host_page_bytes
-from engine.host_tier import index_bytes_per_token
-from engine.kv_pool import KVPool, page_bytes
+from engine import GRID_BYTES, HostPool, KVPool, Model, SessionConfig, host_page_bytes, index_bytes_per_token, page_bytes
 from streamvqa import protocol
 from streamvqa.protocol import (
     QUEUE_TIME_BUCKETS_S, STEP_SESSIONS_BUCKETS, TIME_PER_OUTPUT_TOKEN_BUCKETS_S, Histogram, SessionRecord,

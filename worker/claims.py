@@ -11,8 +11,7 @@ from collections.abc import Awaitable, Callable
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from engine import Model, Session, SessionConfig
-from engine.kv_pool import PoolFull
+from engine import Model, PoolFull, Session, SessionConfig
 from streamvqa import protocol
 from streamvqa.pending import leave
 from streamvqa.protocol import Keys, SessionRecord, SessionState

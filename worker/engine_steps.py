@@ -11,8 +11,7 @@ the step as a whole.
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine import Answer
-from engine.step import Check, Frames, Result, step
+from engine import Answer, Check, Frames, Result, step
 from worker.threads import Threads
 
 

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from engine import ContextFull, SessionStats
-from engine.step import Frames, Result
+from engine import ContextFull, Frames, Result, SessionStats
 from worker import engine_steps
 from streamvqa import protocol
 from streamvqa.protocol import (

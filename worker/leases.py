@@ -13,8 +13,7 @@ from collections.abc import Mapping
 
 from redis.asyncio import Redis
 
-from engine.kv_pool import KVPool
-from engine.page_runs import PageRuns, Run
+from engine import KVPool, PageRuns, Run
 from streamvqa.pending import enqueue, leave
 from streamvqa.protocol import Keys, WorkerInfo, scripts
 from worker.capacity import Capacity, Counters

@@ -32,8 +32,7 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from engine import Model
-from engine.resident import trim
+from engine import Model, trim_heap
 from streamvqa import protocol
 from streamvqa.protocol import ErrorEvent, Keys
 from streamvqa.redis_client import FAILURES, xreadgroup
@@ -304,7 +303,7 @@ class Worker:
         await self.answering.drop(hosted)
         await self.intake.close(hosted, delete=delete_spool)
         await self.threads.engine(hosted.engine.release)  # its pages back to the pools (in RAM, to the operating system)
-        await self.threads.engine(trim)  # and what its steps and decoding left free in the C heap
+        await self.threads.engine(trim_heap)  # and what its steps and decoding left free in the C heap
         log.info("dropped session %s", session_id)
 
     async def _park(self, session_id: str, hosted: Hosted) -> None:

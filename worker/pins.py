@@ -4,8 +4,7 @@ than create one its worker cannot open."""
 
 from dataclasses import dataclass
 
-from engine import Model
-from engine.session import DEFAULT_SYSTEM_PROMPT, turn_marker_tokens
+from engine import DEFAULT_SYSTEM_PROMPT, Model, turn_marker_tokens
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 
-from engine.step import Check, Checked, Result
+from engine import Check, Checked, Result
 from streamvqa import protocol
 from streamvqa.protocol import EventEnvelope, Evidence, Keys, Watch, WatchFiredEvent, scripts
 from streamvqa.protocol.watches import MAX_CONDITION_CHARS

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import Session, SessionConfig, load_model
-from engine.numerics import choose, cast
+from engine.numerics import cast, choose_dtype
 
 # Every family the engine runs, tiny models built in code and the two real ones
 FAMILIES = [
@@ -19,16 +19,16 @@ BF16_TOLERANCE = 0.05
 
 
 def test_a_set_dtype_is_taken_as_it_is_and_a_wrong_one_is_refused():
-    assert (choose("float32", "cpu").dtype, choose("bfloat16", "cpu").dtype) == (torch.float32, torch.bfloat16)
-    assert choose("bfloat16", "cpu").name == "bfloat16"
-    assert choose("auto", "cuda").dtype == torch.bfloat16
+    assert (choose_dtype("float32", "cpu").dtype, choose_dtype("bfloat16", "cpu").dtype) == (torch.float32, torch.bfloat16)
+    assert choose_dtype("bfloat16", "cpu").name == "bfloat16"
+    assert choose_dtype("auto", "cuda").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="auto, float32, bfloat16"):
-        choose("float16", "cpu")
+        choose_dtype("float16", "cpu")
 
 
 def test_auto_is_float32_on_a_cpu_and_says_when_bfloat16_is_there_to_choose():
     """One session answers slower in bfloat16 on a CPU, even with AMX (docs/benchmarks.md)."""
-    chosen = choose("auto", "cpu")
+    chosen = choose_dtype("auto", "cpu")
     assert chosen.dtype == torch.float32
     if torch.cpu._is_amx_tile_supported():
         assert chosen.reason == "a CPU; it has AMX: DTYPE=bfloat16 answers many sessions at once faster, one slower"
