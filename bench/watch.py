@@ -172,7 +172,9 @@ def streams_of(real: list, minutes: float, seed: int) -> list[Stream]:
 
 
 @dataclass(frozen=True)
-class Checked:
+class CheckRecord:
+    """One check of a watch over a stream, as the benchmark counts it."""
+
     time_s: float  # video time of the check (its last frame's)
     probability: float  # p(yes)
     truth: str  # what that frame shows (TRUTHS)
@@ -181,14 +183,14 @@ class Checked:
     frame_s: float  # wall seconds of appending its last frame
 
 
-def watched(model, stream: Stream, policy: str, budget: int | None, every_s: float, threshold: float) -> list[Checked]:
+def watched(model, stream: Stream, policy: str, budget: int | None, every_s: float, threshold: float) -> list[CheckRecord]:
     """The stream into a fresh session, a frame a second, its watch checked when due: each check."""
     config = SessionConfig(policy=policy, **({"budget_tokens": budget} if budget else {}))
     session = Session(model, config)
     watch = Watch(id=uuid.uuid4().hex, condition=stream.condition, every_s=every_s, threshold=threshold,
                   created_video_s=0.0, created_at=time.time())
     watches = SessionWatches(watches={watch.id: watch})
-    checks: list[Checked] = []
+    checks: list[CheckRecord] = []
     try:
         for t, frame in enumerate(stream.frames):
             started = time.perf_counter()
@@ -203,7 +205,7 @@ def watched(model, stream: Stream, policy: str, budget: int | None, every_s: flo
             check_s = time.perf_counter() - started
             after, firing = due.checked(video_s, probability)
             watches.watches[due.id] = after
-            checks.append(Checked(video_s, probability, stream.truth[t], firing is not None, check_s, frame_s))
+            checks.append(CheckRecord(video_s, probability, stream.truth[t], firing is not None, check_s, frame_s))
     finally:
         session.release()
     return checks
@@ -223,7 +225,7 @@ class Outcome:
     check_s: list[float] = field(default_factory=list)
     p_yes: dict[str, list[float]] = field(default_factory=lambda: {truth: [] for truth in TRUTHS})
 
-    def add(self, stream: Stream, checks: list[Checked], every_s: float) -> dict:
+    def add(self, stream: Stream, checks: list[CheckRecord], every_s: float) -> dict:
         """Count one stream's checks; its episodes and false firings, as `--verbose` prints them."""
         self.video_s += len(stream.frames)
         self.check_s += [c.check_s for c in checks]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bench.watch import Checked, Episode, Outcome, Stream, build_stream, watched
+from bench.watch import CheckRecord, Episode, Outcome, Stream, build_stream, watched
 from engine import load_model
 
 
@@ -31,7 +31,7 @@ def test_firings_are_counted_in_time_late_or_false():
     frame = np.zeros((1, 1, 3), np.uint8)
     stream = Stream("a red circle is visible", [frame] * 40, ["real"] * 40, [Episode(10, 15), Episode(30, 35)])
     fired_at = {12.0, 24.0, 36.0}  # the episode at 10 in time (its 2nd check), a false one, the one at 30 late (4th)
-    checks = [Checked(float(t), 0.9 if t in fired_at else 0.1, "real", t in fired_at, 0.05, 0.2) for t in range(2, 40, 2)]
+    checks = [CheckRecord(float(t), 0.9 if t in fired_at else 0.1, "real", t in fired_at, 0.05, 0.2) for t in range(2, 40, 2)]
     outcome = Outcome()
     outcome.add(stream, checks, every_s=2.0)
     line = outcome.line()
