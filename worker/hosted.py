@@ -18,16 +18,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from engine import Session
 from streamvqa.protocol import SessionRecord
+from worker.answer_run import AnswerRun
 from worker.ingest import Batch, Ingest
 from worker.scheduler import entry_time
 from worker.watches import SessionWatches, check_tokens
-
-if TYPE_CHECKING:
-    from worker.answering import AnswerRun  # which needs this module
 
 
 @dataclass

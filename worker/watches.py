@@ -24,17 +24,14 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from redis.asyncio import Redis
 
-from engine import Check, Checked, Result
+from engine import Check, Checked, Result, Session
 from streamvqa import protocol
 from streamvqa.protocol import EventEnvelope, Evidence, Keys, Watch, WatchFiredEvent, scripts
 from streamvqa.protocol.watches import MAX_CONDITION_CHARS
-
-if TYPE_CHECKING:
-    from worker.hosted import Hosted  # which holds a SessionWatches
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +73,22 @@ class SessionWatches:
         return max(1, min(most, math.floor((due_s - next_frame_s) * fps + TIME_EPSILON_S) + 1))
 
 
+class Watched(Protocol):
+    """What checks read and write of a held session (`worker/hosted.py`'s `Hosted`)."""
+
+    engine: Session
+    watches: SessionWatches
+
+    @property
+    def held(self) -> bool: ...
+
+
 class Checking:
     """The checks of a step, one due watch of each session; then each outcome written."""
 
-    def __init__(self, watching: Watching, work: list[tuple[str, Hosted]]) -> None:
+    def __init__(self, watching: Watching, work: list[tuple[str, Watched]]) -> None:
         self.watching = watching
-        self.items: list[tuple[str, Hosted, Watch, float]] = []  # session id, its session, the watch, the video time
+        self.items: list[tuple[str, Watched, Watch, float]] = []  # session id, its session, the watch, the video time
         for session_id, hosted in work:
             video_s = hosted.engine.stats().video_time_s
             watch = hosted.watches.due(video_s)
@@ -112,7 +119,7 @@ class Watching:
         self.keys = keys
         self._record = redis.register_script(scripts.RECORD_CHECK_LUA)
 
-    async def refresh(self, sessions: Mapping[str, Hosted]) -> None:
+    async def refresh(self, sessions: Mapping[str, Watched]) -> None:
         """Read again the watches of each held session whose `watches_rev` moved since they
         were last read (or that were never read): one round trip for the counts."""
         held = [(session_id, hosted) for session_id, hosted in sessions.items() if hosted.held]
@@ -127,7 +134,7 @@ class Watching:
             if rev != hosted.watches.rev:
                 await self.read(session_id, hosted, rev)
 
-    async def read(self, session_id: str, hosted: Hosted, rev: bytes | None = None) -> None:
+    async def read(self, session_id: str, hosted: Watched, rev: bytes | None = None) -> None:
         """The session's watches as Redis holds them now; `rev`: the count read just before
         (None: read it too)."""
         if rev is None:
@@ -137,10 +144,10 @@ class Watching:
         hosted.watches.watches = {key.decode(): Watch.model_validate_json(value) for key, value in stored.items()}
         hosted.watches.failed_s = {key: value for key, value in hosted.watches.failed_s.items() if key in hosted.watches.watches}
 
-    async def checks(self, work: list[tuple[str, Hosted]]) -> Checking:
+    async def checks(self, work: list[tuple[str, Watched]]) -> Checking:
         return Checking(self, work)
 
-    async def record(self, session_id: str, hosted: Hosted, watch: Watch, time_s: float, checked: Checked) -> None:
+    async def record(self, session_id: str, hosted: Watched, watch: Watch, time_s: float, checked: Checked) -> None:
         """Write a check's outcome (and its firing, as a `watch_fired` event) unless another
         worker wrote this watch meanwhile; then read the watches again."""
         evidence = [Evidence(time_s=e.time_s, weight=e.weight) for e in checked.evidence]
