@@ -6,11 +6,11 @@
 `record` runs the demo model in process (no service: the same engine, so every rule sees the
 same answers) and, per answer, keeps what engine/evidence.py's `Contrast` holds: the shares of
 each video time the question's queries and the answer's paid, summed, and the probe's mean
-shares for its question and for its answer. Videos: bench.evidence's (every frame at fps 2,
-`recall` on and `--budget` 3,413 tokens, the service's default session for `streamvqa-demo`),
-asked bench.evidence's 12 questions; needles: bench.needle's 1-minute streams at depths 0.1,
-0.5 and 0.9 for each of `--needle-trials`, under `full` and `infmllm` at budget 256, asked
-bench.needle's three questions.
+shares for its question and for its answer. Videos: bench.evidence's (sampled at fps 2 and
+scaled as the worker does an upload; `recall` on and `--budget` 3,413 tokens, the service's
+default session for `streamvqa-demo`), asked bench.evidence's 12 questions; needles:
+bench.needle's 1-minute streams at depths 0.1, 0.5 and 0.9 for each of `--needle-trials`, under
+`full` and `infmllm` at budget 256, asked bench.needle's three questions.
 
 `score` rebuilds each answer's `Contrast` and ranks its times under every rule of RULES (the
 probe answer's weight in an answer's baseline, and the margin), printing one JSON line per rule
@@ -27,7 +27,6 @@ import json
 import tempfile
 from pathlib import Path
 
-import av
 import numpy as np
 import torch
 from PIL import Image
@@ -38,7 +37,8 @@ from bench.needle import build_stream, is_right
 from demo_training.train import sample_videos
 from engine import Session, SessionConfig, load_model
 from engine.evidence import PROBE_ANSWER_WEIGHT, PROBE_MARGIN, Contrast
-from streamvqa.sampling import FrameSampler
+from worker.decode import sample_file
+from worker.settings import WorkerSettings
 
 DEMO_BUDGET = 3413  # the service's default budget for streamvqa-demo with recall (docs/api.md)
 NEEDLE_SECONDS = 60
@@ -55,15 +55,6 @@ RULES = {
     "weight 0.5, margin 0.2": (0.5, 0.2, True),
     "the question's queries alone": (0.0, 0.1, False),
 }
-
-
-def _frames(path: Path, fps: float) -> list[tuple[float, np.ndarray]]:
-    sampler, frames = FrameSampler(fps), []
-    with av.open(str(path)) as video:
-        for frame in video.decode(video=0):
-            if sampler.keep(float(frame.time)):
-                frames.append((float(frame.time), frame.to_ndarray(format="rgb24")))
-    return frames
 
 
 def _contrast_of(answer) -> dict:
@@ -104,7 +95,7 @@ def record(args: argparse.Namespace) -> None:
             if path is None:
                 emit(warning="video missing", video=name)
                 continue
-            frames = _frames(path, 2.0)
+            frames = [(f.time_s, f.image) for f in sample_file(path, 2.0, WorkerSettings().max_frame_side)]  # as an upload is
             session = Session(model, SessionConfig(recall=True, budget_tokens=args.budget))
             _ingest(session, frames)
             duration_s = frames[-1][0]
