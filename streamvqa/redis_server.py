@@ -150,8 +150,11 @@ class LocalCluster:
         self.node_timeout_ms = node_timeout_ms
         self.masters = masters
         self.ports = free_cluster_ports(2 * masters)
-        self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
         self._processes: dict[int, Popen] = {}
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
 
     def start(self, timeout_s: float = 30.0, tries: int = 3) -> str:
         deadline = time.monotonic() + timeout_s
@@ -161,7 +164,6 @@ class LocalCluster:
             if attempt + 1 == tries:
                 raise RuntimeError(f"a cluster node did not start; see the logs in {self.directory}")
             self.ports = free_cluster_ports(2 * self.masters)  # one was taken between choice and bind
-            self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
         nodes = [f"127.0.0.1:{port}" for port in self.ports]
         created = subprocess.run(
             [find_redis_cli(), "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"],
