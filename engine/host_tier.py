@@ -34,8 +34,13 @@ head keeps a fact's words in one head and evicts them in another, and often keep
 question repeats while it evicts the one asked for (the number); scored by its evicted tokens
 alone, that page ranked below pages of prose, and the fact said just before the budget's span
 was lost. Ranking every page by its whole span instead let the pages the device holds most of
-crowd out facts evicted long ago (docs/benchmarks.md, "Retention"). The first layer chooses by its own scores for itself and
-the other scoring layers; the last of them chooses by all of theirs for every layer after it at
+crowd out facts evicted long ago (docs/benchmarks.md, "Retention"). The same layers weigh the
+spans the device holds whole (pages the tier holds nothing of) against the tier's pages, in one
+softmax: when the device's best is DEVICE_LEAD times as wanted as the tier's best, what the
+question asks for was said just before (sliding's window holds it), pages that look like the
+question would only draw the answer away from it, and the question borrows the pages evicted
+last instead (the stream just before what the device holds). The first layer chooses by its
+own scores for itself and the other scoring layers; the last of them chooses by all of theirs for every layer after it at
 once, which borrow without scoring (on bench.recall's streams, 52 of 60 answers against 51 when
 every layer scored, and a third less time to the first token: docs/benchmarks.md).
 The page after a page ranks at least FOLLOWER_SHARE of it: a sentence cut by a page's end goes
@@ -88,6 +93,9 @@ CANDIDATE_PAGES = 4  # a question's places are chosen among the best pages that 
 # a question's places go first to the best page by its whole span (the device cache's tokens of
 # it too): a sentence a head kept the words of and evicted the number of (engine/host_tier.py docstring)
 SPAN_PAGES = 1
+# a question whose best span the device holds whole is DEVICE_LEAD times as wanted as the tier's best page (summed
+# over the scored layers) has what it asks for: it borrows the pages evicted last, not pages that look like it
+DEVICE_LEAD = 2.0
 FOLLOWER_SHARE = 0.99  # the page after a matched page scores this share of it, when that is more than its own
 NOVEL_DROP_SHARE = 8  # under "novel", the least novel 1/8 of the pages leave together (amortises the scoring)
 NOVEL_KEEP_SHARE = 4  # ... never one of the 1/4 of the pages used most recently
@@ -362,6 +370,7 @@ class HostTier:
     def begin_question(self) -> None:
         """A new question: its layers' scores pool from the first layer on."""
         self._pooled, self._pooled_heads = [None, None], [None, None]
+        self._best: torch.Tensor | None = None  # over the scored layers: the best tier page's share, the best device span's
         self._chosen = None  # what the layers from `_chosen_from` on borrow: places (layers, kv_heads, count) and their order
         self._chosen_from = 0
         self._before = torch.full((self.slots,), -1, dtype=torch.int64)  # slot -> the slot of the page before, -1: not held
@@ -390,7 +399,10 @@ class HostTier:
     def _pool(self, layer: int, keys: torch.Tensor, cached: Cached | None = None) -> None:
         """Add the layer's page scores (over the heads that hold something of a page) to the pool:
         by what the tier holds of each page, and with `cached`, by its whole span (`SPAN_PAGES`)."""
-        for index, scores in enumerate(self.score(layer, keys, cached)):  # (kv_heads, slots), -inf where a head holds nothing of a page
+        *scored_pages, best = self.score(layer, keys, cached)
+        if best is not None:
+            self._best = best if self._best is None else self._best + best
+        for index, scores in enumerate(scored_pages):  # (kv_heads, slots), -inf where a head holds nothing of a page
             if scores is None:
                 continue
             scored = scores.isfinite()
@@ -405,7 +417,10 @@ class HostTier:
         best pages by the pooled scores, and their places in the stream, both (layers, kv_heads,
         count) on the CPU, in stream order."""
         scores = self._with_followers(self._pooled[0] / self._pooled_heads[0].clamp_min(1))  # (slots,)
-        if self._pooled[1] is not None:  # the best pages by their whole span go first
+        # the device holds what is asked: borrow what it evicted last, not pages like the question
+        if self._best is not None and bool(self._best[1] > DEVICE_LEAD * self._best[0]):
+            scores = self.page_of.to(scores.device, torch.float32)
+        elif self._pooled[1] is not None:  # the best pages by their whole span go first
             spanned = self._pooled[1] / self._pooled_heads[1].clamp_min(1)
             lead = spanned.topk(min(SPAN_PAGES, self.slots)).indices
             lead = lead[spanned[lead] > 0]
@@ -459,7 +474,7 @@ class HostTier:
         inherited = (scores[before.clamp_min(0)] * FOLLOWER_SHARE).masked_fill(before < 0, float("-inf"))
         return torch.maximum(scores, inherited)
 
-    def score(self, layer: int, keys: torch.Tensor, cached: Cached | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def score(self, layer: int, keys: torch.Tensor, cached: Cached | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(kv_heads, slots) how much the question's keys (kv_heads, c, head_dim) want each page of
         `layer`, per KV head (-inf where the head holds nothing of it). In the first EXACT_LAYERS
         layers a page is matched by every key it holds (from host memory), elsewhere by its
@@ -481,10 +496,22 @@ class HostTier:
             near = torch.einsum("hcd,hskd->hcsk", wanted, block)  # (kv_heads, c, step, keys a page)
             near /= block.norm(dim=-1).clamp_min(1e-6)[:, None]  # cosine, without a normalized copy of the keys
             similarity[:, :, start : start + step] = near.masked_fill_(~held[:, None, start : start + step], float("-inf")).amax(-1)
-        spanned = None
+        spanned = best = None
         if cached is not None:
-            spanned = torch.maximum(similarity, self._cached_similarity(wanted, cached).to(similarity.device))
-        return tuple(None if near is None else self._shares(near).to(keys.device) for near in (similarity, spanned))
+            in_pages, elsewhere = self._cached_similarity(wanted, cached)
+            spanned = torch.maximum(similarity, in_pages.to(similarity.device))
+            best = self._best_shares(spanned, elsewhere.to(similarity.device))
+        return *(None if near is None else self._shares(near).to(keys.device) for near in (similarity, spanned)), best
+
+    @classmethod
+    def _best_shares(cls, spanned: torch.Tensor, elsewhere: torch.Tensor) -> torch.Tensor:
+        """(2,) how much the question's keys want the best page the tier holds something of, and
+        the best span the device holds all of (a page of the stream the tier holds nothing of):
+        shares of one softmax over both (similarities (kv_heads, c, pages)), averaged over the
+        heads (`DEVICE_LEAD`)."""
+        shares = cls._shares(torch.cat([spanned, elsewhere], dim=-1)).clamp_min(0.0).mean(0)  # (pages,)
+        slots = spanned.shape[-1]
+        return torch.stack([part.max() if part.numel() else shares.new_zeros(()) for part in (shares[:slots], shares[slots:])])
 
     @staticmethod
     def _shares(similarity: torch.Tensor) -> torch.Tensor:
@@ -494,12 +521,14 @@ class HostTier:
         share = (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).nan_to_num(0.0)
         return share.mean(dim=1).masked_fill(similarity.isinf().all(1), float("-inf"))
 
-    def _cached_similarity(self, wanted: torch.Tensor, cached: Cached) -> torch.Tensor:
+    def _cached_similarity(self, wanted: torch.Tensor, cached: Cached) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv_heads, c, slots) per question key (unit length, (kv_heads, c, head_dim)) the cosine
         similarity of its closest key that the device cache holds of each page's span (-inf where
-        it holds none). A policy that scores per head keeps part of a sentence and evicts the
-        rest: the words a question repeats stay (a fact's subject), the word it asks for goes
-        (the number). The page is then the sentence's all the same, and so it is found."""
+        it holds none); and (kv_heads, c, d) the same for the d spans of pages the tier holds
+        nothing of, held on the device alone. A policy that scores per head keeps part of a
+        sentence and evicts the rest: the words a question repeats stay (a fact's subject), the
+        word it asks for goes (the number). The page is then the sentence's all the same, and so
+        it is found."""
         heads, count = wanted.shape[:2]
         device = cached.keys.device  # where the cache's keys are: only the (kv_heads, c, slots) result moves
         page = cached.order.to(device) // self.page_tokens  # (kv_heads, n)
@@ -509,10 +538,13 @@ class HostTier:
         paged = numbers[at] == page  # the token's page is held here
         keys = cached.keys.float()  # (kv_heads, n, head_dim)
         near = torch.einsum("hcd,hnd->hcn", wanted.to(device), keys) / keys.norm(dim=-1).clamp_min(1e-6)[:, None]
-        near = near.masked_fill_(~paged[:, None], float("-inf"))
         similarity = torch.full((heads, count, self.slots + 1), float("-inf"), device=device)
         into = torch.where(paged, slots[at], self.slots)[:, None].expand(-1, count, -1)  # the spare column: no page
-        return similarity.scatter_reduce_(2, into, near, "amax")[:, :, : self.slots]
+        in_pages = similarity.scatter_reduce_(2, into, near.masked_fill(~paged[:, None], float("-inf")), "amax")[:, :, : self.slots]
+        alone, column = torch.unique(page.masked_fill(paged, -1), return_inverse=True)  # a column per page: -1, the tier's
+        elsewhere = torch.full((heads, count, alone.shape[0]), float("-inf"), device=device)
+        elsewhere.scatter_reduce_(2, column[:, None].expand(-1, count, -1), near, "amax")
+        return in_pages, elsewhere[:, :, int(bool(paged.any())) :]
 
     # -- read ----------------------------------------------------------------------------------
 

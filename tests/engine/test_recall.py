@@ -232,6 +232,25 @@ def test_a_sentence_whose_words_the_device_still_holds_is_found_by_them_and_its_
         assert {46, 47} <= set(got.tokens.order[0, head].tolist())
 
 
+def test_a_question_about_what_the_device_holds_borrows_what_it_evicted_last_not_pages_like_itself():
+    """What was just said is on the device (sliding's window holds it whole): pages that look
+    like the question would only draw its answer away from it, so the question borrows the
+    newest pages the device let go instead. Asked about what only the tier holds, it borrows
+    the page like it, as before."""
+    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
+    torch.manual_seed(0)
+    every = tokens(0, 64, heads=2, dim=16)
+    every.keys[:, :, 16:24] = every.keys[:, :, 56:64] + 0.3 * torch.randn(1, 2, 8, 16)  # page 2 tells of what page 7 tells
+    tier.add(Tokens(*(getattr(every, name)[:, :, :48] for name in Tokens.FIELDS)))  # pages 0-5 left the device
+    device = Cached(every.keys[0, :, 48:], torch.arange(48, 64).expand(2, 16))  # pages 6 and 7 are held there
+    just_said = every.keys[0, :, 56:60] + 0.05 * torch.randn(2, 4, 16)
+    assert asked(tier, 0, just_said, count=16).pages == [2, 3]  # without the device's keys: the page like it
+    tier.begin_question()
+    assert tier.retrieve(0, just_said, 16, device).pages == [4, 5]
+    tier.begin_question()
+    assert tier.retrieve(0, every.keys[0, :, 8:12], 8, device).pages == [1]
+
+
 def pages_of(retrieval, layer: int) -> set[int]:
     """The pages (of 8 places) that `layer` of a retrieval borrows from, its first layer 0."""
     return set((retrieval.tokens.order[layer] // 8).flatten().tolist())
