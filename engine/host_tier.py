@@ -562,14 +562,6 @@ class HostTier:
                           torch.empty(1, 1, 0), torch.empty(1, 1, 0, dtype=torch.int64))
         return Tokens(*(torch.cat([part[i] for part in parts])[None, None] for i in range(5)))
 
-    def per_second(self, kind: int, seconds: int, layers: int, heads: int) -> torch.Tensor:
-        """(seconds,) tokens of `kind` held here from each second of video, averaged over the
-        layers and KV heads."""
-        if self.present is None:
-            return torch.zeros(seconds)
-        mine = self.times[self.present & (self.kinds == kind)].floor().long().clamp(0, max(seconds - 1, 0))
-        return torch.bincount(mine, minlength=seconds)[:seconds].float() / (layers * heads)
-
     # -- snapshot ------------------------------------------------------------------------------
 
     def state(self, with_pages: bool = True) -> dict:

@@ -649,19 +649,6 @@ class KVCache:
         parts, self._observed = self._observed, []
         return _by_time(parts)
 
-    def held_per_second(self, kind: int, seconds: int) -> torch.Tensor:
-        """(seconds,) tokens of `kind` still held from each second of video, averaged over the
-        layers and KV heads (which may keep different tokens)."""
-        counts = torch.zeros(seconds)
-        for kinds, times in zip(self.kinds, self.times):
-            mine = times[kinds == kind].floor().long().clamp(0, max(seconds - 1, 0))
-            counts += torch.bincount(mine, minlength=seconds)[:seconds].float()
-        return counts / (self.num_layers * self.kv_heads)
-
-    def held(self, kind: int) -> float:
-        """Tokens of `kind` held, averaged over layers and KV heads."""
-        return sum(int((kinds == kind).sum()) for kinds in self.kinds) / (self.num_layers * self.kv_heads)
-
     # -- snapshot ------------------------------------------------------------------------------
 
     def state(self, host_pages: bool = True) -> dict:

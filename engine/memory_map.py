@@ -103,22 +103,35 @@ def memory_map(
         padded[:seconds] = values[:seconds]
         return padded.view(count, width).sum(dim=1).tolist()
 
+    def per_second(times: torch.Tensor) -> list[float]:  # tokens from each second, over layers and KV heads
+        return per_span(torch.bincount(times.floor().long().clamp(0, max(seconds - 1, 0)), minlength=seconds).float()
+                        / (num_layers * kv_heads))
+
     counts = seen.counts()
     frame_seen, text_seen = per_span(counts[FRAME]), per_span(counts[TEXT])
-    frame_held = per_span(cache.held_per_second(FRAME, seconds))
-    text_held = per_span(cache.held_per_second(TEXT, seconds))
-    if host is not None:
-        frame_host = per_span(host.per_second(FRAME, seconds, num_layers, kv_heads))
-        text_host = per_span(host.per_second(TEXT, seconds, num_layers, kv_heads))
-    else:
-        frame_host = text_host = [0.0] * count
+    frame_held, text_held = per_second(held_times(cache, FRAME)), per_second(held_times(cache, TEXT))
+    frame_host, text_host = per_second(host_times(host, FRAME)), per_second(host_times(host, TEXT))
     spans = [
         Span(i * width, min((i + 1) * width, seconds), int(frame_seen[i]), round(frame_held[i], 2), int(text_seen[i]),
              round(text_held[i], 2), round(frame_host[i], 2), round(text_host[i], 2))
         for i in range(count)
     ]
-    return Memory(cache.policy.name, budget_tokens, cache.tokens, cache.held(FRAME), cache.held(TEXT), spans,
-                  host_budget_tokens, host.tokens if host is not None else 0)
+    held = [held_times(cache, kind).numel() / (num_layers * kv_heads) for kind in (FRAME, TEXT)]
+    return Memory(cache.policy.name, budget_tokens, cache.tokens, *held, spans, host_budget_tokens,
+                  host.tokens if host is not None else 0)
+
+
+def held_times(cache: KVCache, kind: int) -> torch.Tensor:
+    """The video times of the tokens of `kind` the cache holds, of every layer and KV head (a
+    token held in two heads is there twice)."""
+    return torch.cat([times[kinds == kind] for kinds, times in zip(cache.kinds, cache.times)])
+
+
+def host_times(host: HostTier | None, kind: int) -> torch.Tensor:
+    """The same for what the host tier holds."""
+    if host is None or host.present is None:
+        return torch.zeros(0)
+    return host.times[host.present & (host.kinds == kind)]
 
 
 def cache_stats(cache: KVCache, frames: int, video_time_s: float, tokens_seen: int) -> SessionStats:

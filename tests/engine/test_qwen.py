@@ -161,7 +161,7 @@ def test_qwen_a_lone_frame_waits_for_its_pair_unless_a_question_comes(qwen):
     session = Session(qwen, SessionConfig(policy="infmllm", budget_tokens=160))
     frames = _frames(4, seed=5)
     session.append_frames(frames[:1], [0.0])
-    assert session.stats().frames == 0 and session.cache.held(1) == 0  # nothing seen yet
+    assert session.stats().frames == 0 and session.memory().frame_tokens == 0  # nothing seen yet
     session.append_frames(frames[1:3], [1.0, 2.0])
     assert session.stats().frames == 2 and session.stats().video_time_s == 1.0
     "".join(session.ask("Now?", max_new_tokens=3))
