@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.evidence import Contrast, Evidence
+from engine.evidence import Contrast, Evidence, FrameAttention, frame_attention
 from engine.sampling import Sampling
 from engine.step import step
 
@@ -80,17 +80,17 @@ class Answer(Iterator[str]):
             self.session.pin_turn(self.session.cache.appended + question.tokens, closing.tokens, new_turn=True)
         return prompt
 
-    def probed(self, answer_queries: int) -> None:
-        """The probe ran before the question, read only: what it paid the frames, its last
-        `answer_queries` queries apart (its answer's), is the baseline of the answer's evidence
-        (engine/evidence.py)."""
-        self._contrast.probe(self.session.cache.observed(), answer_queries)
+    def probed(self, answer_queries: int, attention: FrameAttention | None) -> None:
+        """The probe ran before the question, read only: what it paid the frames (`attention`),
+        its last `answer_queries` queries apart (its answer's), is the baseline of the answer's
+        evidence (engine/evidence.py)."""
+        self._contrast.probe(attention, answer_queries)
 
     def question_ran(self) -> None:
         """The question's prompt ran: the answer begins from the logits after it."""
         self._ran = True
         cache = self.session.cache
-        self._contrast.add(cache.frame_attention(self.prompt_tokens))
+        self._contrast.add(frame_attention(cache, self.prompt_tokens))
         if self.session.policy.evict_on_question:
             self.session.cache.evict()
         self._fed = self.session.logits
@@ -217,4 +217,4 @@ class Answer(Iterator[str]):
         closing it), against its question's (engine/evidence.py)."""
         rows, self._unweighed = self._unweighed, 0
         if rows:
-            self._contrast.add(self.session.cache.frame_attention(rows), answer=True)
+            self._contrast.add(frame_attention(self.session.cache, rows), answer=True)

@@ -8,7 +8,7 @@ the share of what it paid all frame times (a row summing to 1).
 
 The baseline is measured, not guessed: before a question runs, a question about nothing in
 particular (PROBE) and the first words of an answer to it (PROBE_ANSWER) run read only against
-the same cache (`KVCache.observe`: nothing of them stays). Its question's queries' mean share of
+the same cache (nothing of them stays; the runner writes what they paid into an `Observed`). Its question's queries' mean share of
 each time is what any question pays there. An answer's tokens read the opening, the newest
 and the most salient frames more than a question's do, whatever was asked, so an answer's
 baseline is the mean of the probe question's share and its answer's (PROBE_ANSWER_WEIGHT): the
@@ -20,21 +20,100 @@ answer's baseline, over all those queries; the times of most excess are the evid
 time draws that much more than the probe did, the times that draw more at all are; where none
 does (an answer that reads the video exactly as one about nothing would), there is none.
 
-State of one answer, bounded by the frame times the cache holds; the answer (engine/answer.py)
-reads the cache and hands the attention in.
+State of one answer, bounded by the frame times the cache holds. What queries paid the frames
+is read here too: the kept queries' from the cache (`frame_attention`), a read-only prompt's as
+the runner runs it (`Observed`); the answer (engine/answer.py) and the step hand them in.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from engine.kv_cache import FrameAttention
+from engine.kv_buffers import outside_inference
+from engine.kv_cache import FRAME, KVCache, causal_attention
 
 PROBE = "Describe the video."  # the question about nothing in particular whose attention is the baseline
 PROBE_ANSWER = "I see"  # the first words of an answer to it, run after it: part of the baseline of an answer's queries
 PROBE_ANSWER_WEIGHT = 0.5  # an answer's baseline: this much of the probe answer's share, the rest its question's
 EVIDENCE_FLOOR = 0.5  # a time is evidence only if its excess is at least this share of the best's
 PROBE_MARGIN = 0.1  # a time is evidence only where it draws more than 1 + this times the probe's share
+
+
+class FrameAttention(NamedTuple):
+    """The attention some queries paid the frames held, by video time."""
+
+    times: torch.Tensor  # (T,) the frames' video times, ascending
+    mass: torch.Tensor  # (w, T) per query: the attention paid to each time's tokens, over layers and heads
+    held: torch.Tensor  # (T,) each time's tokens held, over layers and KV heads
+
+
+def frame_attention(cache: KVCache, queries: int | None = None, kind: int | None = None) -> FrameAttention | None:
+    """What the cache's last `queries` kept queries (all those kept when None; at most its
+    `evidence_window`) paid the frames still held, by the frame's video time: per query, summed
+    over layers and heads, and how many tokens of each time the layers' KV heads hold (a token
+    held in two heads counts twice); with `kind`, only the queries of tokens of that kind; None
+    when no query is kept."""
+    window = cache.evidence_window if queries is None else min(queries, cache.evidence_window)
+    first, _ = cache.kept_queries(0)
+    if window <= 0 or first is None:
+        return None
+    rows = None
+    if kind is not None:  # the queries kept are of the cache's last tokens, the same in every head
+        count = first[:, -window:].shape[1]
+        rows = (cache.kinds[0][0, -count:] == kind).nonzero()[:, 0]
+        if rows.numel() == 0:
+            return None
+    parts = []  # per layer: the frame tokens' times (M,) and the attention each query paid them (w, M)
+    for layer in range(cache.num_layers):
+        frames = cache.kinds[layer] == FRAME
+        if not frames.any():  # text alone: nothing to weigh
+            continue
+        kept, scaling = cache.kept_queries(layer)
+        received = causal_attention(kept[:, -window:], cache.rotated_keys(layer), scaling, rows).sum(dim=1).cpu()  # (kv_heads, w, N)
+        parts.append((cache.times[layer][frames], received.permute(1, 0, 2)[:, frames]))
+    return _by_time(parts)
+
+
+class Observed:
+    """What a read-only prompt's last queries paid a cache's frames, layer by layer as the runner
+    runs it (a question's probe, a check that wants evidence); `read` once every layer ran."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer with frames: their times (M,), paid (w, M)
+
+    def add(self, cache: KVCache, layer: int, queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+        """`layer` ran the prompt's c tokens: keep what its last `evidence_window` queries
+        (q_heads, c, head_dim) paid the layer's frames, given the keys they attend (kv_heads,
+        N + c, head_dim): the cache's N, rotated, then the prompt's own."""
+        with outside_inference():
+            if layer == 0:  # a prompt run again (alone, after a failed forward) starts over
+                self._parts = []
+            frames = cache.kinds[layer] == FRAME  # (kv_heads, N)
+            if not frames.any():
+                return
+            received = causal_attention(queries[:, -cache.evidence_window :], keys, scaling).sum(dim=1).cpu()  # (kv_heads, w, N + c)
+            self._parts.append((cache.times[layer][frames], received[:, :, : frames.shape[1]].permute(1, 0, 2)[:, frames]))
+
+    def read(self) -> FrameAttention | None:
+        """What the prompt paid the frames, as `frame_attention` reads the kept queries'; None
+        when it saw none."""
+        return _by_time(self._parts)
+
+
+def _by_time(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> FrameAttention | None:
+    """Per layer, its frame tokens' times (M,) and what each query paid them (w, M), summed by
+    video time over the layers; None without any."""
+    if not parts:
+        return None
+    times = torch.unique(torch.cat([t for t, _ in parts]))
+    mass = torch.zeros(parts[0][1].shape[0], times.shape[0])
+    held = torch.zeros(times.shape[0])
+    for frame_times, paid in parts:
+        slot = torch.searchsorted(times, frame_times)
+        mass.index_add_(1, slot, paid)
+        held.index_add_(0, slot, torch.ones_like(frame_times))
+    return FrameAttention(times, mass, held)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,6 @@ back) with each token's kind, time and place, which must move together.
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -88,14 +87,6 @@ class MergePlan:
         return self.merge.shape[0]
 
 
-class FrameAttention(NamedTuple):
-    """The attention some queries paid the frames held, by video time (`KVCache.frame_attention`)."""
-
-    times: torch.Tensor  # (T,) the frames' video times, ascending
-    mass: torch.Tensor  # (w, T) per query: the attention paid to each time's tokens, over layers and heads
-    held: torch.Tensor  # (T,) each time's tokens held, over layers and KV heads
-
-
 def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float, rows: torch.Tensor | None = None) -> torch.Tensor:
     """(kv_heads, group, w, N) softmax attention of the last w tokens' queries (q_heads, w, d)
     over all N keys (kv_heads, N, d), each query seeing the keys up to its own position; with
@@ -112,21 +103,6 @@ def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float, 
     hidden = torch.arange(window, device=keys.device)[None, :] > mine[:, None]
     logits[..., total - window :].masked_fill_(hidden, float("-inf"))  # (r, w)
     return logits.softmax(dim=-1)
-
-
-def _by_time(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> FrameAttention | None:
-    """Per layer, its frame tokens' times (M,) and what each query paid them (w, M), summed by
-    video time over the layers; None without any."""
-    if not parts:
-        return None
-    times = torch.unique(torch.cat([t for t, _ in parts]))
-    mass = torch.zeros(parts[0][1].shape[0], times.shape[0])
-    held = torch.zeros(times.shape[0])
-    for frame_times, paid in parts:
-        slot = torch.searchsorted(times, frame_times)
-        mass.index_add_(1, slot, paid)
-        held.index_add_(0, slot, torch.ones_like(frame_times))
-    return FrameAttention(times, mass, held)
 
 
 class KVCache:
@@ -187,7 +163,6 @@ class KVCache:
         self.evicted_tokens = 0
         self.evict_s = 0.0
         self.max_position = -1
-        self._observed: list[tuple[torch.Tensor, torch.Tensor]] = []  # a read-only prompt's, by layer (`observe`)
 
     def _homes(self, layer: int) -> tuple[torch.Tensor | None, ...]:
         if self.lease is None:
@@ -604,50 +579,10 @@ class KVCache:
 
     # -- read ----------------------------------------------------------------------------------
 
-    def frame_attention(self, queries: int | None = None, kind: int | None = None) -> FrameAttention | None:
-        """What the last `queries` queries (all those kept when None; at most `evidence_window`)
-        paid the frames still held, by the frame's video time: per query, summed over layers and
-        heads, and how many tokens of each time the layers' KV heads hold (a token held in two
-        heads counts twice); with `kind`, only the queries of tokens of that kind; None when no
-        query is kept."""
-        window = self.evidence_window if queries is None else min(queries, self.evidence_window)
-        if window <= 0 or self._queries[0].read() is None:
-            return None
-        rows = None
-        if kind is not None:  # the queries kept are of the cache's last tokens, the same in every head
-            count = self._queries[0].read()[:, -window:].shape[1]
-            rows = (self.kinds[0][0, -count:] == kind).nonzero()[:, 0]
-            if rows.numel() == 0:
-                return None
-        parts = []  # per layer: the frame tokens' times (M,) and the attention each query paid them (w, M)
-        for layer in range(self.num_layers):
-            frames = self.kinds[layer] == FRAME
-            if not frames.any():  # text alone: nothing to weigh
-                continue
-            kept = self._queries[layer].read()[:, -window:]
-            received = causal_attention(kept, self.rotated_keys(layer), self._scaling[layer], rows).sum(dim=1).cpu()  # (kv_heads, w, N)
-            parts.append((self.times[layer][frames], received.permute(1, 0, 2)[:, frames]))
-        return _by_time(parts)
-
-    def observe(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
-        """While a read-only prompt's c tokens run through `layer` (a question's probe,
-        `engine/evidence.py`): keep what its last `evidence_window` queries (q_heads, c, head_dim)
-        paid the layer's frames, given the keys they attend (kv_heads, N + c, head_dim): the
-        cache's N, rotated, then the prompt's own. `observed` reads it once every layer ran."""
-        with outside_inference():
-            if layer == 0:
-                self._observed = []
-            frames = self.kinds[layer] == FRAME  # (kv_heads, N)
-            if not frames.any():
-                return
-            received = causal_attention(queries[:, -self.evidence_window :], keys, scaling).sum(dim=1).cpu()  # (kv_heads, w, N + c)
-            self._observed.append((self.times[layer][frames], received[:, :, : frames.shape[1]].permute(1, 0, 2)[:, frames]))
-
-    def observed(self) -> FrameAttention | None:
-        """What the last read-only prompt run with `observe` paid the frames, as `frame_attention`
-        reads the kept queries'; None when it saw none. Read once."""
-        parts, self._observed = self._observed, []
-        return _by_time(parts)
+    def kept_queries(self, layer: int) -> tuple[torch.Tensor | None, float]:
+        """The last queries `layer` keeps (q_heads, w, head_dim), rotated at their positions (None
+        when none), and its attention's scaling (for evidence: engine/evidence.py)."""
+        return self._queries[layer].read(), self._scaling[layer]
 
     # -- snapshot ------------------------------------------------------------------------------
 

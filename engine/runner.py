@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import attention, layout, pool_attention
+from engine.evidence import Observed
 from engine.kv_buffers import outside_inference
 from engine.kv_cache import FRAME, KVCache
 from engine.model import Model
@@ -57,7 +58,7 @@ class Prompt:
     layout: torch.Tensor | None = None  # (c, 3) with 3-D positions: the prompt's layout (`engine/layout.py`)
     deepstack: torch.Tensor | None = None  # (v, hidden * D) Qwen3-VL's deep-stack features of its v FRAME tokens, in order
     keep: bool = True  # False: read only, in one forward; nothing of it stays in the cache (a check)
-    observe: bool = False  # read only, what its last queries paid the cache's frames kept (`KVCache.observe`)
+    observed: Observed | None = None  # read only: what its last queries pay the cache's frames is written here
 
     @property
     def tokens(self) -> int:
@@ -81,7 +82,7 @@ class _Segment:
     start: int  # the session's tokens in the packed sequence: [start, end)
     end: int
     keep: bool = True  # False: attended beside the cache, which keeps nothing of them
-    observe: bool = False  # read only: what its queries paid the cache's frames is kept (a question's probe)
+    observed: Observed | None = None  # read only: what its queries pay the cache's frames is written here (a probe's)
 
 
 class _Packed:
@@ -108,8 +109,8 @@ class _Packed:
                 keys, values = segment.cache.attend(layer, queries, keys, values, module.scaling)  # (1, kv_heads, N, head_dim)
             else:
                 keys, values = _beside(segment.cache, layer, key[:, :, new], value[:, :, new])
-                if segment.observe:
-                    segment.cache.observe(layer, queries[0], keys[0], module.scaling)
+                if segment.observed is not None:
+                    segment.observed.add(segment.cache, layer, queries[0], keys[0], module.scaling)
             mask = self.masks.get(q_heads // keys.shape[1], segment.end - segment.start, keys.shape[2], query)
             out[:, new] = pool_attention.attend(queries, keys, values, module.scaling, mask)
         return out
@@ -178,7 +179,7 @@ def _forward(model: Model, chunks: list[tuple[Prompt, slice, tuple[torch.Tensor,
     segments, positions, keep, start = [], [], [], 0
     for prompt, chunk, placed in chunks:
         count, held = chunk.stop - chunk.start, prompt.cache.hf.get_seq_length()
-        segments.append(_Segment(prompt.cache, start, start + count, prompt.keep, prompt.observe))
+        segments.append(_Segment(prompt.cache, start, start + count, prompt.keep, prompt.observed))
         if placed is None:
             positions.append(torch.arange(held, held + count).expand(model.position_axes, -1))
         else:

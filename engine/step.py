@@ -39,7 +39,7 @@ import numpy as np
 
 from engine import runner
 from engine.check import answer_ids, p_yes, prompt_text
-from engine.evidence import PROBE, PROBE_ANSWER, Contrast, Evidence
+from engine.evidence import PROBE, PROBE_ANSWER, Contrast, Evidence, Observed
 
 if TYPE_CHECKING:
     from engine.answer import Answer
@@ -90,7 +90,7 @@ class _Job:
     before: Callable[[], None] = lambda: None  # checks just before it runs (raises to fail the item)
     retry_alone: bool = False  # after a failed forward of several: run alone (an answer's token, a check)
     keeps: bool = True  # False: run read only (a check's prompt, a probe): nothing is applied, `read` reads it
-    observes: bool = False  # read only, what it paid the frames kept for `read` (a probe; a check that wants evidence)
+    observed: Observed | None = None  # read only: what it paid the frames, for `read` (a probe; a check that wants evidence)
     read: Callable[[runner.Ran], None] = lambda ran: None  # a read-only prompt ran: its outcome
 
 
@@ -179,7 +179,9 @@ def _answer_jobs(item: int, answer: "Answer") -> list[_Job]:
         probe = probe_parts(session)
         if sum(part.tokens for part in probe) > session.context_tokens - session.cache.tokens:
             return [asked]
-        return [_Job(item, session, probe, keeps=False, observes=True, read=lambda ran: answer.probed(probe[-1].tokens)), asked]
+        observed = Observed()
+        return [_Job(item, session, probe, keeps=False, observed=observed,
+                     read=lambda ran: answer.probed(probe[-1].tokens, observed.read())), asked]
     token = answer.unfed()
     if token is not None:
         return [_Job(item, session, token, lambda: answer.fed(session.logits), retry_alone=True)]
@@ -193,23 +195,23 @@ def _check_job(item: int, check: Check, results: list[Result], plan: dict[int, l
     session, wants_evidence = check.session, check.evidence_at is not None
     parts = _read_only_parts(session, prompt_text(check.condition))
     session.make_check_room(sum(part.tokens for part in parts))
+    observed = Observed() if wants_evidence else None
 
     def read(ran: runner.Ran) -> None:
         probability = p_yes(ran.logits, answer_ids(session.model.tokenizer))
         results[item] = Checked(probability, [])
         if wants_evidence and probability >= check.evidence_at:
             contrast = Contrast()
-            contrast.add(session.cache.observed())  # the check's own attention
+            contrast.add(observed.read())  # the check's own attention
+            probe, probed = probe_parts(session), Observed()
 
-            probe = probe_parts(session)
-
-            def probed(ran: runner.Ran) -> None:
-                contrast.probe(session.cache.observed(), probe[-1].tokens)
+            def read_probe(ran: runner.Ran) -> None:
+                contrast.probe(probed.read(), probe[-1].tokens)
                 results[item] = Checked(probability, contrast.top(session.config.evidence_top_k))
 
-            plan[item] = [_Job(item, session, probe, retry_alone=True, keeps=False, observes=True, read=probed)]
+            plan[item] = [_Job(item, session, probe, retry_alone=True, keeps=False, observed=probed, read=read_probe)]
 
-    return _Job(item, session, parts, retry_alone=True, keeps=False, observes=wants_evidence, read=read)
+    return _Job(item, session, parts, retry_alone=True, keeps=False, observed=observed, read=read)
 
 
 def _read_only_parts(session: "Session", text: str) -> list["Part"]:
@@ -271,7 +273,7 @@ def _appended(session: "Session", times: list[float]) -> Callable[[], None]:
 
 def _prompt(job: _Job) -> runner.Prompt:
     prompt = job.session.prompt(job.parts)
-    return prompt if job.keeps else replace(prompt, keep=False, observe=job.observes)  # read only
+    return prompt if job.keeps else replace(prompt, keep=False, observed=job.observed)  # read only
 
 
 def _run(jobs: list[_Job]) -> list[runner.Ran | Exception]:

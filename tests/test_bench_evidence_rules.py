@@ -7,8 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from bench.evidence_rules import RULES, _contrast_of, _rebuilt
-from engine.evidence import Contrast, Evidence
-from engine.kv_cache import FrameAttention
+from engine.evidence import Contrast, Evidence, FrameAttention
 
 TIMES = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])
 HELD = torch.tensor([10.0, 10.0, 5.0, 10.0, 10.0])

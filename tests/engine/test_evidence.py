@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+import engine.answer
 from engine import Session, SessionConfig, load_model
-from engine.evidence import PROBE, PROBE_ANSWER, Contrast, Evidence, top_evidence
-from engine.kv_cache import FrameAttention
+from engine.evidence import PROBE, PROBE_ANSWER, Contrast, Evidence, FrameAttention, Observed, top_evidence
 
 TIMES = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])  # the opening, three seconds, the newest
 HELD = torch.tensor([10.0, 10.0, 5.0, 10.0, 10.0])  # the second at 2.0 s held in part
@@ -99,7 +99,7 @@ def model():
     return load_model("tiny-random-llava", "cpu")
 
 
-def test_an_answer_weighs_its_question_and_its_own_tokens_against_its_probe(model):
+def test_an_answer_weighs_its_question_and_its_own_tokens_against_its_probe(model, monkeypatch):
     """Through a session: the probe runs read only before the question (what it paid the frames
     is read, nothing of it stays in the cache); the question's prompt and the answer's tokens
     with the markers closing its turn give the excess over it."""
@@ -109,18 +109,18 @@ def test_an_answer_weighs_its_question_and_its_own_tokens_against_its_probe(mode
     before = session.cache.tokens
     asked: list[int] = []
     probed = []
-    observed = session.cache.observed
+    read = Observed.read
 
-    def frame_attention(queries: int | None = None) -> FrameAttention:
+    def frame_attention(cache, queries: int | None = None) -> FrameAttention:
         asked.append(queries)
         return QUESTION if len(asked) == 1 else ANSWER
 
-    def probe_attention() -> FrameAttention:  # the question's and the answer's rows alike
-        probed.append(observed())  # what the probe really paid the five frames
+    def probe_attention(observed: Observed) -> FrameAttention:  # the question's and the answer's rows alike
+        probed.append(read(observed))  # what the probe really paid the five frames
         return PROBED
 
-    session.cache.frame_attention = frame_attention
-    session.cache.observed = probe_attention
+    monkeypatch.setattr(engine.answer, "frame_attention", frame_attention)
+    monkeypatch.setattr(Observed, "read", probe_attention)
     answer = session.ask("What changed?", max_new_tokens=3)
     text = "".join(answer)
     assert answer.evidence == [Evidence(2.0, 1.0)]
