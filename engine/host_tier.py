@@ -416,17 +416,18 @@ class HostTier:
         """For layers first..last-1, each KV head's `count` places (into slots * page_tokens) of the
         best pages by the pooled scores, and their places in the stream, both (layers, kv_heads,
         count) on the CPU, in stream order."""
-        scores = self._with_followers(self._pooled[0] / self._pooled_heads[0].clamp_min(1))  # (slots,)
         # the device holds what is asked: borrow what it evicted last, not pages like the question
         if self._best is not None and bool(self._best[1] > DEVICE_LEAD * self._best[0]):
-            scores = self.page_of.to(scores.device, torch.float32)
-        elif self._pooled[1] is not None:  # the best pages by their whole span go first
-            spanned = self._pooled[1] / self._pooled_heads[1].clamp_min(1)
-            lead = spanned.topk(min(SPAN_PAGES, self.slots)).indices
-            lead = lead[spanned[lead] > 0]
-            scores = scores.clone()
-            scores[lead] = scores.max() + 1 + spanned[lead]
-            scores = self._with_followers(scores)
+            scores = self.page_of.to(self._pooled[0].device, torch.float32)  # (slots,)
+        else:
+            scores = self._with_followers(self._pooled[0] / self._pooled_heads[0].clamp_min(1))  # (slots,)
+            if self._pooled[1] is not None:  # the best pages by their whole span go first
+                spanned = self._pooled[1] / self._pooled_heads[1].clamp_min(1)
+                lead = spanned.topk(min(SPAN_PAGES, self.slots)).indices
+                lead = lead[spanned[lead] > 0]
+                scores = scores.clone()
+                scores[lead] = scores.max() + 1 + spanned[lead]
+                scores = self._with_followers(scores)
         held = self.held[first:last]  # (layers, kv_heads, slots, page_tokens)
         # Among the best pages only, when every head holds enough of them: the same choice, in a fraction of the places
         best = scores.topk(min(self.slots, CANDIDATE_PAGES * -(-count // self.page_tokens))).indices

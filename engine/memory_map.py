@@ -109,15 +109,16 @@ def memory_map(
 
     counts = seen.counts()
     frame_seen, text_seen = per_span(counts[FRAME]), per_span(counts[TEXT])
-    frame_held, text_held = per_second(held_times(cache, FRAME)), per_second(held_times(cache, TEXT))
+    held = {kind: held_times(cache, kind) for kind in (FRAME, TEXT)}
+    frame_held, text_held = per_second(held[FRAME]), per_second(held[TEXT])
     frame_host, text_host = per_second(host_times(host, FRAME)), per_second(host_times(host, TEXT))
     spans = [
         Span(i * width, min((i + 1) * width, seconds), int(frame_seen[i]), round(frame_held[i], 2), int(text_seen[i]),
              round(text_held[i], 2), round(frame_host[i], 2), round(text_host[i], 2))
         for i in range(count)
     ]
-    held = [held_times(cache, kind).numel() / (num_layers * kv_heads) for kind in (FRAME, TEXT)]
-    return Memory(cache.policy.name, budget_tokens, cache.tokens, *held, spans, host_budget_tokens,
+    frame_tokens, text_tokens = (held[kind].numel() / (num_layers * kv_heads) for kind in (FRAME, TEXT))
+    return Memory(cache.policy.name, budget_tokens, cache.tokens, frame_tokens, text_tokens, spans, host_budget_tokens,
                   host.tokens if host is not None else 0)
 
 
