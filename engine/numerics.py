@@ -49,3 +49,43 @@ def cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
         owner, _, attribute = name.rpartition(".")
         module.get_submodule(owner)._buffers[attribute] = buffer  # the same buffer slot, so persistence is kept
     return module
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` in bfloat16 on a CPU, its weight laid out once for oneDNN's matrix kernels.
+
+    A plain bfloat16 product converts the weight's layout on every call; laid out once, a
+    576 x 1536 product of one row takes 35 µs instead of 77 on an AMX Xeon, faster than
+    float32's 44, and 32 rows 56 µs instead of 91 (docs/benchmarks.md). The plain weight goes:
+    the packed one is the only copy, and nothing reads it but `forward`."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+
+
+def packs(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a model in `dtype` on `device` runs its linear layers packed: bfloat16 on a CPU
+    whose torch has oneDNN."""
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Every bfloat16 `nn.Linear` in `module` replaced by a `PackedLinear`, in place; how many."""
+    swapped = 0
+    for name, child in list(module.named_modules()):
+        for attribute, linear in list(child.named_children()):
+            if type(linear) is nn.Linear and linear.weight.dtype == torch.bfloat16:
+                setattr(child, attribute, PackedLinear(linear))
+                swapped += 1
+    return swapped
+

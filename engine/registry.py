@@ -13,7 +13,7 @@ from engine.converted import ConvertedWeights
 from engine.demo import NAME as DEMO
 from engine.demo.model import load_demo
 from engine.model import SMOLLM2, Model, _smollm2, _tiny, load_pretrained, resolve_device
-from engine.numerics import cast
+from engine.numerics import cast, pack_linears, packs
 
 # Loadable without a download: name -> loader(device, converted weights folder or None).
 BUILTIN_MODELS: dict[str, Callable[[str, ConvertedWeights | None], Model]] = {
@@ -34,11 +34,14 @@ def load_model(name: str, device: str = "auto", converted_dir: Path | None = Non
     `converted_dir` keeps built-in models converted from GGUF once converted (engine/converted.py);
     None converts them on every load. `dtype`: what the model computes and caches in
     (engine/numerics.py); None: a checkpoint's bfloat16 on a GPU, else float32, and a built-in
-    model's float32."""
+    model's float32. A bfloat16 model on a CPU has its linear layers packed (`PackedLinear`)."""
     device = resolve_device(device)
     if name in BUILTIN_MODELS:
         model = BUILTIN_MODELS[name](device, ConvertedWeights(converted_dir) if converted_dir else None)
         if dtype is not None and dtype != model.dtype:
             cast(model.hf, dtype)
-        return model
-    return load_pretrained(name, device, dtype, builtins=sorted(BUILTIN_MODELS))
+    else:
+        model = load_pretrained(name, device, dtype, builtins=sorted(BUILTIN_MODELS))
+    if packs(model.dtype, device):
+        pack_linears(model.hf)
+    return model

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import Session, SessionConfig, load_model
-from engine.numerics import cast, choose_dtype
+from engine.numerics import PackedLinear, cast, choose_dtype
 
 # Every family the engine runs, tiny models built in code and the two real ones
 FAMILIES = [
@@ -43,6 +43,26 @@ def test_a_cast_model_keeps_its_rotary_frequencies_in_float32():
     assert model.dtype == torch.bfloat16 and model.hf.lm_head.weight.dtype == torch.bfloat16
     assert model.rotary.inv_freq.dtype == torch.float32 and torch.equal(model.rotary.inv_freq, before)
     assert model.kv_bytes_per_token == 256  # 2 layers x 2 (keys, values) x 2 KV heads x 16 x 2 bytes
+
+
+def test_a_bfloat16_model_on_a_cpu_runs_its_linear_layers_packed_with_the_same_products():
+    """Every linear layer of SmolLM2 (7 a layer for 30 layers, and the head) is packed, holds no
+    plain weight beside the packed one, and multiplies as the plain bfloat16 layer did: rows
+    of one token or many, with or without a bias."""
+    model = load_model("smollm2-135m-instruct", "cpu", dtype=torch.bfloat16)
+    packed = [m for m in model.hf.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 7 * 30 + 1 and not any(isinstance(m, torch.nn.Linear) for m in model.hf.modules())
+    assert not any(name.endswith("proj.weight") for name, _ in model.hf.named_parameters())
+    torch.manual_seed(0)
+    for bias in (False, True):
+        plain = torch.nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
+        layer = PackedLinear(plain)
+        for rows in ((1, 96), (3, 96), (2, 5, 96)):
+            x = torch.randn(rows, dtype=torch.bfloat16)
+            expected = torch.nn.functional.linear(x.float(), plain.weight.float(), None if plain.bias is None else plain.bias.float())
+            got = layer(x)
+            assert got.shape == (*rows[:-1], 40) and got.dtype == torch.bfloat16
+            assert float((got.float() - expected).abs().max()) <= 0.01 * float(expected.abs().max())
 
 
 def _logits(model) -> torch.Tensor:
