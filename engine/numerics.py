@@ -1,13 +1,16 @@
 """The floating-point type a model runs in: float32, or bfloat16 where the hardware multiplies it.
 
 bfloat16 halves the bytes of every weight, key and value, and on a CUDA GPU it is the faster
-type. On a CPU it is a trade (docs/benchmarks.md, "bfloat16 on a CPU with AMX"): on an Intel
-Xeon with AMX, 32 sessions deciding together in one engine step run 1.4 times float32's tokens a
-second in process, but one session runs 0.88 times float32's speed there, and through the
-service 0.63 times at one session and 1.03 times at 32. So `auto` is bfloat16 on a GPU and
-float32 on a CPU, whose start line says when bfloat16 is there to be chosen (`DTYPE=bfloat16`).
+type. On a CPU it is faster where the processor multiplies bfloat16 itself (AMX, or AVX-512
+BF16) and the linear layers' weights are laid out once for oneDNN (`PackedLinear`): on an Intel
+Xeon with AMX, one session's decode step 1.1 times float32's tokens a second and 32 sessions in
+one step 1.6 times (docs/benchmarks.md, "bfloat16 on a CPU with AMX"). So `auto` is bfloat16 on
+a GPU and on a CPU with AMX; on a CPU with AVX-512 BF16 but no AMX it times one row through a
+packed bfloat16 layer and a float32 one at start and takes the faster (one session must not
+slow down); elsewhere float32.
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +38,34 @@ def choose_dtype(setting: str, device: str) -> Numerics:
         return Numerics(DTYPES[setting], "set")
     if device.startswith("cuda"):
         return Numerics(torch.bfloat16, "a CUDA GPU")
+    if not (packs(torch.bfloat16, device) and torch.cpu._is_avx512_bf16_supported()):
+        return Numerics(torch.float32, "a CPU without bfloat16 arithmetic (AMX or AVX-512 BF16)")
     if torch.cpu._is_amx_tile_supported():
-        return Numerics(torch.float32, "a CPU; it has AMX: DTYPE=bfloat16 answers many sessions at once faster, one slower")
-    return Numerics(torch.float32, "a CPU")
+        return Numerics(torch.bfloat16, "a CPU with AMX")
+    plain, packed = one_row_products()
+    timed = f"one row through a layer took {packed:.0f} µs in packed bfloat16, {plain:.0f} µs in float32"
+    return Numerics(torch.bfloat16 if packed <= plain else torch.float32, f"a CPU with AVX-512 BF16 and no AMX: {timed}")
+
+
+def one_row_products(rows: int = 1, width: int = 1024, repeats: int = 50) -> tuple[float, float]:
+    """Microseconds of one product of `rows` rows by a `width` x `width` weight, in float32 and
+    in packed bfloat16: the fastest of `repeats` each (so that a busy moment does not decide)."""
+    weight, x = torch.randn(width, width), torch.randn(rows, width)
+    layer = nn.Linear(width, width, bias=False)
+    layer.weight.data = weight
+    packed = PackedLinear(layer.to(torch.bfloat16))
+    half = x.to(torch.bfloat16)
+    times = []
+    with torch.inference_mode():
+        for run in (lambda: torch.nn.functional.linear(x, weight), lambda: packed(half)):
+            run()
+            best = float("inf")
+            for _ in range(repeats):
+                started = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - started)
+            times.append(best * 1e6)
+    return times[0], times[1]
 
 
 def cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:

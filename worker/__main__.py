@@ -15,6 +15,7 @@ from engine import Model, choose_dtype, load_model, resolve_device
 from streamvqa.redis_client import close, connect
 from worker.loop import Worker
 from worker.settings import WorkerSettings
+from worker.threads import Threads
 
 log = logging.getLogger("worker")
 
@@ -63,10 +64,11 @@ def quiet_libraries(log_level: str) -> None:
 async def serve(settings: WorkerSettings) -> None:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    model = load(settings)
+    threads = Threads()
+    model = await threads.engine(load, settings)  # on the thread that runs it (worker/threads.py)
     redis = connect(settings.redis_url, cluster=settings.redis_cluster)
     reader = connect(settings.redis_url, retry=False, cluster=settings.redis_cluster)
-    worker = Worker(settings, model, redis, reader)
+    worker = Worker(settings, model, threads, redis, reader)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, worker.stop)

@@ -78,9 +78,10 @@ async def _try(action: Callable) -> None:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, model: Model, redis: Redis, reader: Redis | None = None) -> None:
-        """`reader` reads the streams (XREADGROUP): a client that never retries a command by
-        itself (a lost reply's entries are read again from the worker's pending entries)."""
+    def __init__(self, settings: WorkerSettings, model: Model, threads: Threads, redis: Redis, reader: Redis | None = None) -> None:
+        """`threads`: those the model was loaded on (worker/threads.py). `reader` reads the
+        streams (XREADGROUP): a client that never retries a command by itself (a lost reply's
+        entries are read again from the worker's pending entries)."""
         self.settings = settings
         self.model = model
         self.redis = redis
@@ -94,7 +95,7 @@ class Worker:
         self._swept_at = 0.0
         self.scheduler = Scheduler(settings.batch_sessions, settings.step_tokens, settings.frames_per_step)
         self._failing_since: float | None = None  # monotonic time the loop's turns began to fail
-        self.threads = threads = Threads()
+        self.threads = threads
         self.capacity = Capacity(settings, model)
         self.capacity.make_pool()
         self.counters = counters = Counters()

@@ -1,10 +1,14 @@
 """The worker's threads beside its event loop, and the one rule for what runs on each.
 
-- **engine**: everything that runs the model or touches a session's cache: opening or restoring
-  a `Session`, `append_frames`, `ask` and each `next` (and `close`) of its answer, `snapshot`,
-  `memory`, tokenising. One thread, so steps never overlap: one model, one device. The loop
-  awaits each call before the next step, so between steps it may read a session's `stats()`
-  (counters) itself.
+- **engine**: everything that runs the model or touches a session's cache: loading the model,
+  opening or restoring a `Session`, `append_frames`, `ask` and each `next` (and `close`) of its
+  answer, `snapshot`, `memory`, tokenising. One thread, so steps never overlap: one model, one
+  device. The loop awaits each call before the next step, so between steps it may read a
+  session's `stats()` (counters) itself. It is also the only thread whose torch operations run
+  on several cores: each thread that does starts a team of OpenMP threads of its own, and once
+  there are more of those than cores, libgomp stops letting idle team threads spin, so each of
+  a step's hundreds of small operations waits for its threads to wake (a decode step of
+  SmolLM2 on 2 cores 40-60 % slower: docs/benchmarks.md).
 - **decode**: an upload's sampling (`frames_block` ingests: `resume`, `next_frames`, `close`),
   so that its next frames are decoded while the engine works.
 - **media**: media entries into ingests (`receive`), off the loop (a live ingest may wait for
