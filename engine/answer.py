@@ -1,18 +1,16 @@
 """An answer in progress, as state: what it has said, the token it runs next, why it stopped.
 
-An answer goes through these steps, each an explicit call: `begin` (its question's prompt, to
-run next: the places of what it borrows reserved, its markers pinned), `question_ran` (the
-prompt ran; the logits after it wait for the first token), `accept(logits)` (one token chosen
-from the logits after the last one run: its piece of text; `unfed()` is then that token, to be
-run next, and `fed(logits)` says it ran), `advance` (after a step: the next piece, or None once
-it has said all), and `closing` / `closed` (its turn closed in the cache: the last token chosen
-and the markers closing the answer run, its evidence read, what it borrowed given back; `end`
-does both alone). An engine step (`engine/step.py`)
-runs the prompts of many answers, and frames, in one forward and calls these; iterating an
-answer is a step of one per piece. Nothing changes the cache but these calls: an answer left
-open is ended by its session's next call."""
+Its `Phase` only moves forward, each move an explicit call: ASKED until `begin` gives out its
+question's prompt (its markers pinned), BEGUN until `question_ran` (or `failed`), ANSWERING
+while `accept` chooses tokens (`unfed()` gives each to run, `fed` says it ran) and `advance`
+gives a piece a step, STOPPING once the last is chosen (`advance` gives the text held back, then
+None), OVER once `closing` / `closed` closed its turn in the cache (`end` does both alone, from
+any phase). An engine step (`engine/step.py`) runs the prompts of many answers, and frames, in
+one forward and calls these; iterating an answer is a step of one per piece. Nothing changes the
+cache but these calls: an answer left open is ended by its session's next call."""
 
 from collections.abc import Iterator
+from enum import Enum, auto
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +23,15 @@ if TYPE_CHECKING:
     from engine.session import Part, Session
 
 MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the host tier
+
+
+class Phase(Enum):
+    ASKED = auto()  # its question's prompt not yet given out
+    BEGUN = auto()  # the prompt given out, not yet run
+    ANSWERING = auto()  # the prompt ran: tokens are chosen and run, one a step
+    STOPPING = auto()  # the last token is chosen: the text held back and the turn's closing remain
+    OVER = auto()  # its turn closed in the cache, or its question never ran
+
 
 class Answer(Iterator[str]):
     """One piece of text per generated token; after the last, `tokens` and `evidence` are final.
@@ -39,16 +46,14 @@ class Answer(Iterator[str]):
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
         self._random = sampling.generator()
+        self.phase = Phase.ASKED
         self._prompt: list[Part] | None = prompt  # the question and the markers closing it, until begun
         self._closing = closing  # the markers closing the answer's turn
-        self._ran = False  # the question's prompt ran
         self._fed: torch.Tensor | None = None  # (vocab,) logits after the last token run, not yet accepted
         self._ids: list[int] = []
         self._emitted = ""  # the text given out so far
         self._rest = ""  # text held back for a stop string that never came, given out last
         self._unfed: list[int] = []  # the token chosen last, not yet run through the model
-        self._stopping = False  # the last token is chosen: only the rest and the end remain
-        self._over = False
         self._contrast = Contrast()  # what the question's queries paid each frame time, then the answer's excess
         self._unweighed = 0  # the answer's tokens run since its evidence was last read (engine/evidence.py)
         self.finish_reason = "stop"  # `stop`: the model ended its turn, or a stop string came;
@@ -72,12 +77,13 @@ class Answer(Iterator[str]):
     def begin(self) -> list["Part"] | None:
         """The question's prompt, to be run next (by `next`, or by a batched step), with the
         places of what it borrows reserved; None once begun."""
-        prompt, self._prompt = self._prompt, None
-        if prompt is not None:
-            question, closing = prompt
-            self.borrowed = self.session.cache.begin_retrieval(self.session.config.borrowed_tokens, question.tokens)
-            self.prompt_tokens = question.tokens + closing.tokens
-            self.session.pin_turn(self.session.cache.appended + question.tokens, closing.tokens, new_turn=True)
+        if self.phase is not Phase.ASKED:
+            return None
+        self.phase, prompt, self._prompt = Phase.BEGUN, self._prompt, None
+        question, closing = prompt
+        self.borrowed = self.session.cache.begin_retrieval(self.session.config.borrowed_tokens, question.tokens)
+        self.prompt_tokens = question.tokens + closing.tokens
+        self.session.pin_turn(self.session.cache.appended + question.tokens, closing.tokens, new_turn=True)
         return prompt
 
     def probed(self, answer_queries: int, attention: FrameAttention | None) -> None:
@@ -88,8 +94,7 @@ class Answer(Iterator[str]):
 
     def question_ran(self) -> None:
         """The question's prompt ran: the answer begins from the logits after it."""
-        self._ran = True
-        cache = self.session.cache
+        self.phase, cache = Phase.ANSWERING, self.session.cache
         self._contrast.add(frame_attention(cache, self.prompt_tokens))
         if self.session.policy.evict_on_question:
             self.session.cache.evict()
@@ -101,7 +106,7 @@ class Answer(Iterator[str]):
 
     def unfed(self) -> list["Part"] | None:
         """The token chosen last, to be run next; None when there is none to run."""
-        if self._over or self._stopping or not self._unfed or self._fed is not None:
+        if self.phase is not Phase.ANSWERING or not self._unfed:
             return None
         return [self.session.part(self._unfed)]
 
@@ -116,21 +121,16 @@ class Answer(Iterator[str]):
     def advance(self) -> str | None:
         """After the step that ran its prompt (or with nothing to run): the next piece, or None
         once it has said all (the step then closes its turn: `closing`, `closed`)."""
-        if self._over:
-            return None
-        if not self._stopping:
+        if self.phase is Phase.ANSWERING:
             piece = self.accept(self._fed)
             if piece is not None:
                 return piece
-        if self._rest:
-            rest, self._rest = self._rest, ""
-            return rest
-        self._stopping = True
-        return None
+        rest, self._rest = self._rest, ""
+        return rest or None  # STOPPING: the text held back, once
 
     @property
     def over(self) -> bool:
-        return self._over
+        return self.phase is Phase.OVER
 
     def accept(self, logits: torch.Tensor) -> str | None:
         """The next token, chosen from `logits` (vocab,): its piece of text; None when the model
@@ -138,11 +138,11 @@ class Answer(Iterator[str]):
         self._fed = None
         session = self.session
         if len(self._ids) >= self.max_new_tokens:
-            self._stopping, self.finish_reason = True, "length"
+            self.phase, self.finish_reason = Phase.STOPPING, "length"
             return None
         token = self.sampling.choose(logits, self._random)
         if token in session.model.stop_ids:
-            self._stopping, self.finish_reason = True, "stop"
+            self.phase, self.finish_reason = Phase.STOPPING, "stop"
             return None
         self._ids.append(token)
         self._unfed = [token]
@@ -152,7 +152,7 @@ class Answer(Iterator[str]):
         piece = shown[len(self._emitted) :] if complete else ""
         self._emitted += piece
         if stopped or len(self._ids) >= self.max_new_tokens:
-            self._stopping, self.finish_reason = True, "stop" if stopped else "length"
+            self.phase, self.finish_reason = Phase.STOPPING, "stop" if stopped else "length"
             if not stopped:
                 self._rest = text[len(self._emitted) :].rstrip("\ufffd")  # held back for a stop string that never came
         return piece
@@ -161,7 +161,7 @@ class Answer(Iterator[str]):
         """The prompt that closes the answer's turn in the cache (the token chosen last, unless it
         ran, and the markers closing the answer), its markers pinned; None when its question
         never ran (then there is no turn to close)."""
-        if self._over or not self._ran:
+        if self.phase not in (Phase.ANSWERING, Phase.STOPPING):
             return None
         session = self.session
         session.pin_turn(session.cache.appended + len(self._unfed), self._closing.tokens, new_turn=False)
@@ -182,7 +182,7 @@ class Answer(Iterator[str]):
     def end(self) -> None:
         """Close the answer's turn in the cache now, alone (a step closes the turns of the
         answers that said all together). An answer whose question never ran ends with no change."""
-        if self._over:
+        if self.phase is Phase.OVER:
             return
         closing = self.closing()
         if closing is None:
@@ -192,7 +192,7 @@ class Answer(Iterator[str]):
         self.closed()
 
     def _finish(self) -> None:
-        self._over, self._stopping = True, True
+        self.phase = Phase.OVER
         self._fed, self._unfed = None, []
         self.session.answer_over(self)
 
