@@ -193,7 +193,7 @@ class Answer(Iterator[str]):
 
     def _finish(self) -> None:
         self.phase = Phase.OVER
-        self._fed, self._unfed = None, []
+        self._fed, self._unfed, self._rest = None, [], ""  # an answer over gives out nothing more
         self.session.answer_over(self)
 
     def close(self) -> None:
