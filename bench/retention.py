@@ -119,7 +119,7 @@ def whereabouts(session: Session, places: range) -> dict[str, float]:
         same = cache.order[layer][:, :, None] == wanted  # (kv_heads, n, k)
         on = same.any(1)  # (kv_heads, k)
         borrowed = torch.zeros_like(on)
-        lent = cache.borrowed[layer]  # (kv_heads, width): the tokens after them came later
+        lent = cache.loan.borrowed.get(layer)  # (kv_heads, width): the tokens after them came later
         if lent is not None:
             borrowed = (same[:, : lent.shape[1]] & lent[:, :, None]).any(1)
         stored = torch.zeros_like(on)

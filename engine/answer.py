@@ -176,7 +176,7 @@ class Answer(Iterator[str]):
         cache.evict()
         self.evidence = self._contrast.top(session.config.evidence_top_k)
         if self.borrowed:
-            self.recalled_s = sorted(cache.recalled_seconds)[:MAX_RECALLED_SECONDS]
+            self.recalled_s = sorted(cache.loan.recalled_seconds)[:MAX_RECALLED_SECONDS]
         self._finish()
 
     def end(self) -> None:

@@ -259,6 +259,10 @@ class PreRopeLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self._keys.length + self.pending
 
+    def reserve(self, places: int) -> None:
+        """Places for borrowed tokens, brought in before the next forward's own (0: none)."""
+        self.pending = places
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

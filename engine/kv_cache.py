@@ -30,11 +30,7 @@ a few forwards and are joined once. At its peak, then, a cache takes its peak's 
 and a copy of its keys: 1.5 times its keys and values.
 
 With a host tier (`engine/host_tier.py`), what an eviction removes moves there instead of
-being dropped, and a question may borrow pages back: `begin_retrieval` reserves their places,
-and while the question's first tokens run, each layer's attention brings back the pages that
-the question's keys match, merged among the cached tokens in stream order (the question's own
-tokens are placed after them). `give_back` removes them again once the answer's turn is over;
-the cache does not evict while it holds borrowed tokens.
+being dropped, and a question may borrow pages back (`engine/borrowing.py`).
 
 One rule for every tensor a session keeps from one step to the next (its keys, values and
 their rotated copy, each token's kind, time and place, the last queries, the attention
@@ -51,40 +47,19 @@ back) with each token's kind, time and place, which must move together.
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from engine.borrowing import Loan, MergePlan
 from engine.host_tier import SCORED_LAYERS, Cached, HostTier, Tokens
 from engine.kv_buffers import LayerStore, PositionTable, PreRopeLayer, QueryWindow, outside_inference, rotate, take
 from engine.kv_pool import KEYS, ROTATED, VALUES, Lease
-from engine.layout import FIELDS, GRID_COLUMN, GRID_ROW, GROUP, Layout, compact, pack, positions_of, unpack
+from engine.layout import Layout, pack, positions_of
 from engine.policies import Observation, Policy
 
 TEXT, FRAME = 0, 1
 MERGE_EVERY = 64  # forwards whose tokens' kinds and times may wait before every layer gets them
-
-
-@dataclass
-class MergePlan:
-    """How the layers first, first + 1, ... merge what one retrieval brought them with what they
-    cache: per layer, the borrowed keys and values (kv_heads, k, head_dim), and the merged
-    tokens' indices into [held, borrowed], kinds, times, places and which are borrowed
-    (kv_heads, held + k)."""
-
-    first: int
-    keys: torch.Tensor
-    values: torch.Tensor
-    merge: torch.Tensor  # (layers, kv_heads, held + k) the merged tokens' indices into [held, borrowed]
-    kinds: tuple[torch.Tensor, ...]
-    times: tuple[torch.Tensor, ...]
-    order: tuple[torch.Tensor, ...]
-    borrowed: tuple[torch.Tensor, ...]
-    layout: tuple[torch.Tensor, ...] | None = None  # with 3-D positions: (FIELDS, kv_heads, held + k), re-encoded
-
-    def __len__(self) -> int:
-        return self.merge.shape[0]
 
 
 def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,16 +115,7 @@ class KVCache:
         self._unmerged_tokens = 0
         self.appended = 0  # tokens appended so far: the next token's place in the stream
         self.host = host
-        # Per layer while an answer borrows from the host: (kv_heads, n) True where a token is borrowed.
-        self.borrowed: list[torch.Tensor | None] = [None] * num_layers
-        self._question_tokens = 0  # the next run's first tokens whose keys choose them
-        self._borrowed_at: int | None = None  # the stream place of the question that borrows, until given back
-        self._merging: MergePlan | None = None  # how the layers of the question's last retrieval merge it
-        self.retrievals = 0
-        self.retrieved_tokens = 0  # per layer, over every question
-        self.retrieved_pages = 0  # pages the first layer's KV heads borrowed from, over every question
-        self.retrieve_s = 0.0
-        self.recalled_seconds: set[int] = set()  # whole seconds of video the last retrieval brought back
+        self.loan = Loan()  # what questions borrow from the host tier
         self.scores: list[torch.Tensor | None] = [None] * num_layers  # (kv_heads, n) for keeps_scores
         # Stream places never evicted (`pin`): the opening's, then those of each pinned turn
         self.pins: list[torch.Tensor] = []
@@ -240,37 +206,22 @@ class KVCache:
         return self._kinds[0].shape[1] + self._unmerged_tokens
 
     # Per layer, (kv_heads, n) for each token: its kind (int8), video time (float32) and place
-    # in the stream (int64); reading or assigning them first brings in what was appended since.
+    # in the stream (int64); reading them first brings in what was appended since.
 
     @property
     def kinds(self) -> list[torch.Tensor]:
         self._merge()
         return self._kinds
 
-    @kinds.setter
-    def kinds(self, kinds: list[torch.Tensor]) -> None:
-        self._merge()
-        self._kinds = kinds
-
     @property
     def times(self) -> list[torch.Tensor]:
         self._merge()
         return self._times
 
-    @times.setter
-    def times(self, times: list[torch.Tensor]) -> None:
-        self._merge()
-        self._times = times
-
     @property
     def order(self) -> list[torch.Tensor]:
         self._merge()
         return self._order
-
-    @order.setter
-    def order(self, order: list[torch.Tensor]) -> None:
-        self._merge()
-        self._order = order
 
     @property
     def nbytes(self) -> int:
@@ -348,13 +299,13 @@ class KVCache:
                     rows[layer] = held[:, : held.shape[1] - drop]
             self.appended = appended
         for layer, cached in enumerate(self.hf.layers):
-            cached.pending = 0
+            cached.reserve(0)
             held = self.kinds[layer].shape[1]
             if cached.is_initialized and cached.keys.shape[2] > held:
                 cached.keys = cached.keys[:, :, :held]
                 cached.values = cached.values[:, :, :held]
         self._forget_queries()
-        if self._borrowed_at is not None and self._borrowed_at >= undone_from:
+        if self.loan.at is not None and self.loan.at >= undone_from:
             self.give_back()
         self._received = [None] * self.num_layers
 
@@ -370,36 +321,26 @@ class KVCache:
         the pages. Returns that number (0 without a host tier or with nothing in it)."""
         if self.host is None or retrieval_tokens <= 0:
             return 0
-        count = min(retrieval_tokens, self.host.available())
-        self._question_tokens = max(1, question_tokens)
-        self._borrowed_at = self.appended
-        self._merging = None
+        count = self.loan.begin(min(retrieval_tokens, self.host.available()), question_tokens, self.appended)
         self.host.begin_question()
         if count:
             for cached in self.hf.layers:
-                cached.pending = count
-            self.retrievals += 1
-            self.retrieved_tokens += count
-            self.recalled_seconds = set()
+                cached.reserve(count)
         return count
 
     def _borrow(self, layer: int, queries: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring in the pages of `layer` that the question's keys match, into the places reserved:
         merged among the cached tokens in stream order, before the c new ones (whose queries
-        (q_heads, c, head_dim) are given). Where a layer's choice is also the layers' after it
-        (`HostTier.retrieve`), their merges are planned here too, in one pass for all of them,
-        and those that do not score the pages merge now (`_merge_ahead`)."""
+        (q_heads, c, head_dim) are given), as the loan plans. Where a layer's choice is also the
+        layers' after it (`HostTier.retrieve`), their merges are planned here too, in one pass for
+        all of them, and those that do not score the pages merge now (`_merge_ahead`)."""
         started = time.perf_counter()
         cached = self.hf.layers[layer]
         new = queries.shape[1]
         held = cached.keys.shape[2] - new  # cached before these tokens
-        question = cached.keys[0, :, held : held + min(self._question_tokens, new)]  # (kv_heads, q, head_dim)
+        question = cached.keys[0, :, held : held + min(self.loan.question_tokens, new)]  # (kv_heads, q, head_dim)
         retrieval = self.host.retrieve(layer, question, cached.pending, Cached(cached.keys[0, :, :held], self.order[layer]))
-        if retrieval is not None:
-            if layer == 0:
-                self.retrieved_pages += len(retrieval.pages)
-            self._merging = self._merge_plan(layer, retrieval.tokens, held)
-        plan = self._merging
+        plan = self.loan.plan_for(layer, retrieval, held, self.kinds, self.times, self.order, [c.layout for c in self.hf.layers])
         at = layer - plan.first
         merge = plan.merge[at]
         # into [held, new, borrowed] as the layer joins them: the held and the borrowed merged in
@@ -411,7 +352,7 @@ class KVCache:
         self._merged(layer, plan, held)
         if retrieval is not None:
             self._merge_ahead(plan, held)
-        self.retrieve_s += time.perf_counter() - started
+        self.loan.took(time.perf_counter() - started)
         return cached.keys, cached.values
 
     def _merge_ahead(self, plan: MergePlan, held: int) -> None:
@@ -425,12 +366,8 @@ class KVCache:
         count = held + plan.keys.shape[2]
         first = ahead.start - plan.first
         device = layers[0].keys.device
-        lease = self.lease
-        if plan.layout is not None:
-            for at, cached in enumerate(layers, start=first):
-                cached.layout.merge(plan.layout[at], held)
-                cached.merge(plan.keys[at][None], plan.values[at][None], plan.merge[at].to(device))
-        elif lease is not None and lease.can_merge(count) and all(c.keys.shape[2] == held and c.at_home(count) for c in layers):
+        lease = self.lease if plan.layout is None else None  # with 3-D positions, a layer at a time
+        if lease is not None and lease.can_merge(count) and all(c.keys.shape[2] == held and c.at_home(count) for c in layers):
             cos, sin, _ = self.positions.between(0, count, layers[0].keys)
             lease.merge(ahead, held, plan.merge[first:].to(device), plan.keys[first:], plan.values[first:], cos, sin,
                         self.positions.scale)
@@ -438,6 +375,8 @@ class KVCache:
                 cached.merged(count)
         else:
             for at, cached in enumerate(layers, start=first):
+                if plan.layout is not None:
+                    cached.layout.merge(plan.layout[at], held)
                 cached.merge(plan.keys[at][None], plan.values[at][None], plan.merge[at].to(device))
         for layer in ahead:
             self._merged(layer, plan, held)
@@ -448,39 +387,17 @@ class KVCache:
         at = layer - plan.first
         cached = self.hf.layers[layer]
         self.kinds[layer], self.times[layer], self.order[layer] = plan.kinds[at], plan.times[at], plan.order[at]
-        self.borrowed[layer] = plan.borrowed[at]
+        self.loan.lent(layer, plan)
         received = self._received[layer]
         if received is not None:
             padded = torch.cat([received[:, :held], received.new_zeros(self.kv_heads, cached.pending)], dim=1)
             self._received[layer] = padded.gather(1, plan.merge[at].to(received.device))
         self._queries[layer].set(None)  # from here on, only queries of tokens after every borrowed one
-        cached.pending = 0
-
-    def _merge_plan(self, first: int, got: Tokens, held: int) -> MergePlan:
-        """How the layers from `first` on merge what they borrow (`got`, (layers, kv_heads, k, ...))
-        with the `held` tokens they cache, in stream order: for all of those layers at once."""
-        mine = range(first, first + got.kinds.shape[0])
-        order = torch.cat([torch.stack([self.order[layer] for layer in mine]), got.order], dim=2)  # (layers, kv_heads, held + k)
-        merge = order.argsort(dim=2, stable=True)
-        kinds = torch.cat([torch.stack([self.kinds[layer] for layer in mine]), got.kinds], dim=2).gather(2, merge)
-        times = torch.cat([torch.stack([self.times[layer] for layer in mine]), got.times], dim=2).gather(2, merge)
-        self.recalled_seconds.update(got.times.floor().long().unique().tolist())
-        layouts = None
-        if got.grids is not None:  # the held tokens' rows and the borrowed ones', merged and re-encoded
-            rows = torch.cat([torch.stack([self.hf.layers[layer].layout.rows[:, :, :held] for layer in mine], dim=1),
-                              unpack(got.grids, got.order)], dim=3)  # (FIELDS, layers, kv_heads, held + k)
-            rows = rows.gather(3, merge[None].expand(FIELDS, -1, -1, -1))
-            rows[:GROUP] = compact(*(rows[field].flatten(0, 1) for field in (GROUP, GRID_ROW, GRID_COLUMN))).view(3, *rows.shape[1:])
-            layouts = rows.unbind(1)
-        return MergePlan(first, got.keys, got.values, merge, kinds.unbind(), times.unbind(),
-                         order.gather(2, merge).unbind(), (merge >= held).unbind(), layouts)
+        cached.reserve(0)
 
     def give_back(self) -> None:
         """Remove every borrowed token (they are still in the host tier)."""
-        self._borrowed_at, self._merging = None, None
-        for layer, borrowed in enumerate(self.borrowed):
-            if borrowed is None:
-                continue
+        for layer, borrowed in self.loan.end().items():
             cached = self.hf.layers[layer]
             count = int(borrowed[0].sum())
             keep = (~borrowed).nonzero()[:, 1].view(self.kv_heads, -1)  # (kv_heads, n - count), ascending
@@ -497,7 +414,6 @@ class KVCache:
                 self._received[layer] = torch.cat(
                     [received[:, :width].gather(1, keep.to(received.device)), received[:, width:]], dim=1
                 )
-            self.borrowed[layer] = None
             if cached.layout is not None:  # 3-D: the others keep their positions, so no query moves
                 cached.layout.give_back(keep, width)
                 continue
@@ -524,7 +440,7 @@ class KVCache:
         way (the next prompt brings its own window); what accumulates is kept until an
         eviction. The rotated copy stays: what an eviction moved is rotated again at the next
         forward, and a cache that evicted nothing rotates only the next prompt's tokens."""
-        if any(b is not None for b in self.borrowed):
+        if self.loan.borrowed:
             self._forget_queries()
             return
         if self.policy.evicts and self.tokens > self.policy.budget_tokens:
@@ -603,7 +519,8 @@ class KVCache:
             "scaling": self._scaling,
             "counters": [self.evictions, self.evicted_tokens, self.evict_s, self.max_position],
             "layout": [cached.layout.rows.clone() for cached in self.hf.layers] if self.positions_3d else None,
-            "retrieval": [self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages],
+            "retrieval": [self.appended, self.loan.retrievals, self.loan.retrieved_tokens, self.loan.retrieve_s,
+                          self.loan.retrieved_pages],
         }
 
     def load(
@@ -624,15 +541,17 @@ class KVCache:
                 raise ValueError("the snapshot holds no 3-D positions, which this model needs")
             for cached, rows in zip(self.hf.layers, state["layout"], strict=True):
                 cached.layout.rows = rows
-        self.kinds, self.times = state["kinds"], state["times"]
+        self._unmerged, self._unmerged_tokens = [], 0  # the state's rows replace all, what waits too
+        self._kinds, self._times = state["kinds"], state["times"]
         # A snapshot of a version without stream order: its tokens are in stream order
-        self.order = state.get("order") or [torch.arange(k.shape[1]).expand(self.kv_heads, -1).clone() for k in self.kinds]
+        self._order = state.get("order") or [torch.arange(k.shape[1]).expand(self.kv_heads, -1).clone() for k in self._kinds]
         if state.get("host") is not None and self.host is not None:
             pool = self.host.shared_pool
             self.host.release()  # its pages, for the restored tier's
             self.host = HostTier.load(state["host"], device, read_page, pool, dtype)
         retrieval = state.get("retrieval", [int(self.order[0].max()) + 1 if self.tokens else 0, 0, 0, 0.0])
-        self.appended, self.retrievals, self.retrieved_tokens, self.retrieve_s, self.retrieved_pages = [*retrieval, 0][:5]
+        self.appended, *counters = [*retrieval, 0][:5]
+        self.loan = Loan(*counters)
         self.scores, self._received = here(state["scores"]), here(state["received"])
         for window, queries in zip(self._queries, here(state["queries"], dtype), strict=True):
             window.set(queries)

@@ -150,8 +150,8 @@ def cache_stats(cache: KVCache, frames: int, video_time_s: float, tokens_seen: i
         host_tokens=host.tokens if host else 0,
         host_bytes=host.nbytes if host else 0,
         host_index_bytes=host.device_bytes if host else 0,
-        retrievals=cache.retrievals,
-        retrieved_tokens=cache.retrieved_tokens,
-        retrieved_pages=cache.retrieved_pages,
-        retrieval_ms=round(cache.retrieve_s * 1000, 3),
+        retrievals=cache.loan.retrievals,
+        retrieved_tokens=cache.loan.retrieved_tokens,
+        retrieved_pages=cache.loan.retrieved_pages,
+        retrieval_ms=round(cache.loan.retrieve_s * 1000, 3),
     )

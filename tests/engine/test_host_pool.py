@@ -71,9 +71,9 @@ def test_host_tiers_in_one_host_pool_hold_and_answer_as_tiers_of_their_own(llava
         tier = shared.cache.host
         assert tier.keys.untyped_storage().data_ptr() == host.keys.untyped_storage().data_ptr()  # its pages, no copy
         assert "".join(alone.ask("What came first?", max_new_tokens=8)) == "".join(shared.ask("What came first?", max_new_tokens=8))
-        assert alone.cache.retrievals == shared.cache.retrievals == 1
+        assert alone.cache.loan.retrievals == shared.cache.loan.retrievals == 1
         assert torch.equal(alone.logits, shared.logits)  # after the last token of an answer that borrowed: the same tokens lent
-        assert alone.cache.retrieved_tokens == shared.cache.retrieved_tokens == 48
+        assert alone.cache.loan.retrieved_tokens == shared.cache.loan.retrieved_tokens == 48
     assert host.free_pages == 200 - 2 * TIER_PAGES  # no page taken while they streamed and asked
     pooled[0].release()
     assert host.free_pages == 200 - TIER_PAGES and pooled[0].cache.host.tokens == 0
@@ -127,7 +127,7 @@ def test_a_session_restored_in_the_same_or_another_workers_pools_holds_and_answe
     assert pool.host.free_pages == 5
     _same_tier(taken, restored)
     answers = {"".join(s.ask("What came first?", max_new_tokens=8)) for s in (taken, restored)}
-    assert len(answers) == 1 and taken.cache.retrieved_tokens == restored.cache.retrieved_tokens == 48
+    assert len(answers) == 1 and taken.cache.loan.retrieved_tokens == restored.cache.loan.retrieved_tokens == 48
     taken.release(), restored.release()
     assert (pool.host.free_pages, other.host.free_pages) == (TIER_PAGES + 5, 300)
 

@@ -113,7 +113,7 @@ def test_sessions_in_the_pool_answer_as_sessions_with_buffers_of_their_own(llava
     config = _config(recall=True, retrieval_tokens=48)
     own, pooled = Session(llava, config), Session(llava, config, pool=pool)
     assert _stream_and_ask(own, seed=3) == _stream_and_ask(pooled, seed=3)
-    assert pooled.cache.retrievals == 1
+    assert pooled.cache.loan.retrievals == 1
     _same(own, pooled)
     alone = [Session(llava, config) for _ in range(2)]
     together = [Session(llava, config, pool=pool) for _ in range(2)]
@@ -266,7 +266,7 @@ def test_layers_merged_ahead_in_the_pool_are_bit_for_bit_those_merged_alone(deep
     own, pooled = Session(deep, config), Session(deep, config, pool=pool)
     assert _stream_and_ask(own, seed=5) == _stream_and_ask(pooled, seed=5)
     assert pool_merges == [range(SCORED_LAYERS, SCORED_LAYERS + 3)]  # the pooled session's, once
-    assert pooled.cache.retrievals == own.cache.retrievals == 1
+    assert pooled.cache.loan.retrievals == own.cache.loan.retrievals == 1
     _same(own, pooled)
 
 
@@ -275,7 +275,7 @@ def test_a_merge_too_big_for_the_pools_workspace_goes_a_layer_at_a_time_with_the
     config = _config(recall=True, retrieval_tokens=48)
     own, pooled = Session(deep, config), Session(deep, config, pool=_pool(deep, pages=128))
     assert _stream_and_ask(own, seed=5) == _stream_and_ask(pooled, seed=5)
-    assert pool_merges == [] and pooled.cache.retrievals == 1
+    assert pool_merges == [] and pooled.cache.loan.retrievals == 1
     assert pooled.cache.lease.pool.workspace(0).numel() == 0  # never grown
     _same(own, pooled)
 

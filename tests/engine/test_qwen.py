@@ -262,13 +262,13 @@ def test_qwen_recall_borrows_evicted_frames_at_positions_before_the_question(qwe
         positions = cached.layout.positions()[..., 0]  # (kv_heads, n) time, the least of the three
         assert cached.layout.tokens == cached.keys.shape[2] == 160 + 64 + question
         assert positions[:, : 160 + 64].amax() < positions[:, 160 + 64 :].amin()
-    assert all(int(borrowed.sum()) == 2 * 64 for borrowed in session.cache.borrowed)  # 64 in each of 2 KV heads
+    assert all(int(borrowed.sum()) == 2 * 64 for borrowed in session.cache.loan.borrowed.values())  # 64 in each of 2 KV heads
     # What the attention reads, borrowed keys among them: the stored keys turned by the model's own
     # rotary embedding at their 3-D positions, as its forward turns a key
     for cached in session.cache.hf.layers:
         for head in range(qwen.kv_heads):
             assert torch.allclose(cached.rotated()[0, head], _turned_by_the_model(qwen, cached, head), atol=1e-5)
-    assert session.cache.retrieved_tokens == 64
+    assert session.cache.loan.retrieved_tokens == 64
     "".join(answer)
     assert answer.recalled_s and all(0 <= t < 30 for t in answer.recalled_s)  # seconds of frames it borrowed
     for cached in session.cache.hf.layers:  # given back, and down to the budget again

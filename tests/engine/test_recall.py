@@ -97,7 +97,7 @@ def test_after_the_answer_the_device_cache_holds_what_it_would_without_recall(mo
     assert after.cache_tokens == BUDGET  # borrowed tokens went back; the turn was evicted as usual
     assert after.retrievals == 1 and after.retrieved_tokens == 64
     assert after.retrieval_ms > 0
-    assert all(borrowed is None for borrowed in session.cache.borrowed)
+    assert not session.cache.loan.borrowed
     assert after.host_tokens >= before.host_tokens  # what was borrowed is still there
     for head in range(session.cache.kv_heads):  # nothing is both on the device and in the tier
         kept = set(session.cache.order[0][head].tolist())
