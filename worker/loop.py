@@ -21,6 +21,7 @@ The loop composes its collaborators, each a module of its own:
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -129,14 +130,16 @@ class Worker:
     async def run(self) -> None:
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         backoff_s = 0.1
-        while True:  # Redis may not be up yet
+        while True:  # Redis may not be up yet; a stop while it is not ends the worker at once
             try:
                 await self.claims.ensure_queue()
                 await self._advertise()
                 break
             except FAILURES as err:
                 log.warning("Redis unreachable (%s); retrying in %.1f s", err, backoff_s)
-                await asyncio.sleep(backoff_s)
+                if await self._stopped_within(backoff_s):
+                    self.threads.shutdown()
+                    return
                 backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
         heartbeat = asyncio.create_task(self._heartbeat())
         log.info(
@@ -157,12 +160,18 @@ class Worker:
                         await _try(self._repair)
                     else:
                         log.warning("Redis failed (%s); retrying in %.1f s", err, backoff_s)
-                    await asyncio.sleep(backoff_s)
+                    await self._stopped_within(backoff_s)
                     backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
         finally:
             self._stopping.set()
             heartbeat.cancel()
             await self._shutdown()
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        """Wait `seconds` between retries, or less when the worker is told to stop: whether it was."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        return self._stopping.is_set()
 
     # -- one turn ------------------------------------------------------------------------------
 

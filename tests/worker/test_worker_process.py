@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ import httpx
 import pytest
 import redis
 
+from streamvqa.redis_server import free_port
 from tests.support import Client, Stack, running_stack, sample_video
 
 MAX_SESSIONS = 2
@@ -150,6 +152,21 @@ def test_a_model_that_cannot_load_ends_the_worker_with_one_line_that_says_what_t
         "to a built-in model, a local checkpoint folder, or a hub id that this machine can download or already has "
         "in the Hugging Face cache (HF_HOME)."
     ), lines[1]
+
+
+def test_a_worker_waiting_for_redis_stops_when_told():
+    """Redis not up yet: the worker retries, and a SIGTERM (`docker stop`) ends it at once, with
+    status 0, instead of after its orchestrator's grace period."""
+    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}", "MODEL": "tiny-random-llava"}
+    worker = subprocess.Popen([sys.executable, "-m", "worker"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in worker.stderr:  # up to the first retry
+            if "Redis unreachable" in line:
+                break
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0
+    finally:
+        worker.kill()
 
 
 def test_a_worker_set_to_bfloat16_says_so_and_answers(redis_url, tmp_path):
