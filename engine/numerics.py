@@ -47,14 +47,12 @@ def choose_dtype(setting: str, device: str) -> Numerics:
     return Numerics(torch.bfloat16 if packed <= plain else torch.float32, f"a CPU with AVX-512 BF16 and no AMX: {timed}")
 
 
-def one_row_products(rows: int = 1, width: int = 1024, repeats: int = 50) -> tuple[float, float]:
-    """Microseconds of one product of `rows` rows by a `width` x `width` weight, in float32 and
-    in packed bfloat16: the fastest of `repeats` each (so that a busy moment does not decide)."""
-    weight, x = torch.randn(width, width), torch.randn(rows, width)
-    layer = nn.Linear(width, width, bias=False)
-    layer.weight.data = weight
-    packed = PackedLinear(layer.to(torch.bfloat16))
-    half = x.to(torch.bfloat16)
+def one_row_products(width: int = 1024, repeats: int = 50) -> tuple[float, float]:
+    """Microseconds of one row through a `width` x `width` layer, in float32 and in packed
+    bfloat16: the fastest of `repeats` each (so that a busy moment does not decide)."""
+    layer, x = nn.Linear(width, width, bias=False), torch.randn(1, width)
+    weight = layer.weight.detach().clone()
+    packed, half = PackedLinear(layer.to(torch.bfloat16)), x.to(torch.bfloat16)
     times = []
     with torch.inference_mode():
         for run in (lambda: torch.nn.functional.linear(x, weight), lambda: packed(half)):
@@ -107,13 +105,9 @@ def packs(dtype: torch.dtype, device: torch.device | str) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Every bfloat16 `nn.Linear` in `module` replaced by a `PackedLinear`, in place; how many."""
-    swapped = 0
-    for name, child in list(module.named_modules()):
-        for attribute, linear in list(child.named_children()):
+def pack_linears(module: nn.Module) -> None:
+    """Every bfloat16 `nn.Linear` in `module` replaced by a `PackedLinear`, in place."""
+    for owner in list(module.modules()):
+        for attribute, linear in list(owner.named_children()):
             if type(linear) is nn.Linear and linear.weight.dtype == torch.bfloat16:
-                setattr(child, attribute, PackedLinear(linear))
-                swapped += 1
-    return swapped
-
+                setattr(owner, attribute, PackedLinear(linear))
