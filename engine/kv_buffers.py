@@ -290,7 +290,7 @@ class PreRopeLayer(DynamicLayer):
             return False
         if keys.buffer is not keys.home or values.buffer is not values.home or keys.length + count > keys.home.shape[2]:
             return False
-        self.rotated()
+        self._rotate_up_to_date()
         return self._rotated.buffer is self._rotated.home
 
     def merge(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
@@ -345,6 +345,11 @@ class PreRopeLayer(DynamicLayer):
     def rotated(self) -> torch.Tensor:
         """(1, kv_heads, N, head_dim) the stored keys rotated at their positions: their indices,
         or their 3-D positions in the layout."""
+        self._rotate_up_to_date()
+        return self._rotated.tokens
+
+    def _rotate_up_to_date(self) -> None:
+        """Rotate into the copy the stored keys it lacks (those appended or merged since)."""
         if self._rotated is None:
             self._rotated = Rows(self.most_tokens, self._rotated_home)
         done, total = self._rotated.length, self._keys.length
@@ -355,7 +360,6 @@ class PreRopeLayer(DynamicLayer):
             else:
                 cos, sin, _ = self.table.between(done, total, stored)
             rotate(stored, cos, sin, self.table.scale, out=self._rotated.extend(total - done, stored))
-        return self._rotated.tokens
 
 
 def take(tokens: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -227,8 +227,6 @@ class PoolStep:
 
     def stored(self) -> None:
         """After the forward: each member holds its new tokens, and keeps its queries."""
-        offset = 0
-        for member, kept in zip(self.members, self.kept_counts, strict=True):
-            queries = [layer[:, offset : offset + kept] for layer in self.kept]
+        per_layer = [layer.split(self.kept_counts, dim=1) for layer in self.kept]  # per layer, per member
+        for member, queries in zip(self.members, zip(*per_layer, strict=True), strict=True):
             member.cache.stored(member.count, queries, self.scaling)
-            offset += kept

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import Session, SessionConfig, load_model
-from engine.numerics import PackedLinear, cast, choose_dtype
+from engine.numerics import PackedLinear, SharedLinear, cast, choose_dtype, pack_linears
 
 # Every family the engine runs, tiny models built in code and the two real ones
 FAMILIES = [
@@ -53,23 +53,34 @@ def test_a_cast_model_keeps_its_rotary_frequencies_in_float32():
 
 
 def test_a_bfloat16_model_on_a_cpu_runs_its_linear_layers_packed_with_the_same_products():
-    """Every linear layer of SmolLM2 (7 a layer for 30 layers, and the head) is packed, holds no
-    plain weight beside the packed one, and multiplies as the plain bfloat16 layer did: rows
-    of one token or many, with or without a bias."""
+    """Every linear layer of SmolLM2 (7 a layer for 30 layers, and the head) is packed: a
+    layer's query, key and value in one product, its gate and up in another, the other two and
+    the head each alone; no plain weight is left beside the packed ones, and each multiplies as
+    the plain bfloat16 layer did: rows of one token or many, with or without a bias."""
     model = load_model("smollm2-135m-instruct", "cpu", dtype=torch.bfloat16)
-    packed = [m for m in model.hf.modules() if isinstance(m, PackedLinear)]
-    assert len(packed) == 7 * 30 + 1 and not any(isinstance(m, torch.nn.Linear) for m in model.hf.modules())
+    shared = [m for m in model.hf.modules() if isinstance(m, SharedLinear)]
+    alone = [m for m in model.hf.modules() if isinstance(m, PackedLinear)]
+    assert len(shared) == 5 * 30 and len({id(m.shared) for m in shared}) == 2 * 30 and len(alone) == 2 * 30 + 1
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.hf.modules())
     assert not any(name.endswith("proj.weight") for name, _ in model.hf.named_parameters())
     torch.manual_seed(0)
     for bias in (False, True):
-        plain = torch.nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
-        layer = PackedLinear(plain)
+        plain = [torch.nn.Linear(96, width, bias=bias).to(torch.bfloat16) for width in (40, 24, 24)]
+        owner = torch.nn.Module()
+        owner.q_proj, owner.k_proj, owner.v_proj = plain
+        owner.o_proj = torch.nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
+        pack_linears(owner)
+        assert [type(owner.get_submodule(n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] == [SharedLinear] * 3 + [PackedLinear]
         for rows in ((1, 96), (3, 96), (2, 5, 96)):
-            x = torch.randn(rows, dtype=torch.bfloat16)
-            expected = torch.nn.functional.linear(x.float(), plain.weight.detach().float(), None if plain.bias is None else plain.bias.detach().float())
-            got = layer(x).detach()  # the bias is a parameter: the engine runs under inference_mode
-            assert got.shape == (*rows[:-1], 40) and got.dtype == torch.bfloat16
-            assert float((got.float() - expected).abs().max()) <= 0.01 * float(expected.abs().max())
+            x, other = torch.randn(rows, dtype=torch.bfloat16), torch.randn(rows, dtype=torch.bfloat16)
+            # in any order, and a sibling called with another input between (or twice with one)
+            for name, given in (("v_proj", x), ("q_proj", x), ("q_proj", x), ("k_proj", other), ("k_proj", x), ("v_proj", x)):
+                layer = plain[("q_proj", "k_proj", "v_proj").index(name)]
+                expected = torch.nn.functional.linear(given.float(), layer.weight.detach().float(),
+                                                      None if layer.bias is None else layer.bias.detach().float())
+                got = owner.get_submodule(name)(given).detach()  # the bias is a parameter: the engine runs under inference_mode
+                assert got.shape == (*rows[:-1], layer.out_features) and got.dtype == torch.bfloat16
+                assert float((got.float() - expected).abs().max()) <= 0.01 * float(expected.abs().max())
 
 
 def _logits(model) -> torch.Tensor:
