@@ -93,7 +93,7 @@ from transformers import (
 )
 
 from bench.common import emit, rss_bytes
-from engine import POLICIES, Answer, Session, SessionConfig
+from engine import POLICIES, Answer, Session, SessionConfig, runner
 from engine.kv_pool import KVPool
 from engine.step import Frames
 from engine.step import step as engine_step
@@ -269,7 +269,7 @@ def stream_visual(session: Session, visual: Visual, times_s: Sequence[float]) ->
     for t in times_s:
         for parts, times in session.frame_prompts(visual.tokens, [t], visual.grid):
             session.make_frame_room(parts, times)
-            session.run_alone(parts)
+            session.ran(parts, runner.run(session.model, [session.prompt(parts)])[0])
             session.appended_frames(times)
 
 

@@ -7,7 +7,7 @@ from engine.sampling import Sampling
 from engine.memory_map import Memory, SessionStats, Span
 from engine.answer import Answer, Evidence
 from engine.session import DEFAULT_SYSTEM_PROMPT, ContextFull, Session, SessionConfig, turn_marker_tokens
-from engine.step import Check, Checked, Frames, Result, step
+from engine.step import Check, Checked, Frames, Result, Text, TextScore, step
 from engine.kv_pool import KVPool, PoolFull, page_bytes
 from engine.host_pool import GRID_BYTES, HostPool, host_page_bytes
 from engine.host_tier import index_bytes_per_token

@@ -4,8 +4,8 @@ Its `Phase` only moves forward, each move an explicit call: ASKED until `begin` 
 question's prompt (its markers pinned), BEGUN until `question_ran` (or `failed`), ANSWERING
 while `accept` chooses tokens (`unfed()` gives each to run, `fed` says it ran) and `advance`
 gives a piece a step, STOPPING once the last is chosen (`advance` gives the text held back, then
-None), OVER once `closing` / `closed` closed its turn in the cache (`end` does both alone, from
-any phase). An engine step (`engine/step.py`) runs the prompts of many answers, and frames, in
+None), OVER once `closing` / `closed` closed its turn in the cache (`end` stops it, from any
+phase, and closes it in a step of one). An engine step (`engine/step.py`) runs the prompts of many answers, and frames, in
 one forward and calls these; iterating an answer is a step of one per piece. Nothing changes the
 cache but these calls: an answer left open is ended by its session's next call."""
 
@@ -180,16 +180,18 @@ class Answer(Iterator[str]):
         self._finish()
 
     def end(self) -> None:
-        """Close the answer's turn in the cache now, alone (a step closes the turns of the
-        answers that said all together). An answer whose question never ran ends with no change."""
+        """Stop now and close the answer's turn in the cache: a step of one, which closes it as
+        it closes the turns of the answers that said all. An answer whose question never ran
+        ends with no change."""
         if self.phase is Phase.OVER:
             return
-        closing = self.closing()
-        if closing is None:
+        if self.phase not in (Phase.ANSWERING, Phase.STOPPING):
             self._finish()
             return
-        self.session.run_alone(closing)
-        self.closed()
+        self.phase, self._fed, self._rest = Phase.STOPPING, None, ""  # nothing more is said
+        error = step([self])[0]
+        if isinstance(error, Exception):
+            raise error
 
     def _finish(self) -> None:
         self.phase = Phase.OVER

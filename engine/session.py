@@ -40,7 +40,7 @@ from engine.model import Model
 from engine.policies import Policy, make_policy
 from engine.policies.base import DEFAULT_BUDGET_TOKENS
 from engine.sampling import GREEDY, Sampling
-from engine.step import Check, Frames, step
+from engine.step import Check, Frames, Text, TextScore, step
 
 DEFAULT_SYSTEM_PROMPT = (
     "You watch a video stream. Frames arrive in order, each after its time in seconds. "
@@ -153,12 +153,6 @@ class SessionConfig:
         return HostTier(self.host_tokens, self.page_tokens, self.page_keys, self.host_drop, pool) if self.recall else None
 
 
-@dataclass(frozen=True)
-class TextScore:
-    tokens: int
-    nll: float  # summed negative log-likelihood (nats) of the tokens given everything before
-
-
 def turn_marker_tokens(model: Model) -> int:
     """The markers closing one question and its answer: what `pin_turns` pins of each turn."""
     return len(model.tokenize(model.chat.user_to_assistant)) + len(model.tokenize(model.chat.assistant_to_user))
@@ -170,19 +164,10 @@ class Session:
         most it holds at once (`peak_tokens`, or the context), and its host tier its pages in the
         pool's `host` pool when it has one, until `release()`; PoolFull when no run of pages is free."""
         self._setup(model, config or SessionConfig(), pool)
-        opening = self._text(model.chat.open(self.config.system_prompt))
-        if self.config.pin_turns and self.policy.evicts:
-            pinned = opening.tokens + self.config.pin_turns * turn_marker_tokens(model)
-            if pinned + self.policy.sinks + self.policy.recent >= self.policy.budget_tokens:
-                kept = self.policy.sinks + self.policy.recent
-                raise ValueError(
-                    f"pin_turns ({self.config.pin_turns}) pins {pinned} tokens: beside sinks and recent ({kept}), "
-                    f"budget_tokens ({self.policy.budget_tokens}) leaves no room for them"
-                )
-            self.cache.pin(torch.arange(opening.tokens), self.config.pin_turns)
-        self._make_room("the system prompt", opening.tokens)
-        self.run_alone([opening])
-        self.cache.evict()
+        error = step([Text(self, model.chat.open(self.config.system_prompt), opening=True)])[0]
+        if error is not None:
+            self.release()
+            raise error
 
     def _setup(self, model: Model, config: SessionConfig, pool: KVPool | None) -> None:
         self.model = model
@@ -329,15 +314,37 @@ class Session:
 
     def append_text(self, text: str) -> TextScore:
         """Append text to the user turn (a transcript, a document) and score how well the model
-        predicted it: the summed negative log-likelihood of its tokens given everything before."""
+        predicted it: the summed negative log-likelihood of its tokens given everything before.
+        A step of one."""
+        result = step([Text(self, text)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def opening(self, text: str) -> Part:
+        """The conversation's opening (`text`, the system prompt in the model's chat template),
+        its tokens pinned with `pin_turns`; refused past the context."""
+        opening = self._text(text)
+        if self.config.pin_turns and self.policy.evicts:
+            pinned = opening.tokens + self.config.pin_turns * turn_marker_tokens(self.model)
+            if pinned + self.policy.sinks + self.policy.recent >= self.policy.budget_tokens:
+                kept = self.policy.sinks + self.policy.recent
+                raise ValueError(
+                    f"pin_turns ({self.config.pin_turns}) pins {pinned} tokens: beside sinks and recent ({kept}), "
+                    f"budget_tokens ({self.policy.budget_tokens}) leaves no room for them"
+                )
+            self.cache.pin(torch.arange(opening.tokens), self.config.pin_turns)
+        self._make_room("the system prompt", opening.tokens)
+        return opening
+
+    def user_text(self, text: str) -> list[int]:
+        """`text` in the user's turn as token ids, after the answer under way is closed; refused
+        past the room kept for questions."""
         self._close_answer()
         ids = self.model.tokenize(text, user=True)
-        if not ids:
-            return TextScore(0, 0.0)
-        self._make_room("the text", len(ids), self.config.question_room_tokens)
-        ran = self.run_alone([self.part(ids)], targets=torch.tensor(ids))
-        self.cache.evict()
-        return TextScore(len(ids), ran.nll)
+        if ids:
+            self._make_room("the text", len(ids), self.config.question_room_tokens)
+        return ids
 
     def check(self, condition: str) -> float:
         """p(yes) that `condition` holds of the video so far, from the model's yes/no logits
@@ -400,7 +407,7 @@ class Session:
             self._open_answer = None
 
     # What an answer (`engine/answer.py`) asks of its session: its tokens as parts, its turn's
-    # markers pinned, its closing run alone, and to be let go once over.
+    # markers pinned, and to be let go once over.
 
     def answer_over(self, answer: Answer) -> None:
         """The answer is over (ended, or its question failed): nothing is left to close."""
@@ -418,12 +425,6 @@ class Session:
 
     def _text(self, text: str, time_s: float | None = None) -> Part:
         return self.part(self.model.tokenize(text), time_s)
-
-    def run_alone(self, parts: list[Part], targets: torch.Tensor | None = None) -> runner.Ran:
-        """Run a prompt alone, at the positions after the cache's tokens (nothing evicted)."""
-        ran = runner.run(self.model, [self.prompt(parts, targets)])[0]
-        self.ran(parts, ran)
-        return ran
 
     # -- reading -------------------------------------------------------------------------------
 

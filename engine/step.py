@@ -1,6 +1,6 @@
 """One engine step: the work of one session or many, run through the one runner.
 
-Work comes in three kinds, of distinct sessions of one model:
+Work comes in four kinds, of distinct sessions of one model:
 - an `Answer` to advance by one piece: its question's prompt when it has not begun (then its
   first token is chosen), after its probe (a question about nothing in particular and the first
   words of an answer, run read only the round before: the baselines of its evidence,
@@ -10,7 +10,10 @@ Work comes in three kinds, of distinct sessions of one model:
 - a `Check` to score: its condition's yes/no prompt, run read only against its session's cache,
   which keeps nothing of it (`engine/check.py`); where its p(yes) reaches the check's
   `evidence_at`, a probe runs read only the round after, and the times the check attended to
-  beyond it are its evidence (`engine/evidence.py`).
+  beyond it are its evidence (`engine/evidence.py`);
+- `Text` to append: the user turn's text, scored against what the model predicted, or a
+  session's opening (its system prompt).
+An answer that stops early (`Answer.end`) is an answer whose turn the step closes.
 
 A step runs in rounds: each round is one run of the runner (`engine/runner.py`, one forward per
 chunk) over the next prompt of every item that has one left: the first round holds every
@@ -19,12 +22,13 @@ frame prompt, later rounds the questions after their probes (and a firing check'
 frames' further prompts, and a last round closes the turns of the answers that said all (the
 token chosen last and the markers closing the answer). After its prompt, each session applies
 what ran and evicts, exactly as alone (a check's session applies nothing: its p(yes) is read
-from the logits after its prompt). One session alone is a step of one: `Session.append_frames`,
-`Session.check` and iterating an `Answer` call `step`.
+from the logits after its prompt). One session alone is a step of one: a session's opening,
+`Session.append_frames`, `append_text` and `check`, iterating an `Answer` and ending it early
+call `step`, the only caller of the runner.
 
 Results, one per item in order: an answer's piece (a str; None once it is over), a check's
-`Checked` (p(yes) in [0, 1] and its evidence) or None for frames, or the exception where the
-item failed: frames a session cannot take (`ValueError`, `ContextFull`; the frames before them
+`Checked` (p(yes) in [0, 1] and its evidence), text's `TextScore` (None for an opening), None
+for frames, or the exception where the item failed: frames a session cannot take (`ValueError`, `ContextFull`; the frames before them
 stay appended), a check of a session that is answering (`ValueError`), or a failed forward. A
 failed forward leaves every session of it as it was; an answer's token or a check in it then runs alone, so that a fault of
 one session does not end another's answer.
@@ -36,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+import torch
 
 from engine import runner
 from engine.check import answer_ids, p_yes, prompt_text
@@ -55,7 +60,13 @@ class Checked(NamedTuple):
     evidence: list[Evidence]  # where p_yes reached the check's `evidence_at`: the times it attended to beyond a probe
 
 
-Result = str | Checked | None | Exception
+@dataclass(frozen=True)
+class TextScore:
+    tokens: int
+    nll: float  # summed negative log-likelihood (nats) of the tokens given everything before
+
+
+Result = str | Checked | TextScore | None | Exception
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,16 @@ class Check:
     evidence_at: float | None = None  # at or above this p(yes), its evidence too (a watch that fires: its threshold)
 
 
+@dataclass(frozen=True)
+class Text:
+    """Text for a session's cache: the user turn's (a transcript, a document), scored against
+    what the model predicted; or, `opening`, the conversation's opening (`Session.__init__`)."""
+
+    session: "Session"
+    text: str
+    opening: bool = False
+
+
 @dataclass
 class _Job:
     """One prompt of one item, and what its session does once it ran."""
@@ -90,25 +111,35 @@ class _Job:
     before: Callable[[], None] = lambda: None  # checks just before it runs (raises to fail the item)
     retry_alone: bool = False  # after a failed forward of several: run alone (an answer's token, a check)
     keeps: bool = True  # False: run read only (a check's prompt, a probe): nothing is applied, `read` reads it
+    targets: list[int] | None = None  # text scored: its token ids (the result is its `TextScore`)
     observed: Observed | None = None  # read only: what it paid the frames, for `read` (a probe; a check that wants evidence)
     read: Callable[[runner.Ran], None] = lambda ran: None  # a read-only prompt ran: its outcome
 
 
-def step(work: Sequence["Answer | Frames | Check"]) -> list[Result]:
+Work = "Answer | Frames | Check | Text"
+
+
+def step(work: Sequence[Work]) -> list[Result]:
     """Run the work of one step; one result per item (see the module's docstring)."""
     results: list[Result] = [None] * len(work)
     plan: dict[int, list[_Job]] = {}  # per item, the prompts it still runs, in order
-    answers = [(i, item) for i, item in enumerate(work) if not isinstance(item, (Frames, Check))]
+    answers = [(i, item) for i, item in enumerate(work) if not isinstance(item, (Frames, Check, Text))]
     for i, answer in answers:
         jobs = _answer_jobs(i, answer)
         if jobs:
             plan[i] = jobs
     for i, item in enumerate(work):
-        if isinstance(item, Check):
-            try:
+        try:
+            if isinstance(item, Check):
                 plan[i] = [_check_job(i, item, results, plan)]
-            except Exception as err:
-                results[i] = err
+            elif isinstance(item, Text):
+                job = _text_job(i, item)
+                if job is None:
+                    results[i] = TextScore(0, 0.0)  # no tokens: nothing runs
+                else:
+                    plan[i] = [job]
+        except Exception as err:
+            results[i] = err
     _plan_frames([(i, item) for i, item in enumerate(work) if isinstance(item, Frames)], plan, results)
     while plan:
         round_ = []
@@ -137,7 +168,7 @@ def step(work: Sequence["Answer | Frames | Check"]) -> list[Result]:
     return results
 
 
-def _apply(jobs: list[_Job], work: Sequence["Answer | Frames | Check"], results: list[Result], plan: dict[int, list[_Job]]) -> None:
+def _apply(jobs: list[_Job], work: Sequence[Work], results: list[Result], plan: dict[int, list[_Job]]) -> None:
     """Run the jobs as one run of the runner, then each session applies what ran (a check's
     session nothing: its p(yes) is read); a job that failed fails its item (and its further
     prompts)."""
@@ -150,6 +181,8 @@ def _apply(jobs: list[_Job], work: Sequence["Answer | Frames | Check"], results:
                 continue
             job.session.ran(job.parts, ran)
             job.after()  # the session's eviction, each its own
+            if job.targets is not None:
+                results[job.item] = TextScore(len(job.targets), ran.nll)
         except Exception as err:
             results[job.item] = err
             plan.pop(job.item, None)
@@ -214,6 +247,16 @@ def _check_job(item: int, check: Check, results: list[Result], plan: dict[int, l
     return _Job(item, session, parts, retry_alone=True, keeps=False, observed=observed, read=read)
 
 
+def _text_job(item: int, text: Text) -> _Job | None:
+    """Text's prompt (scored, unless it is the opening), evicted after; None for no tokens.
+    Refused (raises) past the room the session keeps for questions."""
+    session = text.session
+    if text.opening:
+        return _Job(item, session, [session.opening(text.text)], session.cache.evict)
+    ids = session.user_text(text.text)
+    return _Job(item, session, [session.part(ids)], session.cache.evict, targets=ids) if ids else None
+
+
 def _read_only_parts(session: "Session", text: str) -> list["Part"]:
     """A question (user text) and the markers that close the user's turn and open the
     assistant's: a check's or a probe's prompt."""
@@ -226,8 +269,8 @@ def probe_parts(session: "Session") -> list["Part"]:
     return [*_read_only_parts(session, PROBE), session.part(session.model.tokenize(PROBE_ANSWER))]
 
 
-def _fail_answer(item: "Answer | Frames | Check") -> None:
-    if not isinstance(item, (Frames, Check)):
+def _fail_answer(item: Work) -> None:
+    if not isinstance(item, (Frames, Check, Text)):
         item.failed()
 
 
@@ -272,7 +315,7 @@ def _appended(session: "Session", times: list[float]) -> Callable[[], None]:
 
 
 def _prompt(job: _Job) -> runner.Prompt:
-    prompt = job.session.prompt(job.parts)
+    prompt = job.session.prompt(job.parts, None if job.targets is None else torch.tensor(job.targets))
     return prompt if job.keeps else replace(prompt, keep=False, observed=job.observed)  # read only
 
 

@@ -104,7 +104,7 @@ def test_a_check_reads_what_its_prompt_run_into_the_cache_would(name):
     question = session.part(model.tokenize(prompt_text(CONDITION), user=True))
     opening = session.part(model.tokenize(model.chat.user_to_assistant))
     read = runner.run(model, [replace(session.prompt([question, opening]), keep=False)])[0].logits
-    kept = copy.run_alone([question, opening]).logits
+    kept = runner.run(model, [copy.prompt([question, opening])])[0].logits
     assert torch.allclose(read, kept, atol=1e-5)
     assert session.check(CONDITION) == pytest.approx(p_yes(kept, answer_ids(model.tokenizer)), abs=1e-6)
     assert copy.cache.tokens == session.cache.tokens + question.tokens + opening.tokens

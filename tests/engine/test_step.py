@@ -9,7 +9,7 @@ import torch
 
 from engine import ContextFull, Session, SessionConfig, load_model
 from engine.evidence import PROBE, PROBE_ANSWER
-from engine.step import Frames, step
+from engine.step import Frames, Text, TextScore, step
 from demo_training import scenes
 from tests.support import answer_together, fault_at_call, needs_demo
 
@@ -124,6 +124,27 @@ def test_frames_appended_together_are_the_frames_appended_alone(llava):
     for a, b in zip(alone, together):
         _same_cache(a, b)
         assert b.stats().frames == a.stats().frames and b.stats().video_time_s == 7.0
+
+
+def test_text_of_several_sessions_runs_in_one_forward_scored_as_alone(llava, monkeypatch):
+    """Text is a step's work like frames: three sessions' texts (one empty, one past the room
+    its context keeps for questions) in one step; the others in one forward, each scored and
+    evicted as alone."""
+    configs = [SessionConfig(policy="infmllm", budget_tokens=200), SessionConfig(policy="full"),
+               SessionConfig(policy="full", context_tokens=460)]
+    alone = [_streamed(llava, config, 2, i) for i, config in enumerate(configs)]
+    together = [_streamed(llava, config, 2, i) for i, config in enumerate(configs)]
+    texts = ["A transcript of what was said next, in plain words.", "", "A document far longer than what is left. " * 9]
+    scores = [alone[0].append_text(texts[0]), alone[1].append_text(texts[1])]
+    with pytest.raises(ContextFull):
+        alone[2].append_text(texts[2])
+    widths = _forward_widths(llava, monkeypatch)
+    results = step([Text(s, text) for s, text in zip(together, texts)])
+    assert widths == [scores[0].tokens]  # the empty text runs nothing, the refused one is not run
+    assert results[0].tokens == scores[0].tokens > 0 and results[0].nll == pytest.approx(scores[0].nll, rel=1e-5)
+    assert results[1] == TextScore(0, 0.0) and isinstance(results[2], ContextFull)
+    for a, b in zip(alone, together):
+        _same_cache(a, b)
 
 
 def test_a_session_that_cannot_take_its_frames_fails_alone(llava):
