@@ -35,8 +35,9 @@ one session does not end another's answer.
 """
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from enum import Enum, auto
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -100,20 +101,36 @@ class Text:
     opening: bool = False
 
 
+class Does(Enum):
+    """What a prompt is for, and so what the step does before it runs and once it ran."""
+
+    QUESTION = auto()  # an answer's question: then `question_ran`
+    TOKEN = auto()  # the token an answer chose last: then `fed` the logits after it
+    CLOSING = auto()  # the markers closing an answer's turn: then `closed`
+    FRAMES = auto()  # a frame prompt: room made before it, `appended_frames` after
+    TEXT = auto()  # text or an opening: evicted after it (text scored: its `TextScore`)
+    PROBE = auto()  # read only, before an answer's question: `probed`, its evidence's baseline
+    CHECK = auto()  # read only: p(yes), and where it reaches `evidence_at` a check's probe next
+    CHECK_PROBE = auto()  # read only, after a firing check: its evidence
+
+
+READ_ONLY = (Does.PROBE, Does.CHECK, Does.CHECK_PROBE)
+RETRIED_ALONE = (Does.TOKEN, Does.CLOSING, Does.CHECK, Does.CHECK_PROBE)  # after a failed forward of several
+
+
 @dataclass
 class _Job:
-    """One prompt of one item, and what its session does once it ran."""
+    """One prompt of one item: its parts, what it is for, and what the step needs of it after."""
 
     item: int  # the item's index in the step's work
     session: "Session"
     parts: list["Part"]
-    after: Callable[[], None] = lambda: None  # once the session applied what ran: its eviction, its answer's next state
-    before: Callable[[], None] = lambda: None  # checks just before it runs (raises to fail the item)
-    retry_alone: bool = False  # after a failed forward of several: run alone (an answer's token, a check)
-    keeps: bool = True  # False: run read only (a check's prompt, a probe): nothing is applied, `read` reads it
-    targets: list[int] | None = None  # text scored: its token ids (the result is its `TextScore`)
-    observed: Observed | None = None  # read only: what it paid the frames, for `read` (a probe; a check that wants evidence)
-    read: Callable[[runner.Ran], None] = lambda ran: None  # a read-only prompt ran: its outcome
+    does: Does
+    times: list[float] | None = None  # FRAMES: the real frames' times
+    targets: list[int] | None = None  # TEXT, scored: its token ids
+    observed: Observed | None = None  # read only: what it paid the frames (a probe's; a check's that wants evidence)
+    contrast: Contrast | None = None  # CHECK_PROBE: the check's own attention
+    p_yes: float = 0.0  # CHECK_PROBE: the check's
 
 
 Work = "Answer | Frames | Check | Text"
@@ -131,7 +148,7 @@ def step(work: Sequence[Work]) -> list[Result]:
     for i, item in enumerate(work):
         try:
             if isinstance(item, Check):
-                plan[i] = [_check_job(i, item, results, plan)]
+                plan[i] = [_check_job(i, item)]
             elif isinstance(item, Text):
                 job = _text_job(i, item)
                 if job is None:
@@ -148,7 +165,8 @@ def step(work: Sequence[Work]) -> list[Result]:
             if not plan[i]:
                 del plan[i]
             try:
-                job.before()
+                if job.does is Does.FRAMES:
+                    job.session.make_frame_room(job.parts, job.times)
             except Exception as err:
                 results[i] = err
                 plan.pop(i, None)
@@ -169,25 +187,50 @@ def step(work: Sequence[Work]) -> list[Result]:
 
 
 def _apply(jobs: list[_Job], work: Sequence[Work], results: list[Result], plan: dict[int, list[_Job]]) -> None:
-    """Run the jobs as one run of the runner, then each session applies what ran (a check's
-    session nothing: its p(yes) is read); a job that failed fails its item (and its further
-    prompts)."""
+    """Run the jobs as one run of the runner, then apply what each ran; a job that failed fails
+    its item (and its further prompts)."""
     for job, ran in zip(jobs, _run(jobs), strict=True):
         try:
             if isinstance(ran, Exception):
                 raise ran
-            if not job.keeps:
-                job.read(ran)
-                continue
-            job.session.ran(job.parts, ran)
-            job.after()  # the session's eviction, each its own
-            if job.targets is not None:
-                results[job.item] = TextScore(len(job.targets), ran.nll)
+            _applied(job, ran, work[job.item], results, plan)
         except Exception as err:
             results[job.item] = err
             plan.pop(job.item, None)
-            if not job.retry_alone:
+            if job.does not in RETRIED_ALONE:
                 _fail_answer(work[job.item])
+
+
+def _applied(job: _Job, ran: runner.Ran, item: Work, results: list[Result], plan: dict[int, list[_Job]]) -> None:
+    """What follows a job's run: a read-only prompt's outcome is read; else its session takes
+    what ran, then evicts (each its own) and its item moves on."""
+    session = job.session
+    if job.does is Does.PROBE:
+        item.probed(job.parts[-1].tokens, job.observed.read())
+    elif job.does is Does.CHECK:
+        results[job.item] = checked = Checked(p_yes(ran.logits, answer_ids(session.model.tokenizer)), [])
+        if item.evidence_at is not None and checked.p_yes >= item.evidence_at:  # its evidence: against a probe, next round
+            contrast = Contrast()
+            contrast.add(job.observed.read())  # the check's own attention
+            plan[job.item] = [_Job(job.item, session, probe_parts(session), Does.CHECK_PROBE, observed=Observed(),
+                                   contrast=contrast, p_yes=checked.p_yes)]
+    elif job.does is Does.CHECK_PROBE:
+        job.contrast.probe(job.observed.read(), job.parts[-1].tokens)
+        results[job.item] = Checked(job.p_yes, job.contrast.top(session.config.evidence_top_k))
+    else:
+        session.ran(job.parts, ran)
+        if job.does is Does.QUESTION:
+            item.question_ran()
+        elif job.does is Does.TOKEN:
+            item.fed(session.logits)
+        elif job.does is Does.CLOSING:
+            item.closed()
+        elif job.does is Does.FRAMES:
+            session.appended_frames(job.times)
+        else:  # TEXT
+            session.cache.evict()
+            if job.targets is not None:
+                results[job.item] = TextScore(len(job.targets), ran.nll)
 
 
 def _closing_job(item: int, answer: "Answer") -> _Job | None:
@@ -197,7 +240,7 @@ def _closing_job(item: int, answer: "Answer") -> _Job | None:
     if closing is None:
         answer.end()
         return None
-    return _Job(item, answer.session, closing, answer.closed, retry_alone=True)
+    return _Job(item, answer.session, closing, Does.CLOSING)
 
 
 def _answer_jobs(item: int, answer: "Answer") -> list[_Job]:
@@ -206,45 +249,25 @@ def _answer_jobs(item: int, answer: "Answer") -> list[_Job]:
     session = answer.session
     question = answer.begin()
     if question is not None:
-        asked = _Job(item, session, question, answer.question_ran)
+        asked = _Job(item, session, question, Does.QUESTION)
         if session.config.evidence_top_k == 0:
             return [asked]
         probe = probe_parts(session)
         if sum(part.tokens for part in probe) > session.context_tokens - session.cache.tokens:
             return [asked]
-        observed = Observed()
-        return [_Job(item, session, probe, keeps=False, observed=observed,
-                     read=lambda ran: answer.probed(probe[-1].tokens, observed.read())), asked]
+        return [_Job(item, session, probe, Does.PROBE, observed=Observed()), asked]
     token = answer.unfed()
-    if token is not None:
-        return [_Job(item, session, token, lambda: answer.fed(session.logits), retry_alone=True)]
-    return []
+    return [] if token is None else [_Job(item, session, token, Does.TOKEN)]
 
 
-def _check_job(item: int, check: Check, results: list[Result], plan: dict[int, list[_Job]]) -> _Job:
-    """A check's prompt, to run read only; where its p(yes) reaches `evidence_at`, a probe is
-    planned for the next round, whose attention is the baseline of the check's evidence.
-    Refused (raises) while its session answers, or past its context."""
-    session, wants_evidence = check.session, check.evidence_at is not None
+def _check_job(item: int, check: Check) -> _Job:
+    """A check's prompt, to run read only (with a firing check's probe planned after it, whose
+    attention is the baseline of the check's evidence). Refused (raises) while its session
+    answers, or past its context."""
+    session = check.session
     parts = _read_only_parts(session, prompt_text(check.condition))
     session.make_check_room(sum(part.tokens for part in parts))
-    observed = Observed() if wants_evidence else None
-
-    def read(ran: runner.Ran) -> None:
-        probability = p_yes(ran.logits, answer_ids(session.model.tokenizer))
-        results[item] = Checked(probability, [])
-        if wants_evidence and probability >= check.evidence_at:
-            contrast = Contrast()
-            contrast.add(observed.read())  # the check's own attention
-            probe, probed = probe_parts(session), Observed()
-
-            def read_probe(ran: runner.Ran) -> None:
-                contrast.probe(probed.read(), probe[-1].tokens)
-                results[item] = Checked(probability, contrast.top(session.config.evidence_top_k))
-
-            plan[item] = [_Job(item, session, probe, retry_alone=True, keeps=False, observed=probed, read=read_probe)]
-
-    return _Job(item, session, parts, retry_alone=True, keeps=False, observed=observed, read=read)
+    return _Job(item, session, parts, Does.CHECK, observed=None if check.evidence_at is None else Observed())
 
 
 def _text_job(item: int, text: Text) -> _Job | None:
@@ -252,9 +275,9 @@ def _text_job(item: int, text: Text) -> _Job | None:
     Refused (raises) past the room the session keeps for questions."""
     session = text.session
     if text.opening:
-        return _Job(item, session, [session.opening(text.text)], session.cache.evict)
+        return _Job(item, session, [session.opening(text.text)], Does.TEXT)
     ids = session.user_text(text.text)
-    return _Job(item, session, [session.part(ids)], session.cache.evict, targets=ids) if ids else None
+    return _Job(item, session, [session.part(ids)], Does.TEXT, targets=ids) if ids else None
 
 
 def _read_only_parts(session: "Session", text: str) -> list["Part"]:
@@ -299,24 +322,14 @@ def _plan_frames(work: list[tuple[int, Frames]], plan: dict[int, list[_Job]], re
         offset = 0
         for i, session, frames, times_s in items:
             count = len(frames) // model.frames_per_group
-            plan[i] = [
-                _Job(i, session, parts, _appended(session, times), _room(session, parts, times))
-                for parts, times in session.frame_prompts(visual[offset : offset + count], times_s, grid)
-            ]
+            plan[i] = [_Job(i, session, parts, Does.FRAMES, times=times)
+                       for parts, times in session.frame_prompts(visual[offset : offset + count], times_s, grid)]
             offset += count
-
-
-def _room(session: "Session", parts: list["Part"], times: list[float]) -> Callable[[], None]:
-    return lambda: session.make_frame_room(parts, times)
-
-
-def _appended(session: "Session", times: list[float]) -> Callable[[], None]:
-    return lambda: session.appended_frames(times)
 
 
 def _prompt(job: _Job) -> runner.Prompt:
     prompt = job.session.prompt(job.parts, None if job.targets is None else torch.tensor(job.targets))
-    return prompt if job.keeps else replace(prompt, keep=False, observed=job.observed)  # read only
+    return replace(prompt, keep=False, observed=job.observed) if job.does in READ_ONLY else prompt
 
 
 def _run(jobs: list[_Job]) -> list[runner.Ran | Exception]:
@@ -335,7 +348,7 @@ def _run(jobs: list[_Job]) -> list[runner.Ran | Exception]:
         failed = err
     outcomes: list[runner.Ran | Exception] = []
     for job, prompt in zip(jobs, prompts, strict=True):
-        if not job.retry_alone:
+        if job.does not in RETRIED_ALONE:
             outcomes.append(failed)
             continue
         try:
