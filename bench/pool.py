@@ -7,6 +7,7 @@ long stream, and the bytes a recall session's snapshots write.
     python -m bench.pool decode [--model smollm2-135m-instruct] [--counts 1,8,32] [--budgets 512] [--tokens 200]
                                 [--dtypes float32,bfloat16]
     python -m bench.pool worker [--model streamvqa-demo] [--sessions 3] [--minutes 4] [--budgets 1024]
+    python -m bench.pool linears [--model smollm2-135m-instruct] [--counts 1,8,32]
 
 `turns`: sessions one after another on one model, each with recall (a host tier of 16x the
 budget), streaming --tokens of random text in pieces of 600 characters, asked one question, then
@@ -30,6 +31,11 @@ that many answer at once, one engine step a token of each: the median ms of a st
 and tokens/s over one session's (the batch's gain, in one run); with --dtypes, each count in
 each dtype, and `over_first` over the first dtype's one session.
 
+`linears`: every linear layer of the model's decoder in bfloat16, laid out for oneDNN
+(engine/numerics.py), once each (`separate`) and with a layer's query, key and value in one
+product and its gate and up in another (`fused`, as the engine loads it), run over --counts rows
+at a time: the median ms of one pass over all of them.
+
 `worker`: a worker's resident memory through the whole service (gateway, worker, Redis, as
 `make run` starts them with the default settings): --sessions sessions with recall (the default
 options, or a budget of --budgets) each upload the same --minutes video (320 x 240, 10 fps,
@@ -40,6 +46,7 @@ holds no session, each in MiB, with the peak and the end over ready, and how muc
 is files mapped (`after_file_mib`: mostly the model's weights, read in as they are first used).
 """
 
+import copy
 import subprocess
 import sys
 import tempfile
@@ -58,7 +65,7 @@ from bench.stack import serving
 from engine import Session, SessionConfig, load_model
 from engine.host_pool import HostPool
 from engine.kv_pool import KVPool
-from engine.numerics import DTYPES
+from engine.numerics import DTYPES, PackedLinear, pack_linears
 from engine.step import step
 from streamvqa.client import Client
 from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
@@ -178,6 +185,41 @@ def decode_in(model_name: str, counts: list[int], budget: int, tokens: int, dtyp
     return first
 
 
+def linears(model_name: str, counts: list[int]) -> None:
+    layers = load_model(model_name, "cpu").hf.get_decoder().layers
+    ways = {}
+    for way in ("separate", "fused"):
+        modules = [copy.deepcopy(module).to(torch.bfloat16) for layer in layers for module in (layer.self_attn, layer.mlp)]
+        for module in modules:
+            if way == "fused":
+                pack_linears(module)
+            else:
+                for name, child in list(module.named_children()):
+                    if isinstance(child, torch.nn.Linear):
+                        setattr(module, name, PackedLinear.of(child))
+        ways[way] = modules
+    config = layers[0].mlp
+    for rows in counts:
+        x = torch.randn(1, rows, config.gate_proj.in_features, dtype=torch.bfloat16)
+        wide = torch.randn(1, rows, config.down_proj.in_features, dtype=torch.bfloat16)
+        for way, modules in ways.items():
+            def run() -> None:
+                for module in modules:
+                    if hasattr(module, "q_proj"):
+                        module.q_proj(x), module.k_proj(x), module.v_proj(x), module.o_proj(x)
+                    else:
+                        module.gate_proj(x), module.up_proj(x), module.down_proj(wide)
+
+            with torch.inference_mode():
+                run()
+                times = []
+                for _ in range(20):
+                    started = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - started)
+            emit(mode="linears", way=way, rows=rows, ms=round(float(np.median(times)) * 1000, 2), threads=torch.get_num_threads())
+
+
 def write_video(path: Path, seconds: float) -> Path:
     """A video of `seconds`: a colour and a bar that move with each frame, MPEG-4 at VIDEO_FPS."""
     with av.open(str(path), "w") as out:
@@ -266,7 +308,7 @@ def worker_memory(model: str, sessions: int, minutes: float, budget: int | None)
 
 def main() -> None:
     args = parser(__doc__, policies="full,infmllm", budgets="")
-    args.add_argument("what", choices=["turns", "stream", "snapshots", "decode", "worker"])
+    args.add_argument("what", choices=["turns", "stream", "snapshots", "decode", "worker", "linears"])
     args.add_argument("--counts", default="1,8,32", help="decode: comma-separated session counts, the first the baseline")
     args.add_argument("--dtypes", default="float32", help="decode: comma-separated float32, bfloat16 (engine/numerics.py)")
     args.add_argument("--intervals", type=int, default=5)
@@ -286,6 +328,9 @@ def main() -> None:
             stream(options.model or "streamvqa-demo", options.frames, policy)
         return
     model, budget = options.model or "smollm2-135m-instruct", split_list(options.budgets, int)[0]
+    if options.what == "linears":
+        linears(model, split_list(options.counts, int))
+        return
     if options.what == "decode":
         decode(model, split_list(options.counts, int), budget, options.tokens or 200, [DTYPES[name] for name in options.dtypes.split(",") if name])
         return
