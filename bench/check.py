@@ -31,6 +31,7 @@ from bench.common import emit
 from demo_training import scenes
 from engine import Session, SessionConfig, load_model, runner
 from engine.check import prompt_text
+from engine.step import prompt_of
 
 CONDITION = "a red circle is visible"
 QUESTION = "What do you see?"
@@ -62,7 +63,7 @@ def measure(model_name: str, policy: str, budget: int, repeats: int) -> None:
             session.check(CONDITION)
             times[work].append(time.perf_counter() - started)
         appended, started = session.cache.appended, time.perf_counter()
-        runner.run(model, [session.prompt([question, opening])])
+        runner.run(model, [prompt_of(session, [question, opening])])
         times["kept_prompt"].append(time.perf_counter() - started)
         session.cache.rollback(appended)
         answer = session.ask(QUESTION, max_new_tokens=3)

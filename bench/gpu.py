@@ -95,7 +95,7 @@ from transformers import (
 from bench.common import emit, rss_bytes
 from engine import POLICIES, Answer, Session, SessionConfig, runner
 from engine.kv_pool import KVPool
-from engine.step import Frames
+from engine.step import Frames, prompt_of
 from engine.step import step as engine_step
 from engine.model import FAMILIES, Model, Vision, chat_format
 from engine.qwen_vision import QwenVision
@@ -269,7 +269,7 @@ def stream_visual(session: Session, visual: Visual, times_s: Sequence[float]) ->
     for t in times_s:
         for parts, times in session.frame_prompts(visual.tokens, [t], visual.grid):
             session.make_frame_room(parts, times)
-            session.ran(parts, runner.run(session.model, [session.prompt(parts)])[0])
+            session.ran(parts, runner.run(session.model, [prompt_of(session, parts)])[0].logits)
             session.appended_frames(times)
 
 

@@ -28,7 +28,7 @@ from bench.needle import build_stream, is_right
 from demo_training.data import Layout, name_of
 from demo_training.train import sample_videos
 from engine.demo.model import assemble, imagenet_names, pooled_features
-from engine.session import DEFAULT_SYSTEM_PROMPT
+from engine.session_config import DEFAULT_SYSTEM_PROMPT
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ from engine import Session, SessionConfig, load_model
 from engine.host_tier import DROP_RULES
 from engine.kv_pool import KVPool
 from engine.numerics import DTYPES
-from engine.session import HOST_BUDGET_MULTIPLE
+from engine.session_config import HOST_BUDGET_MULTIPLE
 from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
 
 QUICK = {"policies": "infmllm,sliding", "budgets": "512", "ratios": "2,8", "facts": 4}

@@ -6,7 +6,7 @@ encoder's own head. Samples are conversations drawn from the pool by seeded gene
 single scene or real frame with one to three questions, a few frames with time markers and a
 question about one moment, a "needle" (scenes among real frames, one of them asked about by what
 came right before it, its time or its kind), and a run of real video frames. `Layout` turns a
-sample into exactly the token stream a `Session` runs (engine/session.py): per frame `[t.ts]`,
+sample into exactly the token stream a `Session` runs (engine/session_state.py): per frame `[t.ts]`,
 its visual tokens and a newline, then the question, the chat's turn markers and the answer.
 """
 

@@ -15,7 +15,7 @@ from demo_training import scenes
 from demo_training.data import DESCRIBE
 from engine.demo.model import EfficientNetTower, pooled_features
 from engine.model import Model
-from engine.session import Session, SessionConfig
+from engine import Session, SessionConfig
 
 QUESTIONS = {
     "colour": "What colour is the {thing}?",

@@ -48,7 +48,7 @@ from demo_training.data import IGNORE, NEEDLE_FRAMES, TOKENS_PER_FRAME, VISUAL, 
 from demo_training.scenes import NUMBER_WORDS
 from engine.demo import sample_video
 from engine.demo.model import ENCODER_CHANNELS, adapter_of, assemble, imagenet_names, pooled_features, save_weights
-from engine.session import DEFAULT_SYSTEM_PROMPT
+from engine.session_config import DEFAULT_SYSTEM_PROMPT
 
 WARM_TEMPERATURE = 0.05
 COLOUR_GAIN = 8.0

@@ -5,8 +5,10 @@ from engine.registry import BUILTIN_MODELS, load_model
 from engine.policies import POLICIES
 from engine.sampling import Sampling
 from engine.memory_map import Memory, SessionStats, Span
-from engine.answer import Answer, Evidence
-from engine.session import DEFAULT_SYSTEM_PROMPT, ContextFull, Session, SessionConfig, turn_marker_tokens
+from engine.evidence import Evidence
+from engine.session_config import DEFAULT_SYSTEM_PROMPT, SessionConfig, turn_marker_tokens
+from engine.session_state import ContextFull
+from engine.session import Answer, Session
 from engine.step import Check, Checked, Frames, Result, Text, TextScore, step
 from engine.kv_pool import KVPool, PoolFull, page_bytes
 from engine.host_pool import GRID_BYTES, HostPool, host_page_bytes

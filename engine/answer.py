@@ -4,12 +4,12 @@ Its `Phase` only moves forward, each move an explicit call: ASKED until `begin` 
 question's prompt (its markers pinned), BEGUN until `question_ran` (or `failed`), ANSWERING
 while `accept` chooses tokens (`unfed()` gives each to run, `fed` says it ran) and `advance`
 gives a piece a step, STOPPING once the last is chosen (`advance` gives the text held back, then
-None), OVER once `closing` / `closed` closed its turn in the cache (`end` stops it, from any
-phase, and closes it in a step of one). An engine step (`engine/step.py`) runs the prompts of many answers, and frames, in
-one forward and calls these; iterating an answer is a step of one per piece. Nothing changes the
-cache but these calls: an answer left open is ended by its session's next call."""
+None), OVER once `closing` / `closed` closed its turn in the cache (`stop` stops it from any
+phase; a step then closes its turn). An engine step (`engine/step.py`) runs the prompts of many
+answers, and frames, in one forward and calls these; it imports nothing that runs (the answer a
+user iterates, a step of one per piece, is `engine/session.py`'s). Nothing changes the cache but
+these calls: an answer left open is ended by its session's next call."""
 
-from collections.abc import Iterator
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
@@ -17,10 +17,9 @@ import torch
 
 from engine.evidence import Contrast, Evidence, FrameAttention, frame_attention
 from engine.sampling import Sampling
-from engine.step import step
 
 if TYPE_CHECKING:
-    from engine.session import Part, Session
+    from engine.session_state import Part, SessionState
 
 MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the host tier
 
@@ -33,14 +32,14 @@ class Phase(Enum):
     OVER = auto()  # its turn closed in the cache, or its question never ran
 
 
-class Answer(Iterator[str]):
+class Answer:
     """One piece of text per generated token; after the last, `tokens` and `evidence` are final.
 
     A piece is empty while a token leaves a character incomplete (or decodes to nothing). The
     text held back for a stop string that never came is one more piece, after the last token's.
     """
 
-    def __init__(self, session: "Session", prompt: list["Part"], closing: "Part", max_new_tokens: int,
+    def __init__(self, session: "SessionState", prompt: list["Part"], closing: "Part", max_new_tokens: int,
                  sampling: Sampling) -> None:
         self.session = session
         self.max_new_tokens = max_new_tokens
@@ -75,7 +74,7 @@ class Answer(Iterator[str]):
     # -- the steps -----------------------------------------------------------------------------
 
     def begin(self) -> list["Part"] | None:
-        """The question's prompt, to be run next (by `next`, or by a batched step), with the
+        """The question's prompt, to be run next by a step, with the
         places of what it borrows reserved; None once begun."""
         if self.phase is not Phase.ASKED:
             return None
@@ -179,38 +178,22 @@ class Answer(Iterator[str]):
             self.recalled_s = sorted(cache.loan.recalled_seconds)[:MAX_RECALLED_SECONDS]
         self._finish()
 
-    def end(self) -> None:
-        """Stop now and close the answer's turn in the cache: a step of one, which closes it as
-        it closes the turns of the answers that said all. An answer whose question never ran
-        ends with no change."""
+    def stop(self) -> bool:
+        """Stop now: nothing more is said. True when its turn is still to close in the cache (a
+        step closes it, as it closes the turn of any answer that said all); else it is over (its
+        question never ran, or it was over already)."""
         if self.phase is Phase.OVER:
-            return
+            return False
         if self.phase not in (Phase.ANSWERING, Phase.STOPPING):
             self._finish()
-            return
-        self.phase, self._fed, self._rest = Phase.STOPPING, None, ""  # nothing more is said
-        error = step([self])[0]
-        if isinstance(error, Exception):
-            raise error
+            return False
+        self.phase, self._fed, self._rest = Phase.STOPPING, None, ""
+        return True
 
     def _finish(self) -> None:
         self.phase = Phase.OVER
         self._fed, self._unfed, self._rest = None, [], ""  # an answer over gives out nothing more
         self.session.answer_over(self)
-
-    def close(self) -> None:
-        """Stop early; the turn still ends in the cache."""
-        self.end()
-
-    # -- alone: a step of one ------------------------------------------------------------------
-
-    def __next__(self) -> str:
-        piece = step([self])[0]
-        if isinstance(piece, Exception):
-            raise piece
-        if piece is None:
-            raise StopIteration
-        return piece
 
     # -- evidence ------------------------------------------------------------------------------
 

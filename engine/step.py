@@ -24,7 +24,7 @@ token chosen last and the markers closing the answer). After its prompt, each se
 what ran and evicts, exactly as alone (a check's session applies nothing: its p(yes) is read
 from the logits after its prompt). One session alone is a step of one: a session's opening,
 `Session.append_frames`, `append_text` and `check`, iterating an `Answer` and ending it early
-call `step`, the only caller of the runner.
+call `step` (engine/session.py), the only caller of the runner.
 
 Results, one per item in order: an answer's piece (a str; None once it is over), a check's
 `Checked` (p(yes) in [0, 1] and its evidence), text's `TextScore` (None for an opening), None
@@ -43,13 +43,13 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from engine import runner
+from engine import layout, runner
 from engine.check import answer_ids, p_yes, prompt_text
 from engine.evidence import PROBE, PROBE_ANSWER, Contrast, Evidence, Observed
 
 if TYPE_CHECKING:
     from engine.answer import Answer
-    from engine.session import Part, Session
+    from engine.session_state import Part, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ Result = str | Checked | TextScore | None | Exception
 class Frames:
     """RGB uint8 frames (H, W, 3) for a session, taken at non-decreasing video times."""
 
-    session: "Session"
+    session: "SessionState"
     frames: Sequence[np.ndarray]
     times_s: Sequence[float]
     flush: bool = False  # encode the frames held back for their group too (`Session.frame_groups`)
@@ -86,7 +86,7 @@ class Check:
     (`engine/check.py`): its result is p(yes); nothing of it stays in the cache. It sees the
     frames in the cache, not those held back for their group (`Session.frame_groups`)."""
 
-    session: "Session"
+    session: "SessionState"
     condition: str
     evidence_at: float | None = None  # at or above this p(yes), its evidence too (a watch that fires: its threshold)
 
@@ -96,7 +96,7 @@ class Text:
     """Text for a session's cache: the user turn's (a transcript, a document), scored against
     what the model predicted; or, `opening`, the conversation's opening (`Session.__init__`)."""
 
-    session: "Session"
+    session: "SessionState"
     text: str
     opening: bool = False
 
@@ -123,7 +123,7 @@ class _Job:
     """One prompt of one item: its parts, what it is for, and what the step needs of it after."""
 
     item: int  # the item's index in the step's work
-    session: "Session"
+    session: "SessionState"
     parts: list["Part"]
     does: Does
     times: list[float] | None = None  # FRAMES: the real frames' times
@@ -218,7 +218,7 @@ def _applied(job: _Job, ran: runner.Ran, item: Work, results: list[Result], plan
         job.contrast.probe(job.observed.read(), job.parts[-1].tokens)
         results[job.item] = Checked(job.p_yes, job.contrast.top(session.config.evidence_top_k))
     else:
-        session.ran(job.parts, ran)
+        session.ran(job.parts, ran.logits)
         if job.does is Does.QUESTION:
             item.question_ran()
         elif job.does is Does.TOKEN:
@@ -238,7 +238,7 @@ def _closing_job(item: int, answer: "Answer") -> _Job | None:
     its question never ran."""
     closing = answer.closing()
     if closing is None:
-        answer.end()
+        answer.stop()
         return None
     return _Job(item, answer.session, closing, Does.CLOSING)
 
@@ -280,14 +280,14 @@ def _text_job(item: int, text: Text) -> _Job | None:
     return _Job(item, session, [session.part(ids)], Does.TEXT, targets=ids) if ids else None
 
 
-def _read_only_parts(session: "Session", text: str) -> list["Part"]:
+def _read_only_parts(session: "SessionState", text: str) -> list["Part"]:
     """A question (user text) and the markers that close the user's turn and open the
     assistant's: a check's or a probe's prompt."""
     model = session.model
     return [session.part(model.tokenize(text, user=True)), session.part(model.tokenize(model.chat.user_to_assistant))]
 
 
-def probe_parts(session: "Session") -> list["Part"]:
+def probe_parts(session: "SessionState") -> list["Part"]:
     """The probe (engine/evidence.py): its question's prompt, then the first words of an answer."""
     return [*_read_only_parts(session, PROBE), session.part(session.model.tokenize(PROBE_ANSWER))]
 
@@ -300,7 +300,7 @@ def _fail_answer(item: Work) -> None:
 def _plan_frames(work: list[tuple[int, Frames]], plan: dict[int, list[_Job]], results: list[Result]) -> None:
     """Check each session's frames, encode them (together, per pooling and grid), and plan their
     prompts."""
-    by_kind: dict[tuple, list[tuple[int, "Session", list[np.ndarray], list[float]]]] = {}
+    by_kind: dict[tuple, list[tuple[int, "SessionState", list[np.ndarray], list[float]]]] = {}
     for i, item in work:
         try:
             session = item.session
@@ -327,8 +327,24 @@ def _plan_frames(work: list[tuple[int, Frames]], plan: dict[int, list[_Job]], re
             offset += count
 
 
+def prompt_of(session: "SessionState", parts: list["Part"], targets: torch.Tensor | None = None) -> runner.Prompt:
+    """Parts as the runner's prompt after the session's cache (scored against `targets`)."""
+    deepstack = [part.deepstack[0] for part in parts if part.deepstack is not None]
+    return runner.Prompt(
+        session.cache,
+        torch.cat([part.embeds for part in parts], dim=1),
+        torch.cat([torch.full((part.tokens,), part.kind, dtype=torch.int8) for part in parts]),
+        torch.cat([torch.full((part.tokens,), part.time_s) for part in parts]),
+        session.config.prefill_chunk_tokens,
+        targets,
+        session.logits if targets is not None else None,
+        layout.of_parts([(part.tokens, part.grid) for part in parts]) if session.cache.positions_3d else None,
+        torch.cat(deepstack) if deepstack else None,
+    )
+
+
 def _prompt(job: _Job) -> runner.Prompt:
-    prompt = job.session.prompt(job.parts, None if job.targets is None else torch.tensor(job.targets))
+    prompt = prompt_of(job.session, job.parts, None if job.targets is None else torch.tensor(job.targets))
     return replace(prompt, keep=False, observed=job.observed) if job.does in READ_ONLY else prompt
 
 

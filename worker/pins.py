@@ -14,7 +14,7 @@ class PinCosts:
 
     @classmethod
     def of(cls, model: Model) -> "PinCosts":
-        """The counts the engine's session takes (engine/session.py, `Session.__init__`)."""
+        """The counts the engine's session takes (engine/session_state.py, `SessionState.opening`)."""
         return cls(
             opening_tokens=len(model.tokenize(model.chat.open(DEFAULT_SYSTEM_PROMPT))),
             turn_marker_tokens=turn_marker_tokens(model),

@@ -170,7 +170,7 @@ class SessionOptions(BaseModel):
 
     def check_pins(self, opening_tokens: int, turn_marker_tokens: int) -> None:
         """A ValueError when what `pin_turns` pins leaves the policy no room in the budget beside
-        sinks and recent (the engine's rule, engine/session.py): the opening (`opening_tokens`,
+        sinks and recent (the engine's rule, engine/session_state.py): the opening (`opening_tokens`,
         with the model's default system prompt) and `turn_marker_tokens` for each pinned turn.
         A system prompt of the session's own is counted as nothing here, for want of a
         tokenizer: its worker counts it when it opens the session. 0: not known, not checked."""

@@ -175,7 +175,7 @@ class MemoryReport(BaseModel):
     @classmethod
     def of(cls, memory: object, stats: object, recall: bool) -> MemoryReport:
         """The report of an engine session's `memory()` and `stats()` (the dataclasses
-        engine.session.Memory and SessionStats, read field by name; where both have a field,
+        engine.memory_map.Memory and SessionStats, read field by name; where both have a field,
         the memory's), as of now."""
         held, counted = asdict(memory), asdict(stats)
         return cls.model_validate({

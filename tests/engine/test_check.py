@@ -10,7 +10,7 @@ import torch
 from engine import POLICIES, Session, SessionConfig, load_model, runner
 from engine.check import answer_ids, p_yes, prompt_text
 from engine.kv_pool import KVPool
-from engine.step import Check, Checked, Frames, step
+from engine.step import Check, Checked, Frames, prompt_of, step
 from demo_training import scenes
 from tests.support import fault_at_call, needs_demo
 
@@ -103,8 +103,8 @@ def test_a_check_reads_what_its_prompt_run_into_the_cache_would(name):
     copy = Session.restore(model, session.snapshot())
     question = session.part(model.tokenize(prompt_text(CONDITION), user=True))
     opening = session.part(model.tokenize(model.chat.user_to_assistant))
-    read = runner.run(model, [replace(session.prompt([question, opening]), keep=False)])[0].logits
-    kept = runner.run(model, [copy.prompt([question, opening])])[0].logits
+    read = runner.run(model, [replace(prompt_of(session, [question, opening]), keep=False)])[0].logits
+    kept = runner.run(model, [prompt_of(copy, [question, opening])])[0].logits
     assert torch.allclose(read, kept, atol=1e-5)
     assert session.check(CONDITION) == pytest.approx(p_yes(kept, answer_ids(model.tokenizer)), abs=1e-6)
     assert copy.cache.tokens == session.cache.tokens + question.tokens + opening.tokens
