@@ -42,6 +42,8 @@ __all__ = [
     "SessionConfig",
     "SessionStats",
     "Span",
+    "Text",
+    "TextScore",
     "UnknownModelError",
     "choose_dtype",
     "host_page_bytes",

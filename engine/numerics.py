@@ -103,9 +103,10 @@ class PackedLinear(nn.Module):
 
 
 # Linear layers of one module that read the same input (the model's code calls each with one
-# tensor): run as one product of their weights stacked. Measured on SmolLM2-135M's shapes (an AMX
-# Xeon, 2 threads, 30 layers): 7 packed products a layer 22.0 ms for one row and 24.2 ms for 32
-# rows, fused into 4 17.4 ms and 20.5 ms (docs/benchmarks.md).
+# tensor): run as one product of their weights stacked. SmolLM2-135M's 30 decoder layers, an AMX
+# Xeon, 2 threads: 7 packed products a layer 20.0 ms for one row and 23.4 ms for 32 rows, fused
+# into 4 18.0 ms and 21.0 ms (`python -m bench.pool linears`, docs/benchmarks.md). The model's
+# forwards run on one thread (the worker's engine thread), so a product's memo is never shared.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 

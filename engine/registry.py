@@ -34,7 +34,8 @@ def load_model(name: str, device: str = "auto", converted_dir: Path | None = Non
     `converted_dir` keeps built-in models converted from GGUF once converted (engine/converted.py);
     None converts them on every load. `dtype`: what the model computes and caches in
     (engine/numerics.py); None: a checkpoint's bfloat16 on a GPU, else float32, and a built-in
-    model's float32. A bfloat16 model on a CPU has its linear layers packed (`PackedLinear`)."""
+    model's float32. A bfloat16 model on a CPU has its linear layers packed (`pack_linears`: siblings of one input in one
+    product)."""
     device = resolve_device(device)
     if name in BUILTIN_MODELS:
         model = BUILTIN_MODELS[name](device, ConvertedWeights(converted_dir) if converted_dir else None)

@@ -16,7 +16,7 @@ at most the budget, the retrieval, the question and the answer, and between prom
 what it would hold without recall.
 
 This is state: an engine step (`engine/step.py`) asks it for prompts and gives it what ran; it
-runs nothing itself. `engine/session.py`'s `Session` is the face that runs the steps. An answer
+runs nothing itself but the close of an answer left open (`_close_answer` calls its `close`). `engine/session.py`'s `Session` is the face that runs the steps. An answer
 in progress is state of its own (`engine/answer.py`); a session has at most one open, and ends
 it before anything else enters the cache. Its counters and memory map are
 `engine/memory_map.py`'s.
@@ -26,7 +26,7 @@ import io
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Protocol, Self
 
 import numpy as np
 import torch
@@ -365,7 +365,7 @@ class SessionState:
     @classmethod
     def restore(
         cls, model: Model, data: bytes, pool: KVPool | None = None, read_page: Callable[[int], bytes] | None = None
-    ) -> "SessionState":
+    ) -> Self:
         """The session a `snapshot` was taken of, on `model` (the same model), in `pool`'s slots if
         given; `read_page(number)`: the bytes `changed_host_pages` gave for that page, for a
         snapshot taken without its host pages."""
