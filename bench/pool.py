@@ -198,10 +198,10 @@ def linears(model_name: str, counts: list[int]) -> None:
                     if isinstance(child, torch.nn.Linear):
                         setattr(module, name, PackedLinear.of(child))
         ways[way] = modules
-    config = layers[0].mlp
+    mlp = layers[0].mlp
     for rows in counts:
-        x = torch.randn(1, rows, config.gate_proj.in_features, dtype=torch.bfloat16)
-        wide = torch.randn(1, rows, config.down_proj.in_features, dtype=torch.bfloat16)
+        x = torch.randn(1, rows, mlp.gate_proj.in_features, dtype=torch.bfloat16)
+        wide = torch.randn(1, rows, mlp.down_proj.in_features, dtype=torch.bfloat16)
         for way, modules in ways.items():
             def run() -> None:
                 for module in modules:

@@ -104,8 +104,8 @@ class PackedLinear(nn.Module):
 
 # Linear layers of one module that read the same input (the model's code calls each with one
 # tensor): run as one product of their weights stacked. SmolLM2-135M's 30 decoder layers, an AMX
-# Xeon, 2 threads: 7 packed products a layer 20.0 ms for one row and 23.4 ms for 32 rows, fused
-# into 4 18.0 ms and 21.0 ms (`python -m bench.pool linears`, docs/benchmarks.md). The model's
+# Xeon, 2 threads: at 32 rows 7 packed products a layer 23.4-27.1 ms, fused into 4 21.0-25.0 ms;
+# at one row the same within noise (`python -m bench.pool linears`, docs/benchmarks.md). The model's
 # forwards run on one thread (the worker's engine thread), so a product's memo is never shared.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -116,8 +116,7 @@ class _Shared:
     twice with one), a sibling computes the product again, so any order of calls is right."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
-        biases = [linear.bias for linear in linears]
-        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
         self.product = PackedLinear(torch.cat([linear.weight.detach() for linear in linears]), bias)
         self.widths = [linear.out_features for linear in linears]
         self._input: torch.Tensor | None = None
