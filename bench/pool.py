@@ -65,7 +65,7 @@ from bench.stack import serving
 from engine import Session, SessionConfig, load_model
 from engine.host_pool import HostPool
 from engine.kv_pool import KVPool
-from engine.numerics import DTYPES, PackedLinear, pack_linears
+from engine.numerics import DTYPES, PackedLinear, cpu_packs_bfloat16, pack_linears
 from engine.step import step
 from streamvqa.client import Client
 from streamvqa.protocol import POOL_PAGE_TOKENS, peak_cache_tokens
@@ -186,6 +186,8 @@ def decode_in(model_name: str, counts: list[int], budget: int, tokens: int, dtyp
 
 
 def linears(model_name: str, counts: list[int]) -> None:
+    if not cpu_packs_bfloat16():
+        raise SystemExit("this CPU packs no bfloat16 weight (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT): nothing to compare")
     layers = load_model(model_name, "cpu").hf.get_decoder().layers
     ways = {}
     for way in ("separate", "fused"):

@@ -10,6 +10,7 @@ packed bfloat16 layer and a float32 one at start and takes the faster (one sessi
 slow down); elsewhere float32.
 """
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -151,9 +152,22 @@ class SharedLinear(nn.Module):
 
 def packs(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether a model in `dtype` on `device` runs its linear layers packed: bfloat16 on a CPU
-    whose torch has oneDNN."""
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    that oneDNN lays bfloat16 weights out for."""
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and cpu_packs_bfloat16()
+
+
+@functools.cache
+def cpu_packs_bfloat16() -> bool:
+    """Whether torch's oneDNN packs a bfloat16 weight on this CPU: it needs AVX-512 (BW, VL, DQ)
+    or AVX-NE-CONVERT. On an AVX2-only CPU a bfloat16 model keeps plain layers, emulated and far
+    slower than float32 (docs/benchmarks.md), which `auto` never chooses there."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:  # "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+        return False
+    return True
 
 
 def pack_linears(module: nn.Module) -> None:

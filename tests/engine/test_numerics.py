@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import Session, SessionConfig, load_model
-from engine.numerics import PackedLinear, SharedLinear, cast, choose_dtype, pack_linears
+from engine.numerics import PackedLinear, SharedLinear, cast, choose_dtype, cpu_packs_bfloat16, pack_linears
 
 # Every family the engine runs, tiny models built in code and the two real ones
 FAMILIES = [
@@ -56,8 +56,14 @@ def test_a_bfloat16_model_on_a_cpu_runs_its_linear_layers_packed_with_the_same_p
     """Every linear layer of SmolLM2 (7 a layer for 30 layers, and the head) is packed: a
     layer's query, key and value in one product, its gate and up in another, the other two and
     the head each alone; no plain weight is left beside the packed ones, and each multiplies as
-    the plain bfloat16 layer did: rows of one token or many, with or without a bias."""
+    the plain bfloat16 layer did: rows of one token or many, with or without a bias. A CPU that
+    oneDNN packs no bfloat16 weight for (AVX2 alone) keeps every layer plain instead."""
     model = load_model("smollm2-135m-instruct", "cpu", dtype=torch.bfloat16)
+    if not cpu_packs_bfloat16():
+        linears = [m for m in model.hf.modules() if type(m) is torch.nn.Linear]
+        assert len(linears) == 7 * 30 + 1 and {m.weight.dtype for m in linears} == {torch.bfloat16}
+        assert not any(isinstance(m, (PackedLinear, SharedLinear)) for m in model.hf.modules())
+        return
     shared = [m for m in model.hf.modules() if isinstance(m, SharedLinear)]
     alone = [m for m in model.hf.modules() if isinstance(m, PackedLinear)]
     assert len(shared) == 5 * 30 and len({id(m.shared) for m in shared}) == 2 * 30 and len(alone) == 2 * 30 + 1
