@@ -31,10 +31,11 @@ that many answer at once, one engine step a token of each: the median ms of a st
 and tokens/s over one session's (the batch's gain, in one run); with --dtypes, each count in
 each dtype, and `over_first` over the first dtype's one session.
 
-`linears`: every linear layer of the model's decoder in bfloat16, laid out for oneDNN
-(engine/numerics.py), once each (`separate`) and with a layer's query, key and value in one
-product and its gate and up in another (`fused`, as the engine loads it), run over --counts rows
-at a time: the median ms of one pass over all of them.
+`linears`: every linear layer of the model's decoder in float32, and in bfloat16 laid out for
+oneDNN (engine/numerics.py), once each (`separate`) and with a layer's query, key and value in
+one product and its gate and up in another (`fused`, as the engine loads it), or plain
+(`bfloat16 plain`) on a CPU that oneDNN packs no bfloat16 weight for, run over --counts rows at
+a time: the median ms of one pass over all of them.
 
 `worker`: a worker's resident memory through the whole service (gateway, worker, Redis, as
 `make run` starts them with the default settings): --sessions sessions with recall (the default
@@ -186,25 +187,33 @@ def decode_in(model_name: str, counts: list[int], budget: int, tokens: int, dtyp
 
 
 def linears(model_name: str, counts: list[int]) -> None:
-    if not cpu_packs_bfloat16():
-        raise SystemExit("this CPU packs no bfloat16 weight (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT): nothing to compare")
+    """The model's linear layers of one decode step: in float32; in bfloat16 packed one by one
+    (`separate`) and siblings in one product (`fused`) where the CPU packs bfloat16 weights, plain
+    (`bfloat16 plain`) where it does not (AVX2 alone)."""
     layers = load_model(model_name, "cpu").hf.get_decoder().layers
-    ways = {}
-    for way in ("separate", "fused"):
-        modules = [copy.deepcopy(module).to(torch.bfloat16) for layer in layers for module in (layer.self_attn, layer.mlp)]
+
+    def made(dtype: torch.dtype, pack: str | None = None) -> tuple[torch.dtype, list[torch.nn.Module]]:
+        modules = [copy.deepcopy(module).to(dtype) for layer in layers for module in (layer.self_attn, layer.mlp)]
         for module in modules:
-            if way == "fused":
+            if pack == "fused":
                 pack_linears(module)
-            else:
+            elif pack == "separate":
                 for name, child in list(module.named_children()):
                     if isinstance(child, torch.nn.Linear):
                         setattr(module, name, PackedLinear.of(child))
-        ways[way] = modules
+        return dtype, modules
+
+    ways = {"float32": made(torch.float32)}
+    if cpu_packs_bfloat16():
+        ways |= {"separate": made(torch.bfloat16, "separate"), "fused": made(torch.bfloat16, "fused")}
+    else:
+        ways["bfloat16 plain"] = made(torch.bfloat16)
     mlp = layers[0].mlp
     for rows in counts:
-        x = torch.randn(1, rows, mlp.gate_proj.in_features, dtype=torch.bfloat16)
-        wide = torch.randn(1, rows, mlp.down_proj.in_features, dtype=torch.bfloat16)
-        for way, modules in ways.items():
+        for way, (dtype, modules) in ways.items():
+            x = torch.randn(1, rows, mlp.gate_proj.in_features, dtype=dtype)
+            wide = torch.randn(1, rows, mlp.down_proj.in_features, dtype=dtype)
+
             def run() -> None:
                 for module in modules:
                     if hasattr(module, "q_proj"):
