@@ -3,7 +3,7 @@ socket, an upload, a chat completion's image): one script (ADD_MEDIA_ENTRY_LUA) 
 session, the writer's claim, the frame's order and the byte offset, adds the entry and counts its
 bytes; the session's worker is woken when it had let the session go. Each transport only turns
 its input into entries and the refusals into its own replies (an upload is aborted whole,
-SessionStore.upload; a socket is closed, app/streams.py)."""
+SessionStore.upload; a socket is closed, app/media_forwarder.py)."""
 
 import time
 

@@ -1,8 +1,10 @@
 """Every Lua script of the protocol, each defined once and named for what it guards.
 
 A script runs atomically on one Redis node; each touches the keys of one session (one hash
-slot on a Redis Cluster) or one global key, never both. Above each: what it guards, its KEYS and
-ARGV, and what it returns. Callers register them (`redis.register_script`) where they run them.
+slot on a Redis Cluster) or one global key, never both. Only CREATE_SESSION_LUA makes a
+session's hash: the others add to its hash or streams only once they found it, so that no field
+or entry of a gone session comes back. Above each: what it guards, its KEYS and ARGV, and what it
+returns. Callers register them (`redis.register_script`) where they run them.
 """
 
 from streamvqa.protocol.keys import REQUEUE_AFTER_S
@@ -151,8 +153,7 @@ return 1
 """)
 # Gives up an unfinished upload: tells the worker to drop its bytes (a media.MediaKind.ABORT entry),
 # frees the media slot and puts the session back to ready (pending while no worker ever held it:
-# records.TRANSITIONS). KEYS = hash, media stream; ARGV[1] = the media stream's MAXLEN. Nothing is
-# written for a session that is gone.
+# records.TRANSITIONS). KEYS = hash, media stream; ARGV[1] = the media stream's MAXLEN.
 ABORT_UPLOAD_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'abort')
@@ -185,20 +186,17 @@ RENEW_MEDIA_CLAIM_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
-# Adds a media entry to a live session, once, and marks the session to be brought back to a
-# worker if it left its worker idle: the one writer of media entries, for every transport (a
-# stream socket, an upload, a chat completion's image). A container's bytes (a stream socket's
-# or an upload's) carry the count of the session's media bytes before them (ARGV[6]), a frame its
-# time (ARGV[4]): a call retried after its reply was lost, or a frame sent again after a
-# reconnection, is found there and not added twice. The bytes are counted in the hash's
-# `stream_bytes`, which an aborted or abandoned upload drops. KEYS = hash, media stream,
-# streamer key (the media claim); ARGV = MAXLEN, media bytes to count, this writer's connection,
-# a frame's time ('' for none), the time, the offset ('' for none), then the entry's field, value
-# pairs. Returns {the new entry's id (a string), 1 when found added, 0 for a frame not after the
-# last one, -1 when the session is gone (nothing outlives a session), -2 when it failed, -3 when
-# another connection took the media over, -4 when bytes before these are missing (Redis lost
-# them: a socket sends on from `bytes_received`, an upload starts again); 1 when the session must
-# be queued for a worker}.
+# Adds a media entry to a live session, once, and wakes the session: the one writer of media
+# entries, for every transport (a stream socket, an upload, a chat completion's image). A
+# container's bytes carry the count of the session's media bytes before them (ARGV[6]), a frame its
+# time (ARGV[4]): a call retried after its reply was lost, or a frame sent again, is found there.
+# The bytes are counted in the hash's `stream_bytes` (which an aborted or abandoned upload drops).
+# KEYS = hash, media stream, streamer key (the media claim); ARGV = MAXLEN, media bytes to count,
+# this writer's connection, a frame's time ('' for none), the time, the offset ('' for none), then
+# the entry's field, value pairs. Returns {the new entry's id (a string), 1 when found added, 0 for
+# a frame not after the last one, -1 when the session is gone, -2 when it failed, -3 when another
+# connection took the media over, -4 when bytes before these are missing (Redis lost them: a socket
+# sends on from `bytes_received`, an upload starts again); 1 when it woke the session}.
 ADD_MEDIA_ENTRY_LUA = waking("""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'state') == 'error' then return -2 end
@@ -241,12 +239,11 @@ redis.call('SET', KEYS[2], '1', 'EX', ARGV[1])
 return 1
 """
 
-# Queues a question unless ARGV[1] already wait, records its id, and marks the session to be
-# brought back to a worker if it left its worker idle. KEYS = the question stream, the session's
-# asked ids, its hash, the asked questions' text; ARGV = backlog, the message, the answer id, the
-# time, the asked ids' bound, TTL (s), the question. Returns {1 when queued (or found queued: a
-# call retried after its reply was lost), 0 when the backlog is full, -1 when the session is
-# gone, -2 when it failed; 1 when the session must be queued for a worker}.
+# Queues a question unless ARGV[1] already wait, records its id, and wakes the session. KEYS =
+# the question stream, the session's asked ids, its hash, the asked questions' text; ARGV =
+# backlog, the message, the answer id, the time, the asked ids' bound, TTL (s), the question.
+# Returns {1 when queued (or found queued: a call retried after its reply was lost), 0 when the
+# backlog is full, -1 when the session is gone, -2 when it failed; 1 when it woke the session}.
 SUBMIT_QUESTION_LUA = waking("""
 if redis.call('ZSCORE', KEYS[2], ARGV[3]) then return 1 end
 if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
@@ -282,9 +279,8 @@ local ttl = redis.call('PTTL', KEYS[1])
 if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
 return 1
 """
-# Removes a watch and counts the change in the hash's `watches_rev` (only while the hash exists: a
-# field alone must not recreate a gone session's hash). KEYS = the hash, the watches; ARGV = the
-# watch id. Returns 1 when removed, 0 when there was no such watch.
+# Removes a watch and, while the hash exists, counts the change in its `watches_rev`. KEYS = the
+# hash, the watches; ARGV = the watch id. Returns 1 when removed, 0 when there was none.
 DELETE_WATCH_LUA = """
 if redis.call('HDEL', KEYS[2], ARGV[1]) == 0 then return 0 end
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HINCRBY', KEYS[1], 'watches_rev', 1) end
@@ -340,15 +336,14 @@ if holder or redis.call('HGET', KEYS[2], 'worker') ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
-# Deletes a key (a worker's lease, a socket's claim) only while it holds ARGV[1], its holder.
-# Sets field ARGV[1] of hash KEYS[1] to ARGV[2] unless it is set, and only while the hash exists
-# (a field alone must not recreate a gone session's hash without its TTL). Returns 1 when set
-# here; else the field's value (another's claim); nil when the hash is gone.
+# Sets field ARGV[1] of hash KEYS[1] to ARGV[2] unless it is set, while the hash exists. Returns
+# 1 when set here; else the field's value (another's claim); nil when the hash is gone.
 CLAIM_FIELD_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then return 1 end
 return redis.call('HGET', KEYS[1], ARGV[1])
 """
+# Deletes a key (a worker's lease, a socket's claim) only while ARGV[1], its holder, holds it.
 RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -385,7 +380,7 @@ return 1
 # Updates a live session's record (a state change is one of records.TRANSITIONS): KEYS = its hash,
 # media and question streams; ARGV[1] = TTL (s), ARGV[2] = a state to set ('' for none), ARGV[3] =
 # the state it must replace ('' for any), ARGV[4..] = field, value pairs, written before the state.
-# A session that is gone is not brought back: returns 0 and writes nothing.
+# Returns 0 (nothing written) when the session is gone.
 UPDATE_RECORD_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if #ARGV > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4)) end
@@ -402,8 +397,8 @@ redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
 return 1
 """
 # Records an upload's progress and acknowledges its media entry in one step. KEYS = the hash,
-# the media stream; ARGV = the entry id, then field, value pairs. A session that is gone is not
-# brought back: returns 0 and only acknowledges.
+# the media stream; ARGV = the entry id, then field, value pairs. Returns 0 (and only
+# acknowledges) when the session is gone.
 UPLOAD_ACK_LUA = """
 redis.call('XACK', KEYS[2], 'workers', ARGV[1])
 redis.call('XDEL', KEYS[2], ARGV[1])
@@ -421,11 +416,11 @@ redis.call('HDEL', KEYS[1], 'media', 'upload_bytes', 'upload_ended', 'media_dura
 if redis.call('HGET', KEYS[1], 'state') == 'ingesting' then redis.call('HSET', KEYS[1], 'state', 'ready') end
 return 1
 """
-# Adds an answer event while the session lives (a deleted session's answers are not brought
-# back, and its answer stops), once: the event is the answer's ARGV[4]-th (from 0), and a call
-# retried after its reply was lost finds it there. KEYS = the hash, the answer stream, and for a
-# token its cancel mark; ARGV = the event, MAXLEN, TTL (s), its index. Returns 1 when added (or
-# found added), 0 when the session is gone, 2 when the answer was cancelled (nothing added).
+# Adds an answer event while the session lives (a deleted session's answer stops), once: the
+# event is the answer's ARGV[4]-th (from 0), which a call retried after its reply was lost finds
+# there. KEYS = the hash, the answer stream, and for a token its cancel mark; ARGV = the event,
+# MAXLEN, TTL (s), its index. Returns 1 when added (or found added), 0 when the session is gone,
+# 2 when the answer was cancelled (nothing added).
 PUBLISH_ANSWER_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if redis.call('XLEN', KEYS[2]) > tonumber(ARGV[4]) then return 1 end
@@ -434,13 +429,12 @@ redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], '*', 'm', ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
 """
-# Replaces a session's snapshot while the session lives (a deleted session's is not brought
-# back) and the worker ARGV[2] holds it (its lease, or no lease and the hash names it, as
-# RENEW_LEASE_LUA takes it back): a worker that lost the session must not overwrite what the
-# new holder stored. KEYS = the session's hash, its snapshot, its lease; ARGV = TTL (s), the
-# worker id, then field, value pairs. Returns {1, the replaced snapshot's `path` or nil} when
-# stored (the caller deletes that file), {0, nil} when the session is gone, {-1, nil} when
-# another worker holds it.
+# Replaces a session's snapshot while the session lives and the worker ARGV[2] holds it (its
+# lease, or no lease and the hash names it, as RENEW_LEASE_LUA takes it back): a worker that
+# lost the session must not overwrite what the new holder stored. KEYS = the session's hash, its
+# snapshot, its lease; ARGV = TTL (s), the worker id, then field, value pairs. Returns {1, the
+# replaced snapshot's `path` or nil} when stored (the caller deletes that file), {0, nil} when
+# the session is gone, {-1, nil} when another worker holds it.
 STORE_SNAPSHOT_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, false} end
 local holder = redis.call('GET', KEYS[3])
