@@ -8,7 +8,8 @@ None), OVER once `closing` / `closed` closed its turn in the cache (`stop` stops
 phase; a step then closes its turn). An engine step (`engine/step.py`) runs the prompts of many
 answers, and frames, in one forward and calls these; it imports nothing that runs (the answer a
 user iterates, a step of one per piece, is `engine/session.py`'s). Nothing changes the cache but
-these calls: an answer left open is ended by its session's next call."""
+these calls: an answer left open is stopped and closed by the step of its session's next frames
+or text (`SessionState.open_answer`)."""
 
 from enum import Enum, auto
 from typing import TYPE_CHECKING
