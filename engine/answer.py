@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.evidence import Contrast, Evidence, FrameAttention, frame_attention
+from engine.loan import begin_retrieval, give_back
 from engine.sampling import Sampling
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class Answer:
             return None
         self.phase, prompt, self._prompt = Phase.BEGUN, self._prompt, None
         question, closing = prompt
-        self.borrowed = self.session.cache.begin_retrieval(self.session.config.borrowed_tokens, question.tokens)
+        self.borrowed = begin_retrieval(self.session.cache, self.session.config.borrowed_tokens, question.tokens)
         self.prompt_tokens = question.tokens + closing.tokens
         self.session.pin_turn(self.session.cache.appended + question.tokens, closing.tokens, new_turn=True)
         return prompt
@@ -172,7 +173,7 @@ class Answer:
         session, cache = self.session, self.session.cache
         self._unweighed += len(self._unfed) + self._closing.tokens
         self._weigh_frames()
-        cache.give_back()
+        give_back(cache)
         cache.evict()
         self.evidence = self._contrast.top(session.config.evidence_top_k)
         if self.borrowed:

@@ -81,8 +81,8 @@ class Session(SessionState):
         if self.open_answer is not None or self.frames_waiting:  # the last answer's turn closed, and the question sees the frames held
             _alone(Frames(self, [], [], flush=True))
         prompt, closing, most = self.question(question, max_new_tokens)
-        self._open_answer = Answer(self, prompt, closing, most, sampling)
-        return self._open_answer
+        self.open_answer = Answer(self, prompt, closing, most, sampling)
+        return self.open_answer
 
     def snapshot(self, host_pages: bool = True) -> bytes:
         """`SessionState.snapshot`, after a step of no frames, which closes an answer left open."""

@@ -101,7 +101,7 @@ class SessionState:
         self._tokens_seen = 0
         self._logits: torch.Tensor | None = None  # (vocab,) after the last token run
         self._seen = Seen()  # tokens appended per second of video
-        self._open_answer: object | None = None  # the answer under way (`engine/answer.py`), until it is over
+        self.open_answer: object | None = None  # the answer under way (`engine/answer.py`) until over: a step closes it first
         self.frame_tokens = 0  # tokens a frame took, with its time's markers (0 before the first)
 
     # What an engine step (`engine/step.py`) asks of a session: check its frames, cut them into
@@ -177,7 +177,7 @@ class SessionState:
     def make_check_room(self, tokens: int) -> None:
         """Refuse a check of `tokens` while an answer is under way (its prompt would fall inside
         the answer's turn), or past the context."""
-        if self._open_answer is not None:
+        if self.open_answer is not None:
             raise ValueError("the session is answering: a check waits until its answer is over")
         self._make_room("the check", tokens)
 
@@ -260,15 +260,10 @@ class SessionState:
     # What an answer (`engine/answer.py`) asks of its session: its tokens as parts, its turn's
     # markers pinned, and to be let go once over.
 
-    @property
-    def open_answer(self) -> object | None:
-        """The answer under way, until it is over: a step closes its turn before frames or text."""
-        return self._open_answer
-
     def answer_over(self, answer: object) -> None:
         """The answer is over (ended, or its question failed): nothing is left to close."""
-        if self._open_answer is answer:
-            self._open_answer = None
+        if self.open_answer is answer:
+            self.open_answer = None
 
     def pin_turn(self, start: int, count: int, new_turn: bool) -> None:
         """With `pin_turns`: never evict the `count` tokens from stream place `start` on."""
@@ -307,7 +302,7 @@ class SessionState:
         it changed (`changed_host_pages`), and read back by `restore`'s `read_page`: so the
         bytes written per snapshot follow the tokens streamed, not the tier's size. Refused
         while an answer is open (`Session.snapshot` closes it first)."""
-        if self._open_answer is not None:
+        if self.open_answer is not None:
             raise ValueError("the session is answering: a snapshot waits until its answer's turn is closed")
         state = {
             "format": SNAPSHOT_FORMAT,
