@@ -8,7 +8,8 @@ None), OVER once `closing` / `closed` closed its turn in the cache (`stop` stops
 phase; a step then closes its turn). An engine step (`engine/step.py`) runs the prompts of many
 answers, and frames, in one forward and calls these; it imports nothing that runs (the answer a
 user iterates, a step of one per piece, is `engine/session.py`'s). Nothing changes the cache but
-these calls: an answer left open is ended by its session's next call."""
+these calls: an answer left open is stopped and closed by the step of its session's next frames
+or text (`SessionState.open_answer`)."""
 
 from enum import Enum, auto
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.evidence import Contrast, Evidence, FrameAttention, frame_attention
+from engine.loan import begin_retrieval, give_back
 from engine.sampling import Sampling
 
 if TYPE_CHECKING:
@@ -80,7 +82,7 @@ class Answer:
             return None
         self.phase, prompt, self._prompt = Phase.BEGUN, self._prompt, None
         question, closing = prompt
-        self.borrowed = self.session.cache.begin_retrieval(self.session.config.borrowed_tokens, question.tokens)
+        self.borrowed = begin_retrieval(self.session.cache, self.session.config.borrowed_tokens, question.tokens)
         self.prompt_tokens = question.tokens + closing.tokens
         self.session.pin_turn(self.session.cache.appended + question.tokens, closing.tokens, new_turn=True)
         return prompt
@@ -171,7 +173,7 @@ class Answer:
         session, cache = self.session, self.session.cache
         self._unweighed += len(self._unfed) + self._closing.tokens
         self._weigh_frames()
-        cache.give_back()
+        give_back(cache)
         cache.evict()
         self.evidence = self._contrast.top(session.config.evidence_top_k)
         if self.borrowed:

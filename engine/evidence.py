@@ -31,7 +31,8 @@ from typing import NamedTuple
 import torch
 
 from engine.kv_buffers import outside_inference
-from engine.kv_cache import FRAME, KVCache, causal_attention
+from engine.kv_cache import FRAME, KVCache
+from engine.policies import causal_attention
 
 PROBE = "Describe the video."  # the question about nothing in particular whose attention is the baseline
 PROBE_ANSWER = "I see"  # the first words of an answer to it, run after it: part of the baseline of an answer's queries

@@ -30,7 +30,7 @@ a few forwards and are joined once. At its peak, then, a cache takes its peak's 
 and a copy of its keys: 1.5 times its keys and values.
 
 With a host tier (`engine/host_tier.py`), what an eviction removes moves there instead of
-being dropped, and a question may borrow pages back (`engine/borrowing.py`).
+being dropped, and a question may borrow pages back (`engine/loan.py`).
 
 One rule for every tensor a session keeps from one step to the next (its keys, values and
 their rotated copy, each token's kind, time and place, the last queries, the attention
@@ -41,8 +41,8 @@ made in inference mode cannot be changed in place outside it, so without the rul
 in a step of several sessions (`engine/step.py`) would fail the session's next step alone.
 
 The buffers of keys, values and the rotated copy, and the rotary tables, are
-`engine/kv_buffers.py`'s; here is what moves tokens among them (append, evict, borrow, give
-back) with each token's kind, time and place, which must move together.
+`engine/kv_buffers.py`'s; here is what moves tokens among them with each token's kind, time and
+place, which must move together (append, evict; a borrowing's rows: `lent`, `gave_back`).
 """
 
 import time
@@ -51,33 +51,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.borrowing import Loan, MergePlan
-from engine.host_tier import SCORED_LAYERS, Cached, HostTier, Tokens
+from engine.host_tier import HostTier, Tokens
 from engine.kv_buffers import LayerStore, PositionTable, PreRopeLayer, QueryWindow, outside_inference, rotate, take
 from engine.kv_pool import KEYS, ROTATED, VALUES, Lease
 from engine.layout import Layout, pack, positions_of
-from engine.policies import Observation, Policy
+from engine.loan import Loan, MergePlan, borrow, give_back
+from engine.policies import Observation, Policy, causal_attention
 
 TEXT, FRAME = 0, 1
 MERGE_EVERY = 64  # forwards whose tokens' kinds and times may wait before every layer gets them
-
-
-def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """(kv_heads, group, w, N) softmax attention of the last w tokens' queries (q_heads, w, d)
-    over all N keys (kv_heads, N, d), each query seeing the keys up to its own position; with
-    `rows` (r,), only those of the w queries: (kv_heads, group, r, N)."""
-    window = queries.shape[1]
-    kv_heads, total = keys.shape[:2]
-    mine = torch.arange(window, device=keys.device) if rows is None else rows.to(keys.device)
-    if rows is not None:
-        queries = queries[:, rows]
-    q_heads, count, head_dim = queries.shape
-    grouped = queries.float().view(kv_heads, q_heads // kv_heads, count, head_dim)
-    logits = torch.einsum("hgwd,hnd->hgwn", grouped, keys.float()).mul_(scaling)  # in place: one buffer fewer
-    # a query may not see only the keys after it, all among the window's own: mask those alone
-    hidden = torch.arange(window, device=keys.device)[None, :] > mine[:, None]
-    logits[..., total - window :].masked_fill_(hidden, float("-inf"))  # (r, w)
-    return logits.softmax(dim=-1)
 
 
 class KVCache:
@@ -245,7 +227,7 @@ class KVCache:
         inside the model's forward, so what it keeps is made `outside_inference`."""
         with outside_inference():
             if self.hf.layers[layer].pending:
-                keys, values = self._borrow(layer, queries[0].detach(), scaling)
+                keys, values = borrow(self, layer, queries.shape[2])
             keys = self.hf.layers[layer].rotated()
             new = queries[0].detach()
             self._queries[layer].add(new)
@@ -279,10 +261,8 @@ class KVCache:
         times = torch.cat([t.float() for _, t in self._unmerged]).expand(heads, count)
         order = torch.arange(self.appended - count, self.appended).expand(heads, count)
         self._unmerged, self._unmerged_tokens = [], 0
-        for layer in range(self.num_layers):
-            self._kinds[layer] = torch.cat([self._kinds[layer], kinds], dim=1)
-            self._times[layer] = torch.cat([self._times[layer], times], dim=1)
-            self._order[layer] = torch.cat([self._order[layer], order], dim=1)
+        for rows, new in ((self._kinds, kinds), (self._times, times), (self._order, order)):
+            rows[:] = [torch.cat([held, new], dim=1) for held in rows]
 
     def rollback(self, appended: int | None = None) -> None:
         """After a failed forward: drop whatever it appended or borrowed, and what it observed;
@@ -295,132 +275,42 @@ class KVCache:
             self._merge()
             drop = self.appended - appended
             for rows in (self._kinds, self._times, self._order):
-                for layer, held in enumerate(rows):
-                    rows[layer] = held[:, : held.shape[1] - drop]
+                rows[:] = [held[:, : held.shape[1] - drop] for held in rows]
             self.appended = appended
         for layer, cached in enumerate(self.hf.layers):
             cached.reserve(0)
             held = self.kinds[layer].shape[1]
             if cached.is_initialized and cached.keys.shape[2] > held:
-                cached.keys = cached.keys[:, :, :held]
-                cached.values = cached.values[:, :, :held]
-        self._forget_queries()
+                cached.keys, cached.values = cached.keys[:, :, :held], cached.values[:, :, :held]
+        for window in self._queries:  # what the undone forwards observed
+            window.set(None)
         if self.loan.at is not None and self.loan.at >= undone_from:
-            self.give_back()
+            give_back(self)
         self._received = [None] * self.num_layers
 
-    def _forget_queries(self) -> None:
-        for window in self._queries:
-            window.set(None)
-
-    # -- borrow from the host tier -------------------------------------------------------------
-
-    def begin_retrieval(self, retrieval_tokens: int, question_tokens: int) -> int:
-        """Reserve places for what the next tokens run will borrow from the host tier: the same
-        number in every layer. Its first `question_tokens` are the question, whose keys choose
-        the pages. Returns that number (0 without a host tier or with nothing in it)."""
-        if self.host is None or retrieval_tokens <= 0:
-            return 0
-        count = self.loan.begin(min(retrieval_tokens, self.host.available()), question_tokens, self.appended)
-        self.host.begin_question()
-        if count:
-            for cached in self.hf.layers:
-                cached.reserve(count)
-        return count
-
-    def _borrow(self, layer: int, queries: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bring in the pages of `layer` that the question's keys match, into the places reserved:
-        merged among the cached tokens in stream order, before the c new ones (whose queries
-        (q_heads, c, head_dim) are given), as the loan plans. Where a layer's choice is also the
-        layers' after it (`HostTier.retrieve`), their merges are planned here too, in one pass for
-        all of them, and those that do not score the pages merge now (`_merge_ahead`)."""
-        started = time.perf_counter()
-        cached = self.hf.layers[layer]
-        new = queries.shape[1]
-        held = cached.keys.shape[2] - new  # cached before these tokens
-        question = cached.keys[0, :, held : held + min(self.loan.question_tokens, new)]  # (kv_heads, q, head_dim)
-        retrieval = self.host.retrieve(layer, question, cached.pending, Cached(cached.keys[0, :, :held], self.order[layer]))
-        plan = self.loan.plan_for(layer, retrieval, held, self.kinds, self.times, self.order, [c.layout for c in self.hf.layers])
+    def lent(self, layer: int, plan: MergePlan, held: int) -> None:
+        """After `layer` merged what it borrows (`plan`'s, engine/loan.py) among its `held` tokens:
+        their kinds, times, places, and what they received; the queries of the tokens before them are gone."""
         at = layer - plan.first
-        merge = plan.merge[at]
-        # into [held, new, borrowed] as the layer joins them: the held and the borrowed merged in
-        # stream order, then the new tokens
-        rows = torch.cat([merge + (merge >= held) * new, torch.arange(held, held + new).expand(self.kv_heads, new)], dim=1)
-        if plan.layout is not None:
-            cached.layout.merge(plan.layout[at], held)
-        cached.merge(plan.keys[at][None], plan.values[at][None], rows.to(cached.keys.device))
-        self._merged(layer, plan, held)
-        if retrieval is not None:
-            self._merge_ahead(plan, held)
-        self.loan.took(time.perf_counter() - started)
-        return cached.keys, cached.values
-
-    def _merge_ahead(self, plan: MergePlan, held: int) -> None:
-        """Merge now what the plan's layers after the scoring ones borrow, before the forward
-        reaches them (they hold `held` tokens, none of its own yet): in the pool, for all of them
-        at once (`Lease.merge`, when a layer's merge fits its workspace); else a layer at a time."""
-        ahead = range(max(plan.first + 1, SCORED_LAYERS), plan.first + len(plan))
-        if not ahead:
-            return
-        layers = [self.hf.layers[layer] for layer in ahead]
-        count = held + plan.keys.shape[2]
-        first = ahead.start - plan.first
-        device = layers[0].keys.device
-        lease = self.lease if plan.layout is None else None  # with 3-D positions, a layer at a time
-        if lease is not None and lease.can_merge(count) and all(c.keys.shape[2] == held and c.at_home(count) for c in layers):
-            cos, sin, _ = self.positions.between(0, count, layers[0].keys)
-            lease.merge(ahead, held, plan.merge[first:].to(device), plan.keys[first:], plan.values[first:], cos, sin,
-                        self.positions.scale)
-            for cached in layers:
-                cached.merged(count)
-        else:
-            for at, cached in enumerate(layers, start=first):
-                if plan.layout is not None:
-                    cached.layout.merge(plan.layout[at], held)
-                cached.merge(plan.keys[at][None], plan.values[at][None], plan.merge[at].to(device))
-        for layer in ahead:
-            self._merged(layer, plan, held)
-
-    def _merged(self, layer: int, plan: MergePlan, held: int) -> None:
-        """After `layer` merged what it borrows (`plan`'s) among its `held` tokens: their kinds,
-        times, places, and what they received; the queries of the tokens before them are gone."""
-        at = layer - plan.first
-        cached = self.hf.layers[layer]
         self.kinds[layer], self.times[layer], self.order[layer] = plan.kinds[at], plan.times[at], plan.order[at]
-        self.loan.lent(layer, plan)
         received = self._received[layer]
         if received is not None:
-            padded = torch.cat([received[:, :held], received.new_zeros(self.kv_heads, cached.pending)], dim=1)
+            padded = torch.cat([received[:, :held], received.new_zeros(self.kv_heads, self.hf.layers[layer].pending)], dim=1)
             self._received[layer] = padded.gather(1, plan.merge[at].to(received.device))
         self._queries[layer].set(None)  # from here on, only queries of tokens after every borrowed one
-        cached.reserve(0)
 
-    def give_back(self) -> None:
-        """Remove every borrowed token (they are still in the host tier)."""
-        for layer, borrowed in self.loan.end().items():
-            cached = self.hf.layers[layer]
-            count = int(borrowed[0].sum())
-            keep = (~borrowed).nonzero()[:, 1].view(self.kv_heads, -1)  # (kv_heads, n - count), ascending
-            width = borrowed.shape[1]  # the tokens after these came later than every borrowed one
-            index = keep.to(cached.keys.device)[None, :, :, None].expand(1, -1, -1, cached.keys.shape[-1])
-            for name in ("keys", "values"):
-                stored = getattr(cached, name)
-                setattr(cached, name, torch.cat([stored[:, :, :width].gather(2, index), stored[:, :, width:]], dim=2))
-            for attribute in ("kinds", "times", "order"):
-                rows = getattr(self, attribute)
-                rows[layer] = torch.cat([rows[layer][:, :width].gather(1, keep), rows[layer][:, width:]], dim=1)
-            received = self._received[layer]
-            if received is not None:
-                self._received[layer] = torch.cat(
-                    [received[:, :width].gather(1, keep.to(received.device)), received[:, width:]], dim=1
-                )
-            if cached.layout is not None:  # 3-D: the others keep their positions, so no query moves
-                cached.layout.give_back(keep, width)
-                continue
-            queries = self._queries[layer].read()
-            if queries is not None:  # every one is of a token after the borrowed ones: move them back
-                cos, sin = self.positions.up_to(count + 1, queries)
-                self._queries[layer].set(rotate(queries, cos[count:], -sin[count:]))
+    def gave_back(self, layer: int, keep: torch.Tensor, width: int, count: int) -> None:
+        """After `layer` gave back `count` borrowed tokens of its first `width`, keeping those at `keep` (kv_heads,
+        width - count): their rows and what they received follow; its last queries (after them) move back `count` places."""
+        for rows in (self.kinds, self.times, self.order):
+            rows[layer] = torch.cat([rows[layer][:, :width].gather(1, keep), rows[layer][:, width:]], dim=1)
+        received = self._received[layer]
+        if received is not None:
+            self._received[layer] = torch.cat([received[:, :width].gather(1, keep.to(received.device)), received[:, width:]], dim=1)
+        queries = self._queries[layer].read()
+        if queries is not None and not self.positions_3d:  # with 3-D positions, the tokens kept keep theirs
+            cos, sin = self.positions.up_to(count + 1, queries)
+            self._queries[layer].set(rotate(queries, cos[count:], -sin[count:]))
 
     def pin(self, places: torch.Tensor, turns: int, new_turn: bool = True) -> None:
         """Never evict the tokens at these stream places: the first call's (the opening) for
@@ -436,14 +326,11 @@ class KVCache:
     # -- evict ---------------------------------------------------------------------------------
 
     def evict(self) -> None:
-        """Down to the policy's budget, if over it. The queries seen so far are dropped either
-        way (the next prompt brings its own window); what accumulates is kept until an
-        eviction. The rotated copy stays: what an eviction moved is rotated again at the next
-        forward, and a cache that evicted nothing rotates only the next prompt's tokens."""
-        if self.loan.borrowed:
-            self._forget_queries()
-            return
-        if self.policy.evicts and self.tokens > self.policy.budget_tokens:
+        """Down to the policy's budget, if over it and holding nothing borrowed (`engine/loan.py`).
+        The queries seen so far are dropped either way (the next prompt brings its own window);
+        what accumulates is kept until an eviction. The rotated copy stays: what an eviction moved
+        is rotated again at the next forward; after no eviction, only the next prompt's tokens are."""
+        if not self.loan.borrowed and self.policy.evicts and self.tokens > self.policy.budget_tokens:
             started = time.perf_counter()
             removed = self.tokens - self.policy.budget_tokens
             evicted = [self._evict_layer(layer) for layer in range(self.num_layers)]
@@ -453,7 +340,8 @@ class KVCache:
             self.evictions += 1
             self.evicted_tokens += removed
             self.evict_s += time.perf_counter() - started
-        self._forget_queries()
+        for window in self._queries:  # the next prompt brings its own
+            window.set(None)
 
     def _evict_layer(self, layer: int) -> tuple[torch.Tensor, ...] | None:
         """Keep the policy's choice; with a host tier, returns what left, in stream order per KV
@@ -486,9 +374,8 @@ class KVCache:
         cached.keys, cached.values = take(cached.keys, rows), take(cached.values, rows)
         if cached.layout is not None:
             cached.layout.keep(keep_cpu)
-        self.kinds[layer] = self.kinds[layer].gather(1, keep_cpu)
-        self.times[layer] = self.times[layer].gather(1, keep_cpu)
-        self.order[layer] = self.order[layer].gather(1, keep_cpu)
+        for rows in (self.kinds, self.times, self.order):
+            rows[layer] = rows[layer].gather(1, keep_cpu)
         if policy.keeps_scores:
             self.scores[layer] = scores.float().gather(1, keep.to(scores.device))
         return left

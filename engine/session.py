@@ -4,7 +4,8 @@
 frames held back, the last logits) with the calls that run it, each a step of one
 (`engine/step.py`): its opening when made, `append_frames`, `append_text`, `check`, and `ask`,
 whose `Answer` gives one piece per step as it is iterated. The worker runs many sessions' work
-in one step instead; these calls are that step for one session.
+in one step instead; these calls are that step for one session. An answer left open is closed
+by the step of its session's next frames or text; `ask` and `snapshot` run such a step first.
 """
 
 from collections.abc import Iterator, Sequence
@@ -77,9 +78,14 @@ class Session(SessionState):
         the tokens generated stay in it (those of a stop string too, though the text ends before it)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        self._close_answer()
-        if self.frames_waiting:  # the question sees them
+        if self.open_answer is not None or self.frames_waiting:  # the last answer's turn closed, and the question sees the frames held
             _alone(Frames(self, [], [], flush=True))
         prompt, closing, most = self.question(question, max_new_tokens)
-        self._open_answer = Answer(self, prompt, closing, most, sampling)
-        return self._open_answer
+        self.open_answer = Answer(self, prompt, closing, most, sampling)
+        return self.open_answer
+
+    def snapshot(self, host_pages: bool = True) -> bytes:
+        """`SessionState.snapshot`, after a step of no frames, which closes an answer left open."""
+        if self.open_answer is not None:
+            _alone(Frames(self, [], []))
+        return super().snapshot(host_pages)

@@ -16,17 +16,17 @@ at most the budget, the retrieval, the question and the answer, and between prom
 what it would hold without recall.
 
 This is state: an engine step (`engine/step.py`) asks it for prompts and gives it what ran; it
-runs nothing itself but the close of an answer left open (`_close_answer` calls its `close`). `engine/session.py`'s `Session` is the face that runs the steps. An answer
-in progress is state of its own (`engine/answer.py`); a session has at most one open, and ends
-it before anything else enters the cache. Its counters and memory map are
-`engine/memory_map.py`'s.
+runs nothing itself. `engine/session.py`'s `Session` is the face that runs the steps. An answer
+in progress is state of its own (`engine/answer.py`); a session has at most one open
+(`open_answer`), whose turn a step closes before the session's frames or text enter the cache.
+Its counters and memory map are `engine/memory_map.py`'s.
 """
 
 import io
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Protocol, Self
+from typing import Self
 
 import numpy as np
 import torch
@@ -71,10 +71,6 @@ class Part:
         return self.embeds.shape[1]
 
 
-class _Closes(Protocol):
-    def close(self) -> None: ...
-
-
 class SessionState:
     def __init__(self, model: Model, config: SessionConfig | None = None, pool: KVPool | None = None) -> None:
         """With `pool` (the worker's, of this model), the cache leases its slots there, for the
@@ -105,7 +101,7 @@ class SessionState:
         self._tokens_seen = 0
         self._logits: torch.Tensor | None = None  # (vocab,) after the last token run
         self._seen = Seen()  # tokens appended per second of video
-        self._open_answer: _Closes | None = None  # the answer under way, until it ends
+        self.open_answer: object | None = None  # the answer under way (`engine/answer.py`) until over: a step closes it first
         self.frame_tokens = 0  # tokens a frame took, with its time's markers (0 before the first)
 
     # What an engine step (`engine/step.py`) asks of a session: check its frames, cut them into
@@ -114,7 +110,6 @@ class SessionState:
     def check_frames(self, frames: Sequence[np.ndarray], times_s: Sequence[float], flush: bool = False) -> bool:
         """Raise on frames the session cannot take; False when there are none (nor, with
         `flush`, any held back)."""
-        self._close_answer()
         if len(frames) != len(times_s):
             raise ValueError(f"{len(frames)} frames but {len(times_s)} times")
         if not frames:
@@ -182,7 +177,7 @@ class SessionState:
     def make_check_room(self, tokens: int) -> None:
         """Refuse a check of `tokens` while an answer is under way (its prompt would fall inside
         the answer's turn), or past the context."""
-        if self._open_answer is not None:
+        if self.open_answer is not None:
             raise ValueError("the session is answering: a check waits until its answer is over")
         self._make_room("the check", tokens)
 
@@ -219,9 +214,7 @@ class SessionState:
         return opening
 
     def user_text(self, text: str) -> list[int]:
-        """`text` in the user's turn as token ids, after the answer under way is closed; refused
-        past the room kept for questions."""
-        self._close_answer()
+        """`text` in the user's turn as token ids; refused past the room kept for questions."""
         ids = self.model.tokenize(text, user=True)
         if ids:
             self._make_room("the text", len(ids), self.config.question_room_tokens)
@@ -264,19 +257,13 @@ class SessionState:
         if tokens > self._room() - kept_tokens:
             raise ContextFull(what, tokens, self.cache.tokens, self.context_tokens, kept_tokens)
 
-    def _close_answer(self) -> None:
-        """End the turn of an answer left unfinished, before anything else enters the cache."""
-        if self._open_answer is not None:
-            self._open_answer.close()
-            self._open_answer = None
-
     # What an answer (`engine/answer.py`) asks of its session: its tokens as parts, its turn's
     # markers pinned, and to be let go once over.
 
     def answer_over(self, answer: object) -> None:
         """The answer is over (ended, or its question failed): nothing is left to close."""
-        if self._open_answer is answer:
-            self._open_answer = None
+        if self.open_answer is answer:
+            self.open_answer = None
 
     def pin_turn(self, start: int, count: int, new_turn: bool) -> None:
         """With `pin_turns`: never evict the `count` tokens from stream place `start` on."""
@@ -313,8 +300,10 @@ class SessionState:
         """Everything needed to go on elsewhere, as bytes: the cache, the counters, the config.
         Without `host_pages`, the host tier's pages are left out, to be saved apart, each once
         it changed (`changed_host_pages`), and read back by `restore`'s `read_page`: so the
-        bytes written per snapshot follow the tokens streamed, not the tier's size."""
-        self._close_answer()
+        bytes written per snapshot follow the tokens streamed, not the tier's size. Refused
+        while an answer is open (`Session.snapshot` closes it first)."""
+        if self.open_answer is not None:
+            raise ValueError("the session is answering: a snapshot waits until its answer's turn is closed")
         state = {
             "format": SNAPSHOT_FORMAT,
             "model": self.model.name,

@@ -13,7 +13,8 @@ Work comes in four kinds, of distinct sessions of one model:
   beyond it are its evidence (`engine/evidence.py`);
 - `Text` to append: the user turn's text, scored against what the model predicted, or a
   session's opening (its system prompt).
-An answer that stops early (`Answer.end`) is an answer whose turn the step closes.
+An answer that stops early (`Answer.end`) is an answer whose turn the step closes; so is one left
+open (`SessionState.open_answer`) before its session's frames or text, in a run ahead of the rest.
 
 A step runs in rounds: each round is one run of the runner (`engine/runner.py`, one forward per
 chunk) over the next prompt of every item that has one left: the first round holds every
@@ -139,17 +140,14 @@ Work = "Answer | Frames | Check | Text"
 def step(work: Sequence[Work]) -> list[Result]:
     """Run the work of one step; one result per item (see the module's docstring)."""
     results: list[Result] = [None] * len(work)
-    plan: dict[int, list[_Job]] = {}  # per item, the prompts it still runs, in order
+    _close_left_open(work, results)
     answers = [(i, item) for i, item in enumerate(work) if not isinstance(item, (Frames, Check, Text))]
-    for i, answer in answers:
-        jobs = _answer_jobs(i, answer)
-        if jobs:
-            plan[i] = jobs
+    plan = {i: jobs for i, answer in answers if (jobs := _answer_jobs(i, answer))}  # per item, the prompts it still runs, in order
     for i, item in enumerate(work):
         try:
             if isinstance(item, Check):
                 plan[i] = [_check_job(i, item)]
-            elif isinstance(item, Text):
+            elif isinstance(item, Text) and results[i] is None:
                 job = _text_job(i, item)
                 if job is None:
                     results[i] = TextScore(0, 0.0)  # no tokens: nothing runs
@@ -157,7 +155,7 @@ def step(work: Sequence[Work]) -> list[Result]:
                     plan[i] = [job]
         except Exception as err:
             results[i] = err
-    _plan_frames([(i, item) for i, item in enumerate(work) if isinstance(item, Frames)], plan, results)
+    _plan_frames([(i, item) for i, item in enumerate(work) if isinstance(item, Frames) and results[i] is None], plan, results)
     while plan:
         round_ = []
         for i in list(plan):
@@ -186,7 +184,14 @@ def step(work: Sequence[Work]) -> list[Result]:
     return results
 
 
-def _apply(jobs: list[_Job], work: Sequence[Work], results: list[Result], plan: dict[int, list[_Job]]) -> None:
+def _close_left_open(work: Sequence[Work], results: list[Result]) -> None:
+    """Close first, in a run of their own, the turns of answers left open in the sessions of frames or text (failing those where it fails)."""
+    left = {i: item.session.open_answer for i, item in enumerate(work)
+            if isinstance(item, (Frames, Text)) and item.session.open_answer is not None}
+    _apply([_closing_job(i, answer) for i, answer in left.items() if answer.stop()], left, results, {})
+
+
+def _apply(jobs: list[_Job], work: Sequence[Work] | dict[int, Work], results: list[Result], plan: dict[int, list[_Job]]) -> None:
     """Run the jobs as one run of the runner, then apply what each ran; a job that failed fails
     its item (and its further prompts)."""
     for job, ran in zip(jobs, _run(jobs), strict=True):
@@ -197,8 +202,8 @@ def _apply(jobs: list[_Job], work: Sequence[Work], results: list[Result], plan: 
         except Exception as err:
             results[job.item] = err
             plan.pop(job.item, None)
-            if job.does not in RETRIED_ALONE:
-                _fail_answer(work[job.item])
+            if job.does in (Does.QUESTION, Does.PROBE):  # an answer's question that did not run
+                work[job.item].failed()
 
 
 def _applied(job: _Job, ran: runner.Ran, item: Work, results: list[Result], plan: dict[int, list[_Job]]) -> None:
@@ -236,8 +241,7 @@ def _applied(job: _Job, ran: runner.Ran, item: Work, results: list[Result], plan
 def _closing_job(item: int, answer: "Answer") -> _Job | None:
     """The prompt that closes the turn of an answer that said all; None (and it is over) when
     its question never ran."""
-    closing = answer.closing()
-    if closing is None:
+    if (closing := answer.closing()) is None:
         answer.stop()
         return None
     return _Job(item, answer.session, closing, Does.CLOSING)
@@ -290,11 +294,6 @@ def _read_only_parts(session: "SessionState", text: str) -> list["Part"]:
 def probe_parts(session: "SessionState") -> list["Part"]:
     """The probe (engine/evidence.py): its question's prompt, then the first words of an answer."""
     return [*_read_only_parts(session, PROBE), session.part(session.model.tokenize(PROBE_ANSWER))]
-
-
-def _fail_answer(item: Work) -> None:
-    if not isinstance(item, (Frames, Check, Text)):
-        item.failed()
 
 
 def _plan_frames(work: list[tuple[int, Frames]], plan: dict[int, list[_Job]], results: list[Result]) -> None:

@@ -2,7 +2,7 @@
 
 from dataclasses import fields
 
-from engine.policies.base import Observation, Policy
+from engine.policies.base import Observation, Policy, causal_attention
 from engine.policies.full import Full
 from engine.policies.h2o import H2O
 from engine.policies.infmllm import InfMLLM

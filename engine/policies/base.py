@@ -1,4 +1,4 @@
-"""What every eviction policy shares: the budget, sinks and recent tokens, and the selection.
+"""What every eviction policy shares: the budget, sinks and recent tokens, the attention it reads, and the selection.
 
 A policy is a frozen dataclass of hyperparameters with one pure method, `score`. The cache
 (`engine/kv_cache.py`) calls it after each prompt, once per layer, and keeps for each KV head
@@ -104,6 +104,24 @@ def block_mean(scores: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     sums = torch.zeros(heads * total, device=scores.device).index_add_(0, run.flatten(), scores.flatten())
     counts = torch.zeros(heads * total, device=scores.device).index_add_(0, run.flatten(), torch.ones_like(scores).flatten())
     return (sums / counts.clamp_min(1))[run]
+
+
+def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(kv_heads, group, w, N) softmax attention of the last w tokens' queries (q_heads, w, d)
+    over all N keys (kv_heads, N, d), each query seeing the keys up to its own position; with
+    `rows` (r,), only those of the w queries: (kv_heads, group, r, N)."""
+    window = queries.shape[1]
+    kv_heads, total = keys.shape[:2]
+    mine = torch.arange(window, device=keys.device) if rows is None else rows.to(keys.device)
+    if rows is not None:
+        queries = queries[:, rows]
+    q_heads, count, head_dim = queries.shape
+    grouped = queries.float().view(kv_heads, q_heads // kv_heads, count, head_dim)
+    logits = torch.einsum("hgwd,hnd->hgwn", grouped, keys.float()).mul_(scaling)  # in place: one buffer fewer
+    # a query may not see only the keys after it, all among the window's own: mask those alone
+    hidden = torch.arange(window, device=keys.device)[None, :] > mine[:, None]
+    logits[..., total - window :].masked_fill_(hidden, float("-inf"))  # (r, w)
+    return logits.softmax(dim=-1)
 
 
 def visible_rows(window: int, total: int) -> torch.Tensor:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import load_model
-from engine.kv_cache import KVCache, causal_attention
-from engine.policies import POLICIES, Observation, make_policy
+from engine.kv_cache import KVCache
+from engine.policies import POLICIES, Observation, causal_attention, make_policy
 
 KV_HEADS, GROUP, HEAD_DIM = 2, 3, 16  # GQA: 6 query heads read 2 KV heads; the tiny models' head size
 TOTAL, WINDOW, SCALING = 60, 5, 1 / math.sqrt(HEAD_DIM)

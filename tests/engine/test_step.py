@@ -113,6 +113,22 @@ def test_an_answer_closed_after_a_batched_step_ends_its_turn_once(llava):
         _same_cache(a, b)
 
 
+def test_answers_left_open_close_their_turns_in_the_step_of_their_frames_before_them(llava, monkeypatch):
+    sessions = [_streamed(llava, SessionConfig(policy="full"), 2, seed) for seed in (1, 2)]
+    answers = [session.ask("Go on", max_new_tokens=10) for session in sessions]
+    step(answers), step(answers)  # the questions and first tokens, then a token each: then left open
+    held = [session.cache.tokens for session in sessions]
+    widths = _forward_widths(llava, monkeypatch)
+    assert step([Frames(session, _frames(1, 5), [5.0]) for session in sessions]) == [None, None]
+    monkeypatch.undo()
+    # one forward closes both turns (the token chosen last, the 8 markers closing it), then one
+    # appends both frames (23 tokens each)
+    assert widths == [2 * 9, 2 * 23]
+    assert [(answer.over, answer.tokens) for answer in answers] == [(True, 2), (True, 2)]
+    for session, before in zip(sessions, held):
+        assert session.cache.times[0][0, before:].tolist() == [1.0] * 9 + [5.0] * 23  # the closing (at 1.0s) first
+
+
 def test_frames_appended_together_are_the_frames_appended_alone(llava):
     configs = [SessionConfig(policy="infmllm", budget_tokens=200), SessionConfig(policy="full", frames_per_prompt=2)]
     alone = [_streamed(llava, config, 2 + i, i) for i, config in enumerate(configs)]
