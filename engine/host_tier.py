@@ -17,42 +17,8 @@ to the device without blocking), in a run of pages of a host pool (`engine/host_
 worker's, shared by its sessions' tiers, or one of the tier's own; each slot is a page of the
 run. Each page keeps, where scoring is cheap (on the device), `page_keys` representative keys
 per layer and KV head: the sums (which point where the means do) of the keys held of equal runs
-of its places, in bfloat16, so that 4 of them cost the device what 2 in float32 did.
-
-A question scores the pages in each layer's KV heads by its own keys there (its tokens' keys,
-as stored, of the question's words only, not the chat template's): a page matches a question
-key by the cosine similarity of its closest representative (in the first EXACT_LAYERS layers,
-of its closest key held: there keys are the words' own, and a mean of 8 words hides one);
-per question key, a softmax over the pages (sharpened by SIMILARITY_SHARPNESS); a page's score
-is that share averaged over the question's keys. A page is the same span of the stream in
-every layer and head, so the scores pool: the first SCORED_LAYERS layers score in turn, each
-adding the mean score over its heads that hold something of the page (a head that holds the
-page's tokens on the device has no say). Beside that tally the layers keep a second, of each
-page scored by its whole span (the keys of it that the device cache still holds too, and every
-head holding any of it has a say), whose best SPAN_PAGES go first: a policy that scores per
-head keeps a fact's words in one head and evicts them in another, and often keeps the words a
-question repeats while it evicts the one asked for (the number); scored by its evicted tokens
-alone, that page ranked below pages of prose, and the fact said just before the budget's span
-was lost. Ranking every page by its whole span instead let the pages the device holds most of
-crowd out facts evicted long ago (docs/benchmarks.md, "Retention"). The same layers weigh the
-spans the device holds whole (pages the tier holds nothing of) against the tier's pages, in one
-softmax: when the device's best is DEVICE_LEAD times as wanted as the tier's best, what the
-question asks for was said just before (sliding's window holds it), pages that look like the
-question would only draw the answer away from it, and the question borrows the pages evicted
-last instead (the stream just before what the device holds). The first layer chooses by its
-own scores for itself and the other scoring layers; the last of them chooses by all of theirs for every layer after it at
-once, which borrow without scoring (on bench.recall's streams, 52 of 60 answers against 51 when
-every layer scored, and a third less time to the first token: docs/benchmarks.md).
-The page after a page ranks at least FOLLOWER_SHARE of it: a sentence cut by a page's end goes
-on there. Every KV head then borrows
-the tokens it holds of the best pages, best first, up to the retrieval budget (the same
-count in every head; a head that kept more of those pages on the device reaches further down
-the list; the last page may come in part). A fact is asked about in the words it was told
-in, and the keys of the same words in similar contexts are close, whereas the question's
-queries are not (measured on bench.recall's streams: scoring by queries brought back 16% to
-51% of an evicted fact's tokens to each layer, near chance at 8 pages of 48; by keys, 30% to
-71%, and 76% to 90% with page_keys = page_tokens). What comes back is bit for bit what was
-evicted.
+of its places, in bfloat16, so that 4 of them cost the device what 2 in float32 did. A question
+borrows back, bit for bit, the pages its keys want most (`engine/page_scoring.py`).
 
 Bound: at most `budget_tokens // page_tokens` pages. When a page needs a place and all are
 taken, pages leave by the tier's `drop` rule:
@@ -83,25 +49,14 @@ import torch
 from engine.host_pool import HostPool
 from engine.kv_buffers import take
 from engine.page_runs import Run
+from engine.page_scoring import SCORED_LAYERS, SIMILARITY_CHUNK, Cached, Question  # SCORED_LAYERS: kv_cache.py's, from here
 
-SIMILARITY_SHARPNESS = 20.0  # a question key's softmax over pages is of 20 x cosine similarity
 INDEX_DTYPE = torch.bfloat16  # of the representative keys' sums (at most page_tokens keys each)
 DROP_RULES = ("novel", "oldest")
-EXACT_LAYERS = 1  # layers whose pages are scored by every key held, not by representatives
-SCORED_LAYERS = 4  # layers that score the pages; the last of them chooses for every layer after it at once
-CANDIDATE_PAGES = 4  # a question's places are chosen among the best pages that could lend 4 times what it borrows
-# a question's places go first to the best page by its whole span (the device cache's tokens of
-# it too): a sentence a head kept the words of and evicted the number of (engine/host_tier.py docstring)
-SPAN_PAGES = 1
-# a question whose best span the device holds whole is DEVICE_LEAD times as wanted as the tier's best page (summed
-# over the scored layers) has what it asks for: it borrows the pages evicted last, not pages that look like it
-DEVICE_LEAD = 2.0
-FOLLOWER_SHARE = 0.99  # the page after a matched page scores this share of it, when that is more than its own
 NOVEL_DROP_SHARE = 8  # under "novel", the least novel 1/8 of the pages leave together (amortises the scoring)
 NOVEL_KEEP_SHARE = 4  # ... never one of the 1/4 of the pages used most recently
 NOVELTY_LAYERS = 8  # novelty is scored in this many layers, evenly spaced (all when fewer)
 NOVELTY_REFERENCES = 1024  # ... against at most this many representatives, evenly spaced over the slots
-SIMILARITY_CHUNK = 1 << 24  # elements of one block of the representatives' similarity matrix
 
 
 @dataclass
@@ -123,17 +78,8 @@ class Tokens:
 
 
 @dataclass
-class Cached:
-    """What a layer's device cache holds, as a question borrows."""
-
-    keys: torch.Tensor  # (kv_heads, n, head_dim), before the rotary embedding
-    order: torch.Tensor  # (kv_heads, n) int64, each token's place in the stream
-
-
-@dataclass
 class Retrieval:
-    """What one question brought back to one layer, and to the layers after it that borrow what
-    it chose (the last scored layer's choice is every later layer's)."""
+    """What one question brought back to one layer, and to the layers after it that share its choice."""
 
     tokens: Tokens  # (layers, kv_heads, k, ...) on the cache's device, from the layer asked for on, in stream order
     pages: list[int]  # the page numbers (spans of the stream) any head of the layer asked for borrowed from
@@ -179,11 +125,7 @@ class HostTier:
         self.grids = None  # the same, with 3-D positions: each place's on its group's grid (`layout.pack`)
         self.held = None  # `present` on the device, for choosing
         self.key_sums = None  # (layers, kv_heads, slots, page_keys, head_dim) INDEX_DTYPE, device
-        # The question's page scores summed over the layers' KV heads so far, and how many of
-        # those heads held something of each page (slots,); the page before each page's slot
-        self._pooled: list[torch.Tensor | None] = [None, None]  # by the tier's tokens, by the whole span (`_pool`)
-        self._pooled_heads: list[torch.Tensor | None] = [None, None]
-        self._before = torch.full((self.slots,), -1, dtype=torch.int64)
+        self.question = Question()  # the one borrowing now (`begin_question`)
         self.changed: set[int] = set()  # page numbers written since `take_changed` (held pages only)
         if pool is not None:
             self._lease()
@@ -254,13 +196,11 @@ class HostTier:
         cell = grid * self.slots + slot  # into the tier's (layers * heads * slots)
         flat = (cell * self.page_tokens + place)[kept]  # into the tier's (layers * heads * slots * page_tokens)
         home = ((grid * pool.total_pages + self.run.first_page + slot) * self.page_tokens + place)[kept]  # into the pool's
-        pool.keys.view(-1, dim)[home] = evicted.keys.cpu()[kept]
-        pool.values.view(-1, dim)[home] = evicted.values.cpu()[kept]
-        pool.kinds.view(-1)[home] = evicted.kinds.cpu()[kept]
-        pool.times.view(-1)[home] = evicted.times.cpu().float()[kept]
+        for name in ("keys", "values", "kinds", "times", "grids"):
+            if (given := getattr(evicted, name)) is not None:
+                into = getattr(pool, name)  # (layers, kv_heads, pages, page_tokens, ...)
+                into.view(-1, *into.shape[4:])[home] = given.cpu().to(into.dtype)[kept]
         pool.present.view(-1)[home] = True
-        if evicted.grids is not None:
-            pool.grids.view(-1)[home] = evicted.grids.cpu()[kept]
         self.changed.update(n for n in page.unique().tolist() if n in self.slot_of)
         device = self.held.device
         self.held.view(-1)[flat.to(device)] = True
@@ -290,8 +230,7 @@ class HostTier:
         """The session is over: its pages go back to the pool, and the tier holds nothing."""
         if self.run is not None:
             self.run.release()
-        self.run = self.keys = self.values = self.kinds = self.times = self.present = self.held = self.key_sums = None
-        self.grids = None
+        self.run = self.keys = self.values = self.kinds = self.times = self.present = self.grids = self.held = self.key_sums = None
         self.slot_of.clear()
         self.page_of.fill_(-1)
         self.changed.clear()
@@ -369,83 +308,18 @@ class HostTier:
 
     def begin_question(self) -> None:
         """A new question: its layers' scores pool from the first layer on."""
-        self._pooled, self._pooled_heads = [None, None], [None, None]
-        self._best: torch.Tensor | None = None  # over the scored layers: the best tier page's share, the best device span's
-        self._chosen = None  # what the layers from `_chosen_from` on borrow: places (layers, kv_heads, count) and their order
-        self._chosen_from = 0
-        self._before = torch.full((self.slots,), -1, dtype=torch.int64)  # slot -> the slot of the page before, -1: not held
-        held = list(self.slot_of.items())
-        if held:
-            self._before[[slot for _, slot in held]] = torch.tensor([self.slot_of.get(page - 1, -1) for page, _ in held])
+        self.question = Question()
 
     def retrieve(self, layer: int, keys: torch.Tensor, count: int, cached: Cached | None = None) -> Retrieval | None:
         """`count` tokens (at most `available()`) of `layer` for the question's keys (kv_heads, c,
-        head_dim) (before the rotary embedding): for each KV head, what it holds of the best pages
-        by the scores pooled so far, best first, in stream order; `cached`: what the layer's
-        cache holds on the device, whose tokens score their pages too (`score`). The first
-        SCORED_LAYERS layers score the pages. The first layer chooses for itself and the other scoring layers, the
-        last of them for every layer after it, and what it retrieves is theirs too (one copy for
-        all of them), from `layer` on. None: the layer borrows what an earlier one's retrieval
-        brought it (its keys still scored the pages, if it is a scoring layer)."""
-        chosen = self._chosen
-        if layer < SCORED_LAYERS or chosen is None:
-            self._pool(layer, keys, cached)
-        if chosen is not None and self._chosen_from <= layer < self._chosen_from + chosen[0].shape[0]:
+        head_dim) (before the rotary embedding) and what the layer's cache holds on the device
+        (`cached`), in stream order, from `layer` on: one copy for every layer that shares its
+        choice (`Question.borrow`). None: the layer borrows what an earlier one's retrieval brought it."""
+        if (chosen := self.question.borrow(self, layer, keys, count, cached)) is None:
             return None
-        last = self.held.shape[0] if layer >= SCORED_LAYERS - 1 else SCORED_LAYERS - 1
-        self._chosen, self._chosen_from = self._choose(layer, last, count), layer
-        return self._lend(layer, *self._chosen, keys.device)
-
-    def _pool(self, layer: int, keys: torch.Tensor, cached: Cached | None = None) -> None:
-        """Add the layer's page scores (over the heads that hold something of a page) to the pool:
-        by what the tier holds of each page, and with `cached`, by its whole span (`SPAN_PAGES`)."""
-        *scored_pages, best = self.score(layer, keys, cached)
-        if best is not None:
-            self._best = best if self._best is None else self._best + best
-        for index, scores in enumerate(scored_pages):  # (kv_heads, slots), -inf where a head holds nothing of a page
-            if scores is None:
-                continue
-            scored = scores.isfinite()
-            mine, heads_scored = scores.masked_fill(~scored, 0.0).sum(0), scored.sum(0)
-            if self._pooled[index] is None:
-                self._pooled[index], self._pooled_heads[index] = mine, heads_scored
-            else:
-                self._pooled[index], self._pooled_heads[index] = self._pooled[index] + mine, self._pooled_heads[index] + heads_scored
-
-    def _choose(self, first: int, last: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For layers first..last-1, each KV head's `count` places (into slots * page_tokens) of the
-        best pages by the pooled scores, and their places in the stream, both (layers, kv_heads,
-        count) on the CPU, in stream order."""
-        # the device holds what is asked: borrow what it evicted last, not pages like the question
-        if self._best is not None and bool(self._best[1] > DEVICE_LEAD * self._best[0]):
-            scores = self.page_of.to(self._pooled[0].device, torch.float32)  # (slots,)
-        else:
-            scores = self._with_followers(self._pooled[0] / self._pooled_heads[0].clamp_min(1))  # (slots,)
-            if self._pooled[1] is not None:  # the best pages by their whole span go first
-                spanned = self._pooled[1] / self._pooled_heads[1].clamp_min(1)
-                lead = spanned.topk(min(SPAN_PAGES, self.slots)).indices
-                lead = lead[spanned[lead] > 0]
-                scores = scores.clone()
-                scores[lead] = scores.max() + 1 + spanned[lead]
-                scores = self._with_followers(scores)
-        held = self.held[first:last]  # (layers, kv_heads, slots, page_tokens)
-        # Among the best pages only, when every head holds enough of them: the same choice, in a fraction of the places
-        best = scores.topk(min(self.slots, CANDIDATE_PAGES * -(-count // self.page_tokens))).indices
-        if best.shape[0] < self.slots and int((among := held[:, :, best]).flatten(2).sum(-1).min()) >= count:
-            held, scores = among, scores[best]
-        else:
-            best = None
-        wanted = torch.where(held, scores[:, None], float("-inf"))
-        chosen = wanted.flatten(2).topk(count, dim=-1).indices  # (layers, kv_heads, count) into the pages looked at
-        if best is not None:
-            chosen = best[chosen // self.page_tokens] * self.page_tokens + chosen % self.page_tokens
-        chosen = chosen.cpu()
-        order = self.page_of[chosen // self.page_tokens] * self.page_tokens + chosen % self.page_tokens
-        order, by_place = order.sort(dim=-1)
-        chosen = chosen.gather(-1, by_place)
         self.clock += 1
-        self.used[chosen // self.page_tokens] = self.clock  # a page named twice takes the same clock
-        return chosen, order
+        self.used[chosen[0] // self.page_tokens] = self.clock  # a page named twice takes the same clock
+        return self._lend(layer, *chosen, keys.device)
 
     def _lend(self, first: int, chosen: torch.Tensor, order: torch.Tensor, device: torch.device) -> Retrieval:
         """The tokens at `chosen` (layers, kv_heads, count) of the layers from `first` on, keys and
@@ -457,111 +331,22 @@ class HostTier:
             out = torch.empty(layers * heads * count, pool.shape[-1], dtype=pool.dtype, pin_memory=device.type == "cuda")
             return take(pool[first:last].flatten(2, 3), chosen, out=out).to(device, non_blocking=True)
 
-        tokens = Tokens(
-            lend(self.keys),
-            lend(self.values),
-            self.kinds[first:last].flatten(2).gather(2, chosen),
-            self.times[first:last].flatten(2).gather(2, chosen),
-            order,
-            None if self.grids is None else self.grids[first:last].flatten(2).gather(2, chosen),
-        )
+        kinds, times, grids = (None if t is None else t[first:last].flatten(2).gather(2, chosen) for t in (self.kinds, self.times, self.grids))
+        tokens = Tokens(lend(self.keys), lend(self.values), kinds, times, order, grids)
         return Retrieval(tokens, sorted(self.page_of[(chosen[0] // self.page_tokens).unique()].tolist()))
-
-    def _with_followers(self, scores: torch.Tensor) -> torch.Tensor:
-        """(slots,) each page's score, or FOLLOWER_SHARE of the score of the page just before it
-        in the stream when that is higher: a sentence that a page's end cuts goes on in the next
-        page, whose own words (the number a question asks for) need not match the question."""
-        before = self._before.to(scores.device)
-        inherited = (scores[before.clamp_min(0)] * FOLLOWER_SHARE).masked_fill(before < 0, float("-inf"))
-        return torch.maximum(scores, inherited)
-
-    def score(self, layer: int, keys: torch.Tensor, cached: Cached | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(kv_heads, slots) how much the question's keys (kv_heads, c, head_dim) want each page of
-        `layer`, per KV head (-inf where the head holds nothing of it). In the first EXACT_LAYERS
-        layers a page is matched by every key it holds (from host memory), elsewhere by its
-        representatives. With `cached`, a second score: by every key of its span, those the
-        device cache still holds too (a head holding any of the span there has a say); else None."""
-        heads, slots = self.held.shape[1:3]
-        if layer < EXACT_LAYERS:
-            held = self.present[layer]  # (kv_heads, slots, page_tokens)
-            reps = self.keys[layer]  # every key held, in host memory: the first layer's keys are the words' own
-        else:
-            held = self.held[layer].view(heads, slots, self.page_keys, -1).any(-1)  # (kv_heads, slots, page_keys)
-            reps = self.key_sums[layer]  # a mean points where its sum does: cosine needs no division by the count
-        wanted = keys.float().to(reps.device)
-        wanted = wanted / wanted.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # (kv_heads, c, head_dim)
-        similarity = torch.empty(heads, wanted.shape[1], slots, device=reps.device)
-        step = max(1, SIMILARITY_CHUNK // (heads * reps.shape[2] * reps.shape[3]))  # slots at a time, in float32
-        for start in range(0, slots, step):
-            block = reps[:, start : start + step].float()
-            near = torch.einsum("hcd,hskd->hcsk", wanted, block)  # (kv_heads, c, step, keys a page)
-            near /= block.norm(dim=-1).clamp_min(1e-6)[:, None]  # cosine, without a normalized copy of the keys
-            similarity[:, :, start : start + step] = near.masked_fill_(~held[:, None, start : start + step], float("-inf")).amax(-1)
-        spanned = best = None
-        if cached is not None:
-            in_pages, elsewhere = self._cached_similarity(wanted, cached)
-            spanned = torch.maximum(similarity, in_pages.to(similarity.device))
-            best = self._best_shares(spanned, elsewhere.to(similarity.device))
-        return *(None if near is None else self._shares(near).to(keys.device) for near in (similarity, spanned)), best
-
-    @classmethod
-    def _best_shares(cls, spanned: torch.Tensor, elsewhere: torch.Tensor) -> torch.Tensor:
-        """(2,) how much the question's keys want the best page the tier holds something of, and
-        the best span the device holds all of (a page of the stream the tier holds nothing of):
-        shares of one softmax over both (similarities (kv_heads, c, pages)), averaged over the
-        heads (`DEVICE_LEAD`)."""
-        shares = cls._shares(torch.cat([spanned, elsewhere], dim=-1)).clamp_min(0.0).mean(0)  # (pages,)
-        slots = spanned.shape[-1]
-        return torch.stack([part.max() if part.numel() else shares.new_zeros(()) for part in (shares[:slots], shares[slots:])])
-
-    @staticmethod
-    def _shares(similarity: torch.Tensor) -> torch.Tensor:
-        """(kv_heads, slots) per page the share of the question keys' softmax over the pages
-        (similarity (kv_heads, c, slots), -inf where a head holds nothing of a page), averaged
-        over the keys; -inf where the head holds nothing of it."""
-        share = (SIMILARITY_SHARPNESS * similarity).softmax(dim=-1).nan_to_num(0.0)
-        return share.mean(dim=1).masked_fill(similarity.isinf().all(1), float("-inf"))
-
-    def _cached_similarity(self, wanted: torch.Tensor, cached: Cached) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kv_heads, c, slots) per question key (unit length, (kv_heads, c, head_dim)) the cosine
-        similarity of its closest key that the device cache holds of each page's span (-inf where
-        it holds none); and (kv_heads, c, d) the same for the d spans of pages the tier holds
-        nothing of, held on the device alone. A policy that scores per head keeps part of a
-        sentence and evicts the rest: the words a question repeats stay (a fact's subject), the
-        word it asks for goes (the number). The page is then the sentence's all the same, and so
-        it is found."""
-        heads, count = wanted.shape[:2]
-        device = cached.keys.device  # where the cache's keys are: only the (kv_heads, c, slots) result moves
-        page = cached.order.to(device) // self.page_tokens  # (kv_heads, n)
-        numbers = torch.tensor(self.pages, dtype=torch.int64, device=device)
-        slots = torch.tensor([self.slot_of[n] for n in self.pages], dtype=torch.int64, device=device)
-        at = torch.searchsorted(numbers, page).clamp_max(len(numbers) - 1)
-        paged = numbers[at] == page  # the token's page is held here
-        keys = cached.keys.float()  # (kv_heads, n, head_dim)
-        near = torch.einsum("hcd,hnd->hcn", wanted.to(device), keys) / keys.norm(dim=-1).clamp_min(1e-6)[:, None]
-        similarity = torch.full((heads, count, self.slots + 1), float("-inf"), device=device)
-        into = torch.where(paged, slots[at], self.slots)[:, None].expand(-1, count, -1)  # the spare column: no page
-        in_pages = similarity.scatter_reduce_(2, into, near.masked_fill(~paged[:, None], float("-inf")), "amax")[:, :, : self.slots]
-        alone, column = torch.unique(page.masked_fill(paged, -1), return_inverse=True)  # a column per page: -1, the tier's
-        elsewhere = torch.full((heads, count, alone.shape[0]), float("-inf"), device=device)
-        elsewhere.scatter_reduce_(2, column[:, None].expand(-1, count, -1), near, "amax")
-        return in_pages, elsewhere[:, :, int(bool(paged.any())) :]
 
     # -- read ----------------------------------------------------------------------------------
 
     def contents(self, layer: int, head: int) -> Tokens:
         """What one layer's KV head holds, in stream order (on the CPU; for checks)."""
-        parts = []
-        for number in self.pages:
-            slot = self.slot_of[number]
-            mask = self.present[layer, head, slot]
-            order = number * self.page_tokens + torch.arange(self.page_tokens)
-            parts.append([self.keys[layer, head, slot][mask].cpu(), self.values[layer, head, slot][mask].cpu(),
-                          self.kinds[layer, head, slot][mask], self.times[layer, head, slot][mask], order[mask]])
-        if not parts:
+        if not self.slot_of:
             return Tokens(torch.empty(1, 1, 0, 0), torch.empty(1, 1, 0, 0), torch.empty(1, 1, 0, dtype=torch.int8),
                           torch.empty(1, 1, 0), torch.empty(1, 1, 0, dtype=torch.int64))
-        return Tokens(*(torch.cat([part[i] for part in parts])[None, None] for i in range(5)))
+        slots = torch.tensor([self.slot_of[n] for n in self.pages])
+        mask = self.present[layer, head, slots]  # (pages, page_tokens)
+        order = torch.tensor(self.pages)[:, None] * self.page_tokens + torch.arange(self.page_tokens)
+        held = [t[layer, head, slots][mask] for t in (self.keys, self.values, self.kinds, self.times)] + [order[mask]]
+        return Tokens(*(t[None, None] for t in held))
 
     # -- snapshot ------------------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ def test_a_session_with_the_service_s_default_options_answers_what_was_said_just
     prose after a fact seldom attends to it, so the cache evicts most of it (a head keeping its
     words, another its number) within a chunk or two. Without recall (the default before) 1 of
     the 3 was answered; with it a question borrows the rest of the sentence whose words it
-    matches (engine/host_tier.py, `score`), and 2 are."""
+    matches (engine/page_scoring.py, `score`), and 2 are."""
     options = SessionOptions(budget_tokens=BUDGET)
     assert options.recall
     config = SessionConfig(policy=options.policy, budget_tokens=BUDGET, recall=options.recall,

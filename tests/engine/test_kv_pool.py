@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine import Session, SessionConfig, kv_pool, load_model, tiny
-from engine.host_tier import SCORED_LAYERS
 from engine.kv_pool import KVPool, Lease, PoolFull
 from engine.model import _tiny
+from engine.page_scoring import SCORED_LAYERS
 from engine.step import Frames, step
 
 PAGE_TOKENS = 16

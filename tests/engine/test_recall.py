@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine import Session, SessionConfig, load_model
-from engine.host_tier import SCORED_LAYERS, Cached, HostTier, Tokens
+from engine.host_tier import HostTier, Tokens
+from engine.page_scoring import SCORED_LAYERS, Cached
 
 BUDGET = 160
 FRAME_TOKENS = 23  # tiny-random-llava: 16 visual tokens, "[1.0s]" and "\n"
