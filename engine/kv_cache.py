@@ -282,8 +282,7 @@ class KVCache:
             held = self.kinds[layer].shape[1]
             if cached.is_initialized and cached.keys.shape[2] > held:
                 cached.keys, cached.values = cached.keys[:, :, :held], cached.values[:, :, :held]
-        for window in self._queries:  # what the undone forwards observed
-            window.set(None)
+        self._forget_queries()  # what the undone forwards observed
         if self.loan.at is not None and self.loan.at >= undone_from:
             give_back(self)
         self._received = [None] * self.num_layers
@@ -340,7 +339,10 @@ class KVCache:
             self.evictions += 1
             self.evicted_tokens += removed
             self.evict_s += time.perf_counter() - started
-        for window in self._queries:  # the next prompt brings its own
+        self._forget_queries()  # the next prompt brings its own
+
+    def _forget_queries(self) -> None:
+        for window in self._queries:
             window.set(None)
 
     def _evict_layer(self, layer: int) -> tuple[torch.Tensor, ...] | None:
