@@ -4,10 +4,11 @@ bfloat16 halves the bytes of every weight, key and value, and on a CUDA GPU it i
 type. On a CPU it is faster where the processor multiplies bfloat16 itself (AMX, or AVX-512
 BF16) and the linear layers' weights are laid out once for oneDNN (`PackedLinear`): on an Intel
 Xeon with AMX, one session's decode step 1.1 times float32's tokens a second and 32 sessions in
-one step 1.6 times (docs/benchmarks.md, "bfloat16 on a CPU with AMX"). So `auto` is bfloat16 on
-a GPU and on a CPU with AMX; on a CPU with AVX-512 BF16 but no AMX it times one row through a
-packed bfloat16 layer and a float32 one at start and takes the faster (one session must not
-slow down); elsewhere float32.
+one step 1.6 times (docs/benchmarks.md, "bfloat16 on a CPU with AMX"); on an AMD EPYC with
+AVX-512 BF16 and no AMX, 2.3 and 1.6 times. So `auto` is bfloat16 on a GPU and on a CPU with
+AMX; on a CPU with AVX-512 BF16 but no AMX it times 1 row and 16 rows through a packed bfloat16
+layer and a float32 one at start, and takes bfloat16 only where neither is slower (neither one
+session nor a full step may slow down); elsewhere float32.
 """
 
 import functools
@@ -43,27 +44,37 @@ def choose_dtype(setting: str, device: str) -> Numerics:
         return Numerics(torch.float32, "a CPU without bfloat16 arithmetic (AMX or AVX-512 BF16)")
     if torch.cpu._is_amx_tile_supported():
         return Numerics(torch.bfloat16, "a CPU with AMX")
-    plain, packed = one_row_products()
-    timed = f"one row through a layer took {packed:.0f} µs in packed bfloat16, {plain:.0f} µs in float32"
-    return Numerics(torch.bfloat16 if packed <= plain else torch.float32, f"a CPU with AVX-512 BF16 and no AMX: {timed}")
+    times = {rows: products(rows) for rows in TIMED_ROWS}  # rows: (float32 µs, packed bfloat16 µs)
+    timed = ", ".join(f"{rows} {'row' if rows == 1 else 'rows'} {packed} µs in packed bfloat16 and {plain} in float32"
+                      for rows, (plain, packed) in times.items())
+    faster = all(packed <= plain for plain, packed in times.values())
+    return Numerics(torch.bfloat16 if faster else torch.float32, f"a CPU with AVX-512 BF16 and no AMX: through a layer, {timed}")
 
 
-def one_row_products(width: int = 1024, repeats: int = 50) -> tuple[float, float]:
-    """Microseconds of one row through a `width` x `width` layer, in float32 and in packed
-    bfloat16: the fastest of `repeats` each (so that a busy moment does not decide)."""
-    layer, x = nn.Linear(width, width, bias=False), torch.randn(1, width)
+TIMED_ROWS = (1, 16)  # one session decoding, and a full step of sessions (the worker's BATCH_SESSIONS)
+
+
+def products(rows: int, width: int = 1024, repeats: int = 50) -> tuple[int, int]:
+    """Whole microseconds of `rows` rows through a `width` x `width` layer, in float32 and in
+    packed bfloat16: the fastest of `repeats` each, on one thread (so that a busy moment, or a
+    thread of the team waiting for a core, does not decide: the question is the arithmetic)."""
+    layer, x = nn.Linear(width, width, bias=False), torch.randn(rows, width)
     weight = layer.weight.detach().clone()
     packed, half = PackedLinear.of(layer.to(torch.bfloat16)), x.to(torch.bfloat16)
-    times = []
-    with torch.inference_mode():
-        for run in (lambda: torch.nn.functional.linear(x, weight), lambda: packed(half)):
-            run()
-            best = float("inf")
-            for _ in range(repeats):
-                started = time.perf_counter()
+    times, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for run in (lambda: torch.nn.functional.linear(x, weight), lambda: packed(half)):
                 run()
-                best = min(best, time.perf_counter() - started)
-            times.append(best * 1e6)
+                best = float("inf")
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    run()
+                    best = min(best, time.perf_counter() - started)
+                times.append(round(best * 1e6))
+    finally:
+        torch.set_num_threads(threads)
     return times[0], times[1]
 
 
