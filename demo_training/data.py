@@ -5,7 +5,8 @@ is known of it: a generated scene's facts, or a real frame's ImageNet probabilit
 encoder's own head. Samples are conversations drawn from the pool by seeded generators: a
 single scene or real frame with one to three questions, a few frames with time markers and a
 question about one moment, a "needle" (scenes among real frames, one of them asked about by what
-came right before it, its time or its kind), and a run of real video frames. `Layout` turns a
+came right before it, its time or its kind), a run of real video frames, and a watch's check (a
+yes/no condition about what the video shows now, in engine/check.py's prompt). `Layout` turns a
 sample into exactly the token stream a `Session` runs (engine/session_state.py): per frame `[t.ts]`,
 its visual tokens and a newline, then the question, the chat's turn markers and the answer.
 """
@@ -18,6 +19,7 @@ import torch
 
 from demo_training import scenes
 from demo_training.scenes import Scene
+from engine.check import prompt_text
 from engine.model import Model
 
 TOKENS_PER_FRAME = 9
@@ -208,6 +210,54 @@ def _past(answer: str) -> str:
     return answer.replace("I see", "I saw").replace(" is ", " was ").replace(" are ", " were ")
 
 
+WATCH_FRAMES = 16  # the most frames of a watch's check conversation
+# How a watch's condition may be worded: what is seen ("a red circle"), then one of these
+SEEN = ("{thing} is visible", "there is {thing}", "{thing} is on screen", "the video shows {thing}",
+        "you can see {thing}", "{thing} appears", "{thing} is shown")
+
+
+def _condition(scene: Scene, rng: np.random.Generator) -> tuple[str, str]:
+    """(a condition that `scene` makes true, what it tests: "colour shape", "shape", "symbol"
+    or "colour"), worded at random."""
+    if scene.kind in ("shape", "count"):
+        test = _pick(rng, ("colour shape", "colour shape", "shape", "colour"))
+        shape = scene.shape if scene.kind == "shape" else scenes._plural(scene.shape)
+        several = "" if scene.kind == "shape" else _pick(rng, ("some ", "several "))
+        lead = f"{scenes.article(scene.colour).lower()} " if scene.kind == "shape" else several
+        thing = {"colour shape": f"{lead}{scene.colour} {shape}",
+                 "shape": f"{scenes.article(shape).lower()} {shape}" if scene.kind == "shape" else f"{several}{shape}",
+                 "colour": f"something {scene.colour}"}[test]
+    else:
+        test = _pick(rng, ("symbol", "symbol", "colour"))
+        thing = f"the {scene.kind} {scene.symbol}" if test == "symbol" else f"something {scene.colour}"
+    worded = _pick(rng, SEEN).format(thing=thing)
+    if scene.kind == "count" and test != "colour":
+        worded = worded.replace("there is", "there are").replace(" is ", " are ").replace("appears", "appear")
+    return worded, test
+
+
+def _holds(scene: Scene, target: Scene, condition: tuple[str, str]) -> bool | None:
+    """Whether `scene` makes the condition drawn from `target` true; None where it cannot be told
+    (a colour and a patterned background, which may hold it)."""
+    test = condition[1]
+    if test == "colour":  # the figure's colour or the background's
+        if scene.colour == target.colour or scene.background == target.colour:
+            return True
+        return None if scene.background is None else False
+    if test == "symbol":
+        return scene.kind == target.kind and scene.symbol == target.symbol
+    shaped = scene.kind in ("shape", "count") and scene.shape == target.shape and (scene.kind == "count") == (target.kind == "count")
+    return shaped and (test == "shape" or scene.colour == target.colour)
+
+
+def _near(scene: Scene, target: Scene) -> bool:
+    """A near miss of `target`: the same shape in another colour or another shape in its colour;
+    another digit or letter."""
+    if target.kind in ("digit", "letter"):
+        return scene.kind == target.kind
+    return scene.kind == target.kind and (scene.shape == target.shape) != (scene.colour == target.colour)
+
+
 class Samples:
     """Seeded generators of conversations over a pool, by kind."""
 
@@ -231,6 +281,7 @@ class Samples:
             "moment": self.moment,
             "needle": self.needle,
             "video": self.video,
+            "watch": self.watch,
         }
 
     def label(self, item: int) -> str:
@@ -362,6 +413,50 @@ class Samples:
         k = int(rng.integers(len(run)))
         question = f"What did you see {_at(rng, run[k][1])}?"
         return Sample(run, [(question, _past(self.label(run[k][0])))], "video-moment")
+
+    def watch(self, rng: np.random.Generator) -> Sample:
+        """A watch's check: real frames walking through the sample videos one a second, the last
+        1-4 of them (now) one frame held, then the check's prompt (engine/check.py) about a scene
+        ("Is this true of the video now: a red circle is visible? Answer yes or no.") answered
+        "Yes." or "No.", each half the time. Now shows the condition's scene where it is true;
+        where not, a near miss (the same shape in another colour, another shape in the colour,
+        another digit or letter), another scene or a real frame, and in half of those the
+        condition's scene was shown before now and is gone. Now and then another scene earlier."""
+        count = int(rng.integers(3, WATCH_FRAMES + 1))
+        walk = self._walk(rng, count)
+        shown = _pick(rng, self.scene)
+        target = self.pool.scenes[shown]
+        condition = _condition(target, rng)
+        held = int(rng.integers(1, min(4, count - 1) + 1))
+        if rng.random() < 0.3:
+            walk[int(rng.integers(count - held))] = _pick(rng, self.scene)
+        true = rng.random() < 0.5
+        if true:
+            now = shown
+        else:
+            other = _pick(rng, ("near", "near", "scene", "real"))
+            if other == "real" and condition[1] != "colour":  # a real frame may show any colour
+                now = _pick(rng, self.real)
+            else:
+                near = other == "near" and target.kind != "count"
+                now = self._matching(rng, lambda scene: _holds(scene, target, condition) is False
+                                     and (not near or _near(scene, target)))
+            if count - held >= 2 and rng.random() < 0.5:  # the condition was true a while ago
+                before = int(rng.integers(count - held - 1))
+                walk[before] = shown
+        walk[count - held :] = [now] * held
+        start = 0.0 if rng.random() < 0.5 else float(rng.integers(1, 150))
+        times = [start + i for i in range(count)]
+        return Sample(list(zip(walk, times, strict=True)), [(prompt_text(condition[0]), "Yes." if true else "No.")],
+                      "watch-yes" if true else "watch-no")
+
+    def _matching(self, rng: np.random.Generator, test: Callable[[Scene], bool], tries: int = 200) -> int:
+        """A scene of the pool that passes `test`: drawn at random, else the first that does."""
+        for _ in range(tries):
+            item = _pick(rng, self.scene)
+            if test(self.pool.scenes[item]):
+                return item
+        return next(item for item in self.scene if test(self.pool.scenes[item]))
 
     def _walk(self, rng: np.random.Generator, count: int) -> list[int]:
         """`count` whole real frames walking through the sample videos in turn (bench.needle's

@@ -82,3 +82,31 @@ def naming_accuracy(model: Model, frames: Sequence[np.ndarray], names: Sequence[
     right = sum(name.lower() in answer.lower() for name, answer in results)
     return right / len(frames), results
 
+
+
+def check_accuracy(model: Model, count: int, seed: int) -> tuple[float, list[tuple[str, bool, float]]]:
+    """How often a watch's check (`Session.check`, engine/check.py) is on the right side of 0.5,
+    over `count` held-out streams of three scenes one a second, half of whose last scene makes
+    the condition true and half not (a near miss half of those: the shape in another colour,
+    another shape in the colour, another digit or letter); and the (condition, truth, p(yes)) of each."""
+    from demo_training.data import _condition, _holds, _near
+
+    rng = np.random.default_rng(seed)
+    results = []
+    for k in range(count):
+        image, target = scenes.draw(rng)
+        while target.kind == "plain":
+            image, target = scenes.draw(rng)
+        condition = _condition(target, rng)
+        true = k % 2 == 0
+        near = not true and rng.random() < 0.5 and target.kind != "count"
+        while not true:
+            image, scene = scenes.draw(rng, target.kind if near else None)
+            if scene.kind != "plain" and _holds(scene, target, condition) is False and (not near or _near(scene, target)):
+                break
+        before = [scenes.draw(rng)[0] for _ in range(2)]
+        session = Session(model, SessionConfig(policy="full"))
+        session.append_frames([*before, image], [0.0, 1.0, 2.0])
+        results.append((condition[0], true, session.check(condition[0])))
+    right = sum((p > 0.5) == truth for _, truth, p in results)
+    return right / count, results

@@ -491,6 +491,7 @@ def engine_scores(model, held_out_frames: list[np.ndarray], names: list[str], pe
     for task in ("colour", "shape", "digit"):
         scores[task], _ = evaluate.scene_accuracy(model, task, per_task, seed)
     scores["imagenet_name"], _ = evaluate.naming_accuracy(model, held_out_frames, names)
+    scores["check"], _ = evaluate.check_accuracy(model, 2 * per_task, seed)
     return {k: round(v, 3) for k, v in scores.items()}
 
 

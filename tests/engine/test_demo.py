@@ -158,6 +158,53 @@ def test_needle_conversations_ask_about_one_scene_among_several_by_what_preceded
     assert min(asked.values()) >= 10 and most_scenes >= 8, (asked, most_scenes)
 
 
+def test_watch_conversations_end_in_a_checks_prompt_answered_by_what_the_last_frames_show():
+    """A watch's check conversation ends with engine/check.py's prompt about a condition, answered
+    "Yes." where the frames held at its end show it (read here from the condition's own words:
+    a colour, a shape, a digit or a letter) and "No." where they do not; both about half the
+    time, near misses among the noes, and some noes where the condition was shown before now."""
+    from demo_training.data import RealFrame, Samples, build_pool
+
+    frames = [RealFrame("clip.mp4", i, i / 25, np.zeros((32, 32, 3), np.uint8)) for i in range(80)]
+    pool = build_pool(lambda images: (torch.zeros(len(images), 9, 4), torch.zeros(len(images), 1000)), frames,
+                      scene_count=300, crops_per_frame=0, rng=np.random.default_rng(0), plain_per_colour=2)
+    samples = Samples(pool, names=["thing"] * 1000)
+    rng = np.random.default_rng(2)
+    answers = {"Yes.": 0, "No.": 0}
+    near, shown_before = 0, 0  # noes: a near miss now (the shape in another colour, another shape in the colour); the condition shown before
+    for _ in range(200):
+        sample = samples.watch(rng)
+        (question, answer), = sample.turns
+        condition = re.fullmatch(r"Is this true of the video now: (.+)\? Answer yes or no\.", question)[1]
+        words = set(re.findall(r"[a-z0-9]+|[A-Z]\b", condition))
+        singular = {w for w in words} | {w[:-1] for w in words} | {w[:-2] for w in words}  # "crosses", "stars"
+
+        def shows(scene) -> bool | None:
+            if scene is None:
+                return False
+            colours = [c for c in scenes.COLOURS if c in words]
+            shapes = [shape for shape in scenes.SHAPES if shape in singular]
+            if "digit" in words or "letter" in words:
+                return scene.symbol is not None and scene.symbol in words
+            if shapes:
+                return scene.shape == shapes[0] and (not colours or scene.colour == colours[0])
+            if scene.colour == colours[0] or scene.background == colours[0]:
+                return True
+            return None if scene.background is None else False  # a patterned background may hold any colour
+
+        last = pool.scenes[sample.frames[-1][0]]
+        assert shows(last) == (answer == "Yes."), (condition, last, answer)
+        answers[answer] += 1
+        if answer == "No.":
+            shown_before += any(shows(pool.scenes[i]) for i, _ in sample.frames[:-1])
+            if last is not None and ("digit" in words or "letter" in words):
+                near += last.kind in words  # another digit, another letter
+            elif last is not None and last.shape is not None and any(c in words for c in scenes.COLOURS):
+                near += (last.shape in singular) != (last.colour in words)  # the shape in another colour, another in its colour
+        assert [t for _, t in sample.frames] == [sample.frames[0][1] + i for i in range(len(sample.frames))]
+    assert 80 <= answers["Yes."] <= 120 and near >= 15 and shown_before >= 20, (answers, near, shown_before)
+
+
 @needs_demo
 def test_training_lays_out_a_sample_as_the_session_runs_it(demo, monkeypatch):
     """The ids the trainer trains on are the ids a session tokenises, in the same order."""
