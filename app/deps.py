@@ -6,8 +6,9 @@ pool, a hop that made `GET /sessions/{id}` measurably slower (docs/benchmarks.md
 
 import hmac
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from fastapi import Depends, Request
@@ -29,36 +30,21 @@ _api_key = APIKeyHeader(
 )
 
 
-async def get_settings(connection: HTTPConnection) -> GatewaySettings:
-    return connection.app.state.settings
+def _app_state(name: str) -> Callable[[HTTPConnection], Awaitable[Any]]:
+    """The dependency that reads `name` of the app's state (set up at start, app/main.py)."""
+
+    async def dependency(connection: HTTPConnection) -> Any:
+        return getattr(connection.app.state, name)
+
+    return dependency
 
 
-async def get_redis(connection: HTTPConnection) -> Redis:
-    return connection.app.state.redis
-
-
-async def get_keys(connection: HTTPConnection) -> Keys:
-    return connection.app.state.keys
-
-
-async def get_store(connection: HTTPConnection) -> SessionStore:
-    return connection.app.state.store
-
-
-async def get_metrics(connection: HTTPConnection) -> GatewayMetrics:
-    return connection.app.state.metrics
-
-
-async def get_rate_limiter(connection: HTTPConnection) -> RateLimiter:
-    return connection.app.state.rate_limiter
-
-
-Settings = Annotated[GatewaySettings, Depends(get_settings)]
-RedisDep = Annotated[Redis, Depends(get_redis)]
-KeysDep = Annotated[Keys, Depends(get_keys)]
-Store = Annotated[SessionStore, Depends(get_store)]
-Metrics = Annotated[GatewayMetrics, Depends(get_metrics)]
-Limiter = Annotated[RateLimiter, Depends(get_rate_limiter)]
+Settings = Annotated[GatewaySettings, Depends(_app_state("settings"))]
+RedisDep = Annotated[Redis, Depends(_app_state("redis"))]
+KeysDep = Annotated[Keys, Depends(_app_state("keys"))]
+Store = Annotated[SessionStore, Depends(_app_state("store"))]
+Metrics = Annotated[GatewayMetrics, Depends(_app_state("metrics"))]
+Limiter = Annotated[RateLimiter, Depends(_app_state("rate_limiter"))]
 
 
 def valid_api_key(settings: GatewaySettings, api_key: str | None) -> bool:

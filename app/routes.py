@@ -176,18 +176,11 @@ async def list_models(store: Store, settings: Settings, viewer: SessionViewer) -
         entry.workers += 1
         entry.sessions += worker.sessions
         entry.max_sessions += worker.max_sessions
-        entry.memory.append(WorkerMemory(
-            worker=worker.id, dtype=worker.dtype, kv_memory=worker.kv_memory, kv_memory_bytes=worker.kv_memory_bytes,
-            kv_free_bytes=worker.kv_free_bytes, device_free_bytes=worker.device_free_bytes,
-            host_memory=worker.host_memory, host_memory_bytes=worker.host_memory_bytes,
-            host_free_bytes=worker.host_free_bytes, ram_free_bytes=worker.ram_free_bytes,
-            default_sessions=worker.default_sessions, warning=worker.memory_warning,
-            pool_pages=worker.pool_pages, pool_free_pages=worker.pool_free_pages, pool_page_tokens=worker.pool_page_tokens,
-            pool_bytes=worker.pool_bytes, pool_session_pages=_only(worker.pool_session_pages, own),
-            host_pool_pages=worker.host_pool_pages, host_pool_free_pages=worker.host_pool_free_pages,
-            host_pool_page_tokens=worker.host_pool_page_tokens, host_pool_bytes=worker.host_pool_bytes,
-            host_pool_session_pages=_only(worker.host_pool_session_pages, own),
-        ))
+        entry.memory.append(WorkerMemory.model_validate({
+            **worker.model_dump(include=set(WorkerMemory.model_fields)), "worker": worker.id,
+            "warning": worker.memory_warning, "pool_session_pages": _only(worker.pool_session_pages, own),
+            "host_pool_session_pages": _only(worker.host_pool_session_pages, own),
+        }))
     return ModelList(default=settings.model, models=sorted(served.values(), key=lambda m: m.name))
 
 

@@ -1,15 +1,12 @@
 """An answer in progress, as state: what it has said, the token it runs next, why it stopped.
 
-Its `Phase` only moves forward, each move an explicit call: ASKED until `begin` gives out its
-question's prompt (its markers pinned), BEGUN until `question_ran` (or `failed`), ANSWERING
-while `accept` chooses tokens (`unfed()` gives each to run, `fed` says it ran) and `advance`
-gives a piece a step, STOPPING once the last is chosen (`advance` gives the text held back, then
-None), OVER once `closing` / `closed` closed its turn in the cache (`stop` stops it from any
-phase; a step then closes its turn). An engine step (`engine/step.py`) runs the prompts of many
-answers, and frames, in one forward and calls these; it imports nothing that runs (the answer a
-user iterates, a step of one per piece, is `engine/session.py`'s). Nothing changes the cache but
-these calls: an answer left open is stopped and closed by the step of its session's next frames
-or text (`SessionState.open_answer`)."""
+Its `Phase` only moves forward, each move an explicit call (`stop` stops it from any phase; a
+step then closes its turn). An engine step (`engine/step.py`) runs the prompts of many answers,
+and frames, in one forward and calls these; it imports nothing that runs (the answer a user
+iterates is `engine/session.py`'s). Nothing changes the cache but these calls: an answer left
+open is stopped and closed by the step of its session's next frames or text
+(`SessionState.open_answer`).
+"""
 
 from enum import Enum, auto
 from typing import TYPE_CHECKING
@@ -27,11 +24,11 @@ MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the 
 
 
 class Phase(Enum):
-    ASKED = auto()  # its question's prompt not yet given out
-    BEGUN = auto()  # the prompt given out, not yet run
-    ANSWERING = auto()  # the prompt ran: tokens are chosen and run, one a step
+    ASKED = auto()  # its question's prompt not yet given out (`begin` gives it)
+    BEGUN = auto()  # the prompt given out, not yet run (`question_ran`, or `failed`)
+    ANSWERING = auto()  # tokens are chosen (`accept`) and run (`unfed`, `fed`), one a step (`advance`)
     STOPPING = auto()  # the last token is chosen: the text held back and the turn's closing remain
-    OVER = auto()  # its turn closed in the cache, or its question never ran
+    OVER = auto()  # its turn closed in the cache (`closing`, `closed`), or its question never ran
 
 
 class Answer:

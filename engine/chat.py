@@ -36,28 +36,14 @@ CHATML = ChatFormat(
 def from_template(render: Callable[[list[dict], bool], str]) -> ChatFormat:
     """Cut a template at placeholders. `render(messages, add_generation_prompt)` returns text;
     templates that refuse a system message get the system prompt at the start of the user turn."""
+    turns = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}, {"role": "user", "content": _NEXT}]
     try:
-        full = render(
-            [
-                {"role": "system", "content": _SYSTEM},
-                {"role": "user", "content": _USER},
-                {"role": "assistant", "content": _ASSISTANT},
-                {"role": "user", "content": _NEXT},
-            ],
-            True,
-        )
+        full = render([{"role": "system", "content": _SYSTEM}, *turns], True)
         with_system = _SYSTEM in full
     except Exception:
         with_system = False
     if not with_system:
-        full = render(
-            [
-                {"role": "user", "content": _USER},
-                {"role": "assistant", "content": _ASSISTANT},
-                {"role": "user", "content": _NEXT},
-            ],
-            True,
-        )
+        full = render(turns, True)
     if not all(mark in full for mark in (_USER, _ASSISTANT, _NEXT)):
         raise ValueError("the chat template does not render every message")
     opening, rest = full.split(_USER)

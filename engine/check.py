@@ -1,21 +1,14 @@
 """A check: a yes/no condition scored against a session's cache as it is now, which it leaves as it was.
 
-A watch (a standing question on a live stream: "tell me when a red circle is visible") is
-checked every few seconds of video. A check puts its condition in the model's own yes/no prompt,
-in the open user turn where the frames stream, and opens the assistant's turn
-(`engine/chat.py`):
+A watch's condition goes in the model's own yes/no prompt, in the open user turn where the frames
+stream, and opens the assistant's turn (`engine/chat.py`):
 
     ... [12.0s]<frame tokens>\\n Is this true of the video now: {condition}? Answer yes or no.<user_to_assistant>
 
-Its tokens run as one forward, read only (`runner.Prompt.keep` False, `engine/step.py`'s `Check`):
-they attend the cache's keys and their own, and nothing of them is stored, observed or counted;
-the cache's tokens, keys, values, positions, eviction statistics, memory map and host tier are
-after a check what they were before, and the next frame takes the position it would have taken.
-A check borrows nothing from the host tier: it sees what the device cache holds.
-
-p(yes) is read from the logits after the prompt's last token, where the answer's first token
-would be chosen: the softmax over two classes, each the log-sum-exp of the logits of its
-spellings (`answer_ids`). Nothing is decoded.
+It runs read only (`runner.Prompt.keep` False, `engine/step.py`'s `Check`): nothing of it is
+stored, observed, counted or borrowed, and the next frame takes the position it would have taken.
+p(yes) is read from the logits after its last token: the softmax over two classes, each the
+log-sum-exp of the logits of its spellings (`answer_ids`). docs/engine.md, "Watches: checks".
 """
 
 from dataclasses import dataclass

@@ -1,24 +1,12 @@
 """An answer's evidence: the video times its question and answer attend to beyond what any question would.
 
-Every query of a chat pays some frames a share of its attention whatever it is about: the
-opening frames (attention sinks) and the newest ones. Summed, those shares put the first second
-and the last seconds among the evidence of nearly every answer on real video (docs/engine.md,
-"Evidence"). So each query's attention is taken as shares: per token held of each video time,
-the share of what it paid all frame times (a row summing to 1).
-
-The baseline is measured, not guessed: before a question runs, a question about nothing in
-particular (PROBE) and the first words of an answer to it (PROBE_ANSWER) run read only against
-the same cache (nothing of them stays; the runner writes what they paid into an `Observed`). Its question's queries' mean share of
-each time is what any question pays there. An answer's tokens read the opening, the newest
-and the most salient frames more than a question's do, whatever was asked, so an answer's
-baseline is the mean of the probe question's share and its answer's (PROBE_ANSWER_WEIGHT): the
-answer's two words alone are salience too, and a needle the real answer reads they read as
-well (docs/engine.md, "Evidence"). A time's excess is the shares of the question's queries (with
-the markers closing its turn) less (1 + PROBE_MARGIN) times the question's baseline, plus the
-shares of the answer's queries (its tokens and the markers closing its turn) less as much of the
-answer's baseline, over all those queries; the times of most excess are the evidence. Where no
-time draws that much more than the probe did, the times that draw more at all are; where none
-does (an answer that reads the video exactly as one about nothing would), there is none.
+Every query of a chat pays some frames a share of its attention whatever it is about (the
+opening frames, the newest ones), so each query's attention is read as shares (per token held of
+each video time, of what it paid all frame times), against a baseline measured on the same
+cache: a probe (PROBE, then PROBE_ANSWER) run read only before the question. A time's excess is
+what the question's and the answer's queries paid it beyond (1 + PROBE_MARGIN) times their
+baselines; the times of most excess are the evidence (docs/engine.md, "Evidence": the rule and
+how it was chosen).
 
 State of one answer, bounded by the frame times the cache holds. What queries paid the frames
 is read here too: the kept queries' from the cache (`frame_attention`), a read-only prompt's as

@@ -6,6 +6,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's normalisation, which Qwen2.5-VL's uses too
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
 
 def to_pixels(
     frames: Sequence[np.ndarray], image_size: int, mean: Sequence[float], std: Sequence[float]
@@ -21,12 +24,20 @@ def to_pixels(
     return (pixels - mean_t) / std_t
 
 
-def _resize_crop(frame: np.ndarray, size: int) -> np.ndarray:
+def resized(frame: np.ndarray, height: int, width: int) -> Image.Image:
+    """An RGB uint8 frame (H, W, 3) resized (bicubic); ValueError for anything else."""
+    return Image.fromarray(_rgb(frame)).resize((width, height), Image.Resampling.BICUBIC)
+
+
+def _rgb(frame: np.ndarray) -> np.ndarray:
     if frame.ndim != 3 or frame.shape[2] != 3 or frame.dtype != np.uint8:
         raise ValueError(f"expected an RGB uint8 frame (H, W, 3), got {frame.dtype} {frame.shape}")
-    height, width = frame.shape[:2]
+    return frame
+
+
+def _resize_crop(frame: np.ndarray, size: int) -> np.ndarray:
+    height, width = _rgb(frame).shape[:2]
     scale = size / min(height, width)
     new_w, new_h = max(size, round(width * scale)), max(size, round(height * scale))
-    image = Image.fromarray(frame).resize((new_w, new_h), Image.Resampling.BICUBIC)
     left, top = (new_w - size) // 2, (new_h - size) // 2
-    return np.asarray(image.crop((left, top, left + size, top + size)))
+    return np.asarray(resized(frame, new_h, new_w).crop((left, top, left + size, top + size)))

@@ -4,17 +4,12 @@ A page here is a host tier's page (`engine/host_tier.py`): `page_tokens` consecu
 a stream, in every layer and KV head, with each place's key (before the rotary embedding),
 value, kind, video time and whether it is held, and for a model with 3-D positions its place
 on its frame's grid (`grids`, `engine/layout.py`). The pool holds `pages` of them in five (or
-six) tensors (layers, kv_heads, pages, page_tokens[, head_dim]), pinned on CUDA (so that what a question
-borrows is copied to the device without blocking). A session with recall leases a run of
-consecutive pages, as many as its tier's bound, when it opens (`engine/page_runs.py`): its
-tier is then views of that run, a page's slot is a page of the run, and moving a page in or
-out is a copy of that page. The run goes back when the session ends.
-
-Where the pool is not pinned (beside a CPU's caches), it is allocated with `torch.empty`: the
-operating system gives its pages memory only when first written, and a run's pages are given
-back when it goes back (`engine/resident.py`), so resident memory follows the tiers held, up to
-the pool's size. Pinned, it is taken whole at start. A tier made without a pool (a session alone)
-makes one of its own, of exactly its bound, at its first eviction.
+six) tensors (layers, kv_heads, pages, page_tokens[, head_dim]), pinned on CUDA (so that what a
+question borrows is copied to the device without blocking). A session with recall leases a run
+of pages, as many as its tier's bound, when it opens (`engine/page_runs.py`): its tier is then
+views of that run, and moving a page in or out is a copy of that page. Not pinned, the pool
+takes memory only as pages are written and gives a run's back with it (`engine/resident.py`). A
+tier made without a pool (a session alone) makes one of its own, of exactly its bound.
 """
 
 import torch

@@ -7,8 +7,11 @@ transformers cache layer over them: the model hands it keys rotated at their pos
 indices) and it turns them back. What moves tokens (eviction, borrowing, give-back) and what
 they mean (kind, time, place) is `engine/kv_cache.py`'s.
 
-Every tensor here that lives from one step to the next is made `outside_inference`: a tensor
-made in inference mode cannot be changed in place outside it (docs/engine.md).
+One rule for every tensor a session keeps from one step to the next (these buffers, each token's
+kind, time and place, the last queries, the rotary tables, the host tier, the session's counters
+and last logits): it is made `outside_inference`, or cloned there. Only the model's forward runs
+in inference mode, and a tensor made in it cannot be changed in place outside it: without the
+rule, state made in a step of several sessions would fail the session's next step alone.
 """
 
 import math
@@ -296,20 +299,11 @@ class PreRopeLayer(DynamicLayer):
     def merge(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
         """Hold instead, per KV head, the tokens at `rows` (kv_heads, m) of [the tokens held, then
         `keys` and `values` (1, kv_heads, k, head_dim)], as a borrowing merges tokens among those
-        held; and rotate the keys into the copy now, from the merged keys just made (read once,
-        while they are in the processor's cache)."""
+        held; and rotate the keys into the copy now, while they are in the processor's cache."""
         self._keys.append(keys)
         self._values.append(values)
-        merged = take(self.keys, rows)
-        self.keys, self.values = merged, take(self.values, rows)
-        if self._rotated is None:
-            self._rotated = Rows(self.most_tokens, self._rotated_home)
-        count = merged.shape[2]
-        if self.layout is not None:  # its rows merged already (`Layout.merge`)
-            cos, sin, _ = self.table.at3(self.layout.positions(0, count), merged)
-        else:
-            cos, sin, _ = self.table.between(0, count, merged)
-        rotate(merged, cos, sin, self.table.scale, out=self._rotated.extend(count, merged))
+        self.keys, self.values = take(self.keys, rows), take(self.values, rows)  # the copy emptied
+        self._rotate_up_to_date()  # with a layout, its rows merged already (`Layout.merge`)
 
     def at_home(self, tokens: int) -> bool:
         """Whether keys, values and the rotated copy are all in this layer's slots in the pool,
@@ -324,9 +318,7 @@ class PreRopeLayer(DynamicLayer):
     def merged(self, count: int) -> None:
         """After the pool merged tokens into this layer's slots and rotated them into the copy
         (`Lease.merge`): hold the first `count`."""
-        if self._rotated is None:
-            self._rotated = Rows(self.most_tokens, self._rotated_home)
-        for rows in (self._keys, self._values, self._rotated):
+        for rows in (self._keys, self._values, self._copy()):
             rows.buffer, rows.length = rows.home, count
 
     def wrote(self, count: int) -> None:
@@ -342,6 +334,11 @@ class PreRopeLayer(DynamicLayer):
         self.keys = self.values = None
         self._keys.home = self._values.home = self._rotated_home = self._rotated = None
 
+    def _copy(self) -> Rows:
+        if self._rotated is None:
+            self._rotated = Rows(self.most_tokens, self._rotated_home)
+        return self._rotated
+
     def rotated(self) -> torch.Tensor:
         """(1, kv_heads, N, head_dim) the stored keys rotated at their positions: their indices,
         or their 3-D positions in the layout."""
@@ -350,9 +347,7 @@ class PreRopeLayer(DynamicLayer):
 
     def _rotate_up_to_date(self) -> None:
         """Rotate into the copy the stored keys it lacks (those appended or merged since)."""
-        if self._rotated is None:
-            self._rotated = Rows(self.most_tokens, self._rotated_home)
-        done, total = self._rotated.length, self._keys.length
+        done, total = self._copy().length, self._keys.length
         if done < total:
             stored = self._keys.buffer.narrow(2, done, total - done)
             if self.layout is not None:

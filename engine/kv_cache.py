@@ -6,43 +6,26 @@ came from. Each KV head may keep different tokens, but every head of every layer
 number, n.
 
 Positions are re-encoded at every eviction: a token's position is always its index 0..n-1, so
-positions never exceed the cache's peak size, whatever the stream's length. The keys are kept
-as they were before the rotary embedding (each new key is turned back from its position once,
-when it is stored), and beside them a copy rotated at their
-indices with the model's own rotary embedding, which the attention reads. A forward rotates
-only its new tokens into the copy; whatever moves tokens to other indices (an eviction, a
-borrowing, a give-back) replaces the stored keys, and the copy is made again from them at the
-next forward (in its own buffer, which stays). So an eviction is a gather, and however many evictions a key
-lives through, what the attention sees is one rotation away from what the model computed: in
-bfloat16, rotating kept keys from position to position at every eviction instead lets the
-rounding build up (measured: 9% after 150 moves, 40% after 1,000).
+positions never exceed the cache's peak size. The keys are kept as they were before the rotary
+embedding, and beside them a copy rotated at their indices, which the attention reads: a forward
+rotates only its new tokens into it, and whatever moves tokens (an eviction, a borrowing, a
+give-back) has it made again from the stored keys at the next forward. So an eviction is a
+gather, and what the attention sees is always one rotation away from what the model computed
+(docs/engine.md, "Positions": rotating rotated keys lets bfloat16's rounding build up).
 
 A model with 3-D positions (Qwen2.5-VL, Qwen3-VL) places tokens by each layer's `Layout`
 instead (`engine/layout.py`): keys are turned back from, and rotated at, each token's 3-D
 position there, and an eviction, a borrowing or a give-back moves its rows with the tokens; an
 eviction (or a borrowing) re-encodes them.
 
-Keys, values and the copy each sit in a buffer with room after their tokens (at most half as
-many again as the most it held, and no more than the cache's expected peak, `most_tokens`, while
-it holds no more), so that a forward writes only its new tokens, in place, where a transformers
-cache copies the whole layer; each token's kind, time and place, and the last queries, wait for
-a few forwards and are joined once. At its peak, then, a cache takes its peak's keys and values
-and a copy of its keys: 1.5 times its keys and values.
-
 With a host tier (`engine/host_tier.py`), what an eviction removes moves there instead of
 being dropped, and a question may borrow pages back (`engine/loan.py`).
 
-One rule for every tensor a session keeps from one step to the next (its keys, values and
-their rotated copy, each token's kind, time and place, the last queries, the attention
-received, the rotary tables, the host tier, the session's counters and last logits): it is
-made outside inference mode (`outside_inference`), or cloned there. Only the model's own
-forward runs in inference mode, and the attention hands the cache its queries there; a tensor
-made in inference mode cannot be changed in place outside it, so without the rule a state made
-in a step of several sessions (`engine/step.py`) would fail the session's next step alone.
-
-The buffers of keys, values and the rotated copy, and the rotary tables, are
-`engine/kv_buffers.py`'s; here is what moves tokens among them with each token's kind, time and
-place, which must move together (append, evict; a borrowing's rows: `lent`, `gave_back`).
+The buffers of keys, values and the rotated copy (room after their tokens, so a forward writes
+only its new ones), and the rotary tables, are `engine/kv_buffers.py`'s, as is the rule that
+every tensor a session keeps across steps is made `outside_inference`. Here is what moves tokens
+among them with each token's kind, time and place, which must move together (append, evict; a
+borrowing's rows: `lent`, `gave_back`).
 """
 
 import time
@@ -80,7 +63,6 @@ class KVCache:
         are instead (`engine/kv_pool.py`). `positions_3d`: the model places tokens in 3-D
         (`engine/layout.py`): each layer keeps their layout, re-encoded at every eviction."""
         self.policy = policy
-        self.rotary = rotary
         self.kv_heads = kv_heads
         self.evidence_window = evidence_window
         self.positions = PositionTable(rotary)

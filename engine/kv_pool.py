@@ -3,23 +3,13 @@
 The pool is one tensor (3, layers, kv_heads, pages * page_tokens, head_dim): keys as stored
 (before the rotary embedding), values, and the keys rotated at their indices (the copy the
 attention reads), for every layer, in pages of `page_tokens` token slots. A session leases a
-run of consecutive pages big enough for the most tokens its cache holds at once (its budget,
-a prompt, an answer and what a question borrows; a `full` session's context), once, when it
-opens: its page table is that run. Each of its layers' keys, values and rotated keys is then a
-view of its pages (1, kv_heads, tokens, head_dim), so that the attention reads them in place;
-appending writes into the next free slots of the run, an eviction gathers the kept tokens to
-its front (the slots after them are free again), and nothing is allocated while it streams.
-The lease goes back when the session ends (`Lease.release`, or when the lease is collected).
-
-Consecutive pages, so that a view needs no page table at each read: a run is found first-fit
-among the free pages (`engine/page_runs.py`), and admission asks for one (`can_lease`). Sessions of one budget take
-runs of one length, which leave no holes another such session cannot fill.
-
-The pool is allocated with `torch.empty`: on a CPU the operating system gives its pages
-memory only when first written, and a run's pages are given back when it goes back
-(`engine/resident.py`), so resident memory follows the sessions held, up to the pool's size; on
-a GPU it is taken whole at start, as vLLM takes its KV cache. The host tiers' pages are in a pool of their
-own beside it, in host memory (`host`, `engine/host_pool.py`).
+run of consecutive pages (first fit, `engine/page_runs.py`) big enough for the most tokens its
+cache holds at once, when it opens; each of its layers' keys, values and rotated keys is then a
+view of its pages (1, kv_heads, tokens, head_dim), read in place, and nothing is allocated
+while it streams. The lease goes back when the session ends (`Lease.release`, or when the lease
+is collected). On a CPU the pool takes memory as its pages are first written and gives a run's
+back with it (`engine/resident.py`); on a GPU it is taken whole at start, as vLLM takes its KV
+cache. The host tiers' pages are in a pool of their own (`host`, `engine/host_pool.py`).
 """
 
 from dataclasses import dataclass

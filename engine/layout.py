@@ -7,20 +7,14 @@ frames, merged into a grid of rows x columns) share one time and lie on their gr
 `get_rope_index` for a video of one temporal group. A prompt's layout, per token, is
 (s - the prompt's first s, row, column), (0, 0) for text (`of_parts`).
 
-The cache stores each key turned back from its whole 3-D position, as the model had it before the
-rotary embedding, and rotates it at its position when it is read (`PositionTable.at3`): moving a
-token to another position is again one rotation from the stored key.
-
 Per layer, `Layout` holds per KV head and token its position (s, row, column), its group (the
 stream place of its group's first token; a text token is a group of its own) and its row and
-column on its group's own grid. After an eviction the kept tokens are re-encoded (`compact`): per
-KV head, in stream order, each kept group starts where the one before ended; within it, the rows
-it keeps are numbered 0, 1, ... in their order, and so are the columns, and it spans the more of
-the two. So time follows the order of the kept groups, height and width keep the order (not the
-gaps) of what a frame keeps, text advances all three, and a group never spans more positions
-than it keeps tokens: s stays below the number of tokens kept, whatever the stream's length, and
-tokens merged in (borrowed from a host tier) add at most their number. A cache that evicted
-nothing holds exactly transformers' positions.
+column on its group's own grid. After an eviction the kept tokens are re-encoded (`compact`):
+per KV head, in stream order, each kept group starts where the one before ended, and spans the
+more of the rows and the columns it keeps, numbered 0, 1, ... in their order. So s stays below
+the number of tokens kept, whatever the stream's length, and tokens merged in (borrowed from a
+host tier) add at most their number; a cache that evicted nothing holds exactly transformers'
+positions (docs/engine.md, "Qwen2.5-VL and Qwen3-VL").
 """
 
 from collections.abc import Sequence

@@ -22,7 +22,6 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    DynamicCache,
     LlavaForConditionalGeneration,
     LlavaNextForConditionalGeneration,
     LlavaNextVideoForConditionalGeneration,
@@ -37,11 +36,9 @@ from transformers.utils import cached_file
 from engine import attention
 from engine.chat import ChatFormat, from_template
 from engine.converted import ConvertedWeights
-from engine.frames import to_pixels
+from engine.frames import CLIP_MEAN, CLIP_STD, to_pixels
 from engine.qwen_vision import QwenVision
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 POOL_MODES = ("average", "max", "bilinear", "adaptive")
 QWEN_FAMILIES = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen3_vl": Qwen3VLForConditionalGeneration}
 

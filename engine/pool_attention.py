@@ -2,26 +2,20 @@
 
 Per layer, for every such session at once: one write of the new keys, rotated keys and values
 into their slots in the pool, and one attention call for the sessions that run the same number
-of new tokens (all of them, in a step of answer tokens). No Python loop over sessions inside a
-layer: what differs from session to session (slots, positions, pages, masks) is made into
-index tensors once per forward (`PoolStep`), and every layer reuses them.
+of new tokens. No Python loop over sessions inside a layer: what differs from session to session
+(slots, positions, pages, masks) is made into index tensors once per forward (`PoolStep`).
 
-Write: the forward hands each layer its new keys rotated at their positions. They are turned
-back (each session's own rotary table, read once per forward), written at the slots after the
+Write: each layer's new keys, rotated at their positions, are turned back, written after each
 session's held tokens with one `index_copy_` per pool part, and rotated again into the copy the
 attention reads: token by token the arithmetic of `PreRopeLayer.update`, so the same bits as a
 session run alone.
 
 Attend, for the B sessions with c new tokens each: their queries (B, kv_heads, group * c,
-head_dim) (the query heads that share a KV head as one run, as in `attend`) over a batch of
-their keys and values (E, kv_heads, N, head_dim), with an additive mask: each query sees its
-session's keys up to its own, never another session's nor the slots after its session's last
-key. The batch is a strided view of the pool when the sessions' leases are of one length and
-lie one after another (as sessions of one budget lease them: no copy; a lease between them that
-is no member's is an entry of no one's queries); else their pages are gathered into it. Gathering
-copies every key and value the batch reads once more: on a CPU that costs more than a call per
-session saves once the batch holds many keys (docs/engine.md), so there, past
-`CPU_GATHER_MAX_KEYS`, each session is attended in place, a view of its slots.
+head_dim) over a batch of their keys and values (E, kv_heads, N, head_dim), with an additive
+mask: each query sees its session's keys up to its own, never another session's nor the slots
+after its last. The batch is a strided view of the pool when the leases are of one length and
+lie one after another, else their pages gathered; on a CPU, past `CPU_GATHER_MAX_KEYS`, each
+session is attended in place instead (docs/engine.md, "The KV pool").
 """
 
 from collections.abc import Callable

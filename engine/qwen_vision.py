@@ -2,14 +2,11 @@
 patches, patched.
 
 Qwen's vision tower takes a video as groups of `temporal_patch` frames (2), each frame resized so
-that both sides are multiples of `patch * merge` pixels (28 for Qwen2.5-VL, 32 for Qwen3-VL) and
-its area lies within the checkpoint's bounds (`min_pixels`, `max_pixels`, keeping the aspect
-ratio), cut into patches of `patch` pixels of both frames at once, and its output merged `merge`
-x `merge` (2x2): a pair of 448x252 frames is, for Qwen2.5-VL, 16 x 9 merged patches, 144 visual
-tokens, laid out row by row on a grid of 9 rows and 16 columns. Qwen3-VL's tower also gives
-"deep-stack" features of some of its layers, which its language model adds to the visual tokens'
-hidden states in its first layers. Done here with Pillow and torch, to the numbers of the
-checkpoint's preprocessor file, since the processors of transformers need torchvision.
+that both sides are multiples of `patch * merge` pixels and its area lies within the
+checkpoint's bounds, cut into patches of both frames at once, and its output merged `merge` x
+`merge`: a pair of 448x252 frames is, for Qwen2.5-VL, 144 visual tokens on a grid of 9 rows and
+16 columns. Qwen3-VL's tower also gives "deep-stack" features (docs/engine.md, "Qwen2.5-VL and
+Qwen3-VL"). Done here with Pillow and torch, since the processors of transformers need torchvision.
 """
 
 import math
@@ -18,11 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image
 from transformers import PreTrainedModel
 
-QWEN_MEAN = (0.48145466, 0.4578275, 0.40821073)
-QWEN_STD = (0.26862954, 0.26130258, 0.27577711)
+from engine.frames import CLIP_MEAN, CLIP_STD, resized
+
 QWEN3_MEAN = QWEN3_STD = (0.5, 0.5, 0.5)
 
 
@@ -35,8 +31,8 @@ class QwenVision:
     temporal_patch: int = 2  # frames per visual group
     min_pixels: int = 128 * 28 * 28  # a frame's area after resizing (Qwen2.5-VL's video defaults)
     max_pixels: int = 768 * 28 * 28
-    mean: tuple[float, float, float] = QWEN_MEAN
-    std: tuple[float, float, float] = QWEN_STD
+    mean: tuple[float, float, float] = CLIP_MEAN
+    std: tuple[float, float, float] = CLIP_STD
     # Qwen3-VL: a group's text is its time in Qwen3's words (`<1.5 seconds>`, the mean of its
     # frames' times) and its tower's output carries deep-stack features
     qwen3: bool = False
@@ -58,8 +54,8 @@ class QwenVision:
             vision.temporal_patch_size,
             low // shares if low else defaults.min_pixels,
             high // shares if high else defaults.max_pixels,
-            tuple(preprocessor.get("image_mean") or (QWEN3_MEAN if qwen3 else QWEN_MEAN)),
-            tuple(preprocessor.get("image_std") or (QWEN3_STD if qwen3 else QWEN_STD)),
+            tuple(preprocessor.get("image_mean") or (QWEN3_MEAN if qwen3 else CLIP_MEAN)),
+            tuple(preprocessor.get("image_std") or (QWEN3_STD if qwen3 else CLIP_STD)),
             qwen3,
         )
 
@@ -102,7 +98,8 @@ class QwenVision:
         if len(frames) % self.temporal_patch:
             raise ValueError(f"{len(frames)} frames are not whole groups of {self.temporal_patch}")
         h, w = self.size(*frames[0].shape[:2])
-        pixels = torch.from_numpy(np.stack([_resized(frame, h, w) for frame in frames])).permute(0, 3, 1, 2).float().div_(255.0)
+        resampled = np.stack([np.asarray(resized(frame, h, w)) for frame in frames])  # (N, h, w, 3)
+        pixels = torch.from_numpy(resampled).permute(0, 3, 1, 2).float().div_(255.0)
         pixels = (pixels - torch.tensor(self.mean).view(1, 3, 1, 1)) / torch.tensor(self.std).view(1, 3, 1, 1)
         groups, p, m, t = len(frames) // self.temporal_patch, self.patch, self.merge, self.temporal_patch
         rows, cols = h // p, w // p
@@ -128,9 +125,3 @@ class QwenVision:
         """`encode`'s tokens (..., hidden * (1 + D)) as the visual tokens (..., hidden) and their
         deep-stack features (..., hidden * D), or None when D = 0."""
         return tokens[..., :hidden], tokens[..., hidden:] if tokens.shape[-1] > hidden else None
-
-
-def _resized(frame: np.ndarray, height: int, width: int) -> np.ndarray:
-    if frame.ndim != 3 or frame.shape[2] != 3 or frame.dtype != np.uint8:
-        raise ValueError(f"expected an RGB uint8 frame (H, W, 3), got {frame.dtype} {frame.shape}")
-    return np.asarray(Image.fromarray(frame).resize((width, height), Image.Resampling.BICUBIC))

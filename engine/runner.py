@@ -2,32 +2,25 @@
 
 The prompts of a run are packed into one sequence, one session after another, each at its own
 positions (after its cache's tokens, and after the places a question reserved for what it
-borrows): every linear layer of the model (most of its time and all of its weights' reads) runs
-once for all of them, and each attention layer attends each session's tokens to that session's
-cache alone, through the one attention seam (`engine/attention.py`): their keys stored (turned
-back from their positions), their queries kept for the next eviction, the cache's keys read
-rotated at their positions, borrowed pages brought in. No padding, and no mask over other
-sessions' tokens: caches of any lengths pack together. A session alone is a run of one. The
-sessions whose caches lease from one KV pool (a worker's) are written and attended there
-together, one call per layer for all of them (`engine/pool_attention.py`); the others (no pool,
-or borrowing from a host tier this forward) each through its own cache, in the same forward.
+borrows): every linear layer of the model runs once for all of them, and each attention layer
+attends each session's tokens to that session's cache alone, through the one attention seam
+(`engine/attention.py`). No padding, and no mask over other sessions' tokens: caches of any
+lengths pack together, and a session alone is a run of one. The sessions whose caches lease
+from one KV pool are written and attended there together (`engine/pool_attention.py`); the
+others each through its own cache, in the same forward. With 3-D positions (Qwen2.5-VL,
+Qwen3-VL) a prompt carries its layout (`engine/layout.py`), and its cache is told what to keep
+of its tokens before each forward.
 
-With 3-D positions (Qwen2.5-VL, Qwen3-VL), a prompt carries its layout, and its tokens are placed after
-the cache's furthest position (`engine/layout.py`); its cache is told what to keep of them
-before each forward.
+A prompt that does not `keep` its tokens (a watch's check, a probe) runs whole in one forward,
+read only: its tokens attend its cache's keys and values and their own, and its cache stores
+nothing of them, sees none of their queries, appends nothing and moves no position (it is
+attended through its cache's own buffers, never in a pool).
 
-A prompt that does not `keep` its tokens (a watch's check, `engine/check.py`) runs whole in one
-forward, read only: its tokens attend its cache's keys and values and their own, and its cache
-stores nothing of them, sees none of their queries, appends nothing and moves no position (it is
-attended through its cache's own buffers, never written into a pool).
-
-A prompt longer than its `chunk_tokens` runs in chunks, the same alone and together: each
-forward takes the next chunk of every prompt not yet done. Nothing is evicted here (each session
-evicts after its prompt, `engine/step.py`). If a forward fails, every cache of the run is left
-as it was before the run (the chunks that had run are taken out again) and the error is raised.
-
-Greedy answers are the same alone and together (the attention is the same sums; a batched
-matrix product may round its last bits differently, far below a choice's margin).
+A prompt longer than its `chunk_tokens` runs in chunks, the same alone and together. Nothing is
+evicted here (each session evicts after its prompt, `engine/step.py`). If a forward fails, every
+cache of the run is left as it was before the run and the error is raised. Greedy answers are
+the same alone and together (a batched matrix product may round its last bits differently, far
+below a choice's margin).
 """
 
 from collections.abc import Sequence

@@ -47,21 +47,14 @@ class SessionConfig:
     question_room_tokens: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("frames_per_prompt", "prefill_chunk_tokens", "context_tokens", "peak_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.question_room_tokens < 0:
-            raise ValueError(f"question_room_tokens must be >= 0, got {self.question_room_tokens}")
-        if self.pool is not None and self.pool < 1:
-            raise ValueError(f"pool must be >= 1, got {self.pool}")
-        if self.evidence_top_k < 0:
-            raise ValueError(f"evidence_top_k must be >= 0, got {self.evidence_top_k}")
+        for name, least in (
+            ("frames_per_prompt", 1), ("prefill_chunk_tokens", 1), ("context_tokens", 1), ("peak_tokens", 1),
+            ("question_room_tokens", 0), ("pool", 1), ("evidence_top_k", 0), ("pin_turns", 0),
+            ("host_budget_tokens", 0), ("retrieval_tokens", 0),
+        ):
+            if getattr(self, name) is not None and getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         policy = self.make_policy()  # validates the policy and its options
-        if self.pin_turns < 0:
-            raise ValueError(f"pin_turns must be >= 0, got {self.pin_turns}")
-        for name in ("host_budget_tokens", "retrieval_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.recall:
             if not policy.evicts:
                 raise ValueError(f"recall needs a policy that evicts; {self.policy!r} keeps everything")

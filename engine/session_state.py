@@ -1,14 +1,11 @@
 """A session's state: one model, one bounded KV cache, one conversation.
 
-The token stream the cache sees, for a chat model (see `engine/chat.py`):
-
-    <opening with the system prompt> [0.0s]<frame tokens>\\n [1.0s]<frame tokens>\\n ... question
-    <user_to_assistant> answer <assistant_to_user> [2.0s]<frame tokens>\\n ...
-
-Each group of `frames_per_prompt` frames is a prompt; so is each question, and each answer with
-the markers that close its turn. The cache evicts down to the policy's budget after every
-prompt (after a question only with `evict_on_question`; h2o also after every generated token),
-so it never holds more than the budget plus one prompt plus one answer.
+The token stream the cache sees is one conversation in the model's chat format (`engine/chat.py`;
+docs/engine.md, "The token stream"). Each group of `frames_per_prompt` frames is a prompt; so is
+each question, and each answer with the markers that close its turn. The cache evicts down to
+the policy's budget after every prompt (after a question only with `evict_on_question`; h2o
+also after every generated token), so it never holds more than the budget plus one prompt plus
+one answer.
 
 With `recall`, what the cache evicts goes to a bounded host tier (`engine/host_tier.py`), and
 each question borrows back up to `retrieval_tokens` of it for its answer: then the cache holds

@@ -2,37 +2,30 @@
 
 Work comes in four kinds, of distinct sessions of one model:
 - an `Answer` to advance by one piece: its question's prompt when it has not begun (then its
-  first token is chosen), after its probe (a question about nothing in particular and the first
-  words of an answer, run read only the round before: the baselines of its evidence,
-  `engine/evidence.py`), else the token it chose last (then the next is chosen);
+  first token is chosen; where it wants evidence, after its probe, run read only the round
+  before: `engine/evidence.py`), else the token it chose last (then the next is chosen);
 - `Frames` to append: encoded together (one vision call per pooling), then cut into the
   session's frame prompts (`frames_per_prompt` frames each);
-- a `Check` to score: its condition's yes/no prompt, run read only against its session's cache,
-  which keeps nothing of it (`engine/check.py`); where its p(yes) reaches the check's
-  `evidence_at`, a probe runs read only the round after, and the times the check attended to
-  beyond it are its evidence (`engine/evidence.py`);
+- a `Check` to score: its condition's yes/no prompt, run read only (`engine/check.py`); where its
+  p(yes) reaches `evidence_at`, a probe runs read only the round after, and the times the check
+  attended to beyond it are its evidence;
 - `Text` to append: the user turn's text, scored against what the model predicted, or a
   session's opening (its system prompt).
-An answer that stops early (`Answer.end`) is an answer whose turn the step closes; so is one left
-open (`SessionState.open_answer`) before its session's frames or text, in a run ahead of the rest.
+The turn of an answer left open in the session of frames or text (`SessionState.open_answer`)
+is closed first, in a run ahead of the rest.
 
-A step runs in rounds: each round is one run of the runner (`engine/runner.py`, one forward per
-chunk) over the next prompt of every item that has one left: the first round holds every
-beginning answer's probe, every other answer's and every check's prompt and every session's first
-frame prompt, later rounds the questions after their probes (and a firing check's probe) and the
-frames' further prompts, and a last round closes the turns of the answers that said all (the
-token chosen last and the markers closing the answer). After its prompt, each session applies
-what ran and evicts, exactly as alone (a check's session applies nothing: its p(yes) is read
-from the logits after its prompt). One session alone is a step of one: a session's opening,
-`Session.append_frames`, `append_text` and `check`, iterating an `Answer` and ending it early
-call `step` (engine/session.py), the only caller of the runner.
+A step runs in rounds, each one run of the runner (`engine/runner.py`, one forward per chunk)
+over the next prompt of every item that has one left; a last round closes the turns of the
+answers that said all. After its prompt, each session applies what ran and evicts, exactly as
+alone. One session alone is a step of one: `engine/session.py` calls `step` for everything, and
+this is the only caller of the runner.
 
 Results, one per item in order: an answer's piece (a str; None once it is over), a check's
-`Checked` (p(yes) in [0, 1] and its evidence), text's `TextScore` (None for an opening), None
-for frames, or the exception where the item failed: frames a session cannot take (`ValueError`, `ContextFull`; the frames before them
-stay appended), a check of a session that is answering (`ValueError`), or a failed forward. A
-failed forward leaves every session of it as it was; an answer's token or a check in it then runs alone, so that a fault of
-one session does not end another's answer.
+`Checked`, text's `TextScore` (None for an opening), None for frames, or the exception where
+the item failed: frames a session cannot take (`ValueError`, `ContextFull`; the frames before
+them stay appended), a check of a session that is answering (`ValueError`), or a failed
+forward. A failed forward leaves every session of it as it was; an answer's token or a check in
+it then runs alone, so that a fault of one session does not end another's answer.
 """
 
 import logging

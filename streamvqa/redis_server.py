@@ -6,9 +6,9 @@ import random
 import shutil
 import socket
 import subprocess
-from subprocess import Popen
 import time
 from pathlib import Path
+from subprocess import Popen
 
 from streamvqa import children
 
@@ -54,19 +54,10 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> str:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._process = children.spawn(
-            [
-                find_redis_server(),
-                "--bind", "127.0.0.1",
-                "--port", str(self.port),
-                "--save", "",
-                *(("--appendonly", "yes", "--appendfsync", self.appendfsync) if self.appendfsync else ("--appendonly", "no")),
-                "--dir", str(self.directory),
-                "--logfile", "redis.log",
-            ]
-        )
+        appendonly = ("--appendonly", "yes", "--appendfsync", self.appendfsync) if self.appendfsync else ("--appendonly", "no")
+        self._process = children.spawn(_server_command(self.port, self.directory, *appendonly))
         deadline = time.monotonic() + timeout_s
-        while not self._answers_ping():
+        while not _answers_ping(self.port):
             if self._process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"redis-server did not start; see {self.directory / 'redis.log'}")
@@ -92,8 +83,11 @@ class EmbeddedRedis:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _answers_ping(self) -> bool:
-        return _answers_ping(self.port)
+
+def _server_command(port: int, directory: Path, *options: str) -> list[str]:
+    """A redis-server on 127.0.0.1:`port`, its log in `directory`, never saving a dump file."""
+    return [find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", *options,
+            "--dir", str(directory), "--logfile", "redis.log"]
 
 
 def find_redis_cli() -> str:
@@ -193,21 +187,11 @@ class LocalCluster:
     def _start_node(self, port: int) -> None:
         folder = self.directory / str(port)
         folder.mkdir(parents=True, exist_ok=True)
-        self._processes[port] = children.spawn(
-            [
-                find_redis_server(),
-                "--bind", "127.0.0.1",
-                "--port", str(port),
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms),
-                "--cluster-require-full-coverage", "no",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(folder),
-                "--logfile", "redis.log",
-            ]
-        )
+        self._processes[port] = children.spawn(_server_command(
+            port, folder, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no",
+            "--appendonly", "no",
+        ))
 
     def _cluster_ok(self, port: int) -> bool:
         return b"cluster_state:ok" in _command(port, b"CLUSTER INFO")

@@ -9,6 +9,7 @@ the step as a whole.
 """
 
 from collections.abc import Sequence
+from itertools import islice
 from typing import Protocol
 
 from engine import Answer, Check, Frames, Result, step
@@ -29,12 +30,8 @@ async def run(threads: Threads, parts: Sequence[Part]) -> None:
 
     def on_engine() -> list[list[Result]]:
         items = [part.work() for part in parts]
-        results = step([item for work in items for item in work])
-        at, split = 0, []
-        for work in items:
-            split.append(results[at : at + len(work)])
-            at += len(work)
-        return split
+        results = iter(step([item for work in items for item in work]))
+        return [list(islice(results, len(work))) for work in items]  # each part's own, in order
 
     try:
         results: list[list[Result]] | list[Exception] = await threads.engine(on_engine)

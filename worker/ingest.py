@@ -9,10 +9,7 @@ The worker's loop knows one interface, `Ingest`; three kinds implement it:
 
 Live frames pass through a `FrameQueue` (real time: late frames are dropped, see there). Every
 method but an upload's `next_frames` is quick (`frames_block` says which); `worker.threads`
-says on which thread the worker runs each.
-
-Over 400 lines: the interface and both live kinds, which share `_LiveIngest` and its decoder
-thread's hand-over; the upload, which shares nothing, is in `worker.upload`.
+says on which thread the worker runs each. The two live kinds share `_LiveIngest`.
 """
 
 import logging

@@ -149,20 +149,8 @@ class Leases:
             memory_warning=capacity.warning,
             **pool_fields(capacity.pool, sessions),
             host_bytes=sum(h.host_bytes for h in sessions.values()),
-            retrieved_tokens=counters.retrieved_tokens,
-            retrieved_pages=counters.retrieved_pages,
-            retrieval_ms=round(counters.retrieval_ms, 3),
-            steps=counters.steps,
-            step_sessions=counters.step_sessions,
-            prompt_tokens=counters.prompt_tokens,
-            generation_tokens=counters.generation_tokens,
-            queue_time_s=counters.queue_time_s,
-            time_per_output_token_s=counters.time_per_output_token_s,
-            step_batch_sessions=counters.step_batch_sessions,
-            frames_ingested=counters.frames_ingested,
-            evictions=counters.evictions,
-            answers=counters.answers,
             ingest_lag_s=round(max((h.lag_s for h in sessions.values()), default=0.0), 3),
+            **{**vars(counters), "retrieval_ms": round(counters.retrieval_ms, 3)},  # every counter, by its name
         )
         await self.redis.hset(self.keys.workers(), self.worker_id, info.model_dump_json())
 

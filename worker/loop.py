@@ -8,16 +8,8 @@ fills: the questions that can start, a token of every answer under way, and fram
 in turn within the step's token budget (`worker.engine_steps` runs it). A session idle for IDLE_RELEASE_S leaves the worker (snapshotted) and comes back at its
 next question or media, so idle sessions do not hold a worker's places.
 
-The loop composes its collaborators, each a module of its own:
-
-- `worker.claims`: taking sessions from the pending queue, opening and replaying them;
-- `worker.leases`: the sessions' leases and the worker registry (renewed by the heartbeat here);
-- `worker.records`: the sessions' records, events and memory reports;
-- `worker.answering`: questions and their answers;
-- `worker.intake`: media into the ingests and frames into the caches;
-- `worker.watches`: the sessions' watches, their checks and firings;
-- `worker.snapshots`: when a session is snapshotted, and the files of sessions that are gone;
-- `worker.hosted`: a held session, and its phase's state machine.
+The loop only composes; each job is a module of its own (`claims`, `leases`, `records`,
+`answering`, `intake`, `watches`, `snapshots`, `hosted`: docs/architecture.md, "Worker").
 """
 
 import asyncio

@@ -18,26 +18,14 @@ frames took in its cache (`frame_tokens`, 0 before its first). Checks and frames
 while its count stays within `step_tokens`; the first session in turn of each always joins a
 step that starts no question, so neither waits for answers.
 
-A session with a watch due is checked before it takes more frames, so that the check sees the
-video up to its time; like frames, a check waits for its session's answer and questions (it
-would fall inside the answer's turn).
-
-The rule: every question that can start goes in the next step (the oldest asked first); every
-answer under way gets a token in every step; within each of the others the sessions take turns
-after those that ran last, so that past `batch_sessions` every session's turn comes within
-ceil(sessions / batch_sessions) steps. A session does one thing at a time, its questions in
-order and before its media (frames never enter the cache in the middle of an answer, nor while a
-question of its session waits to start); a question asked on a stream socket after media is not
-ready (`next_question_at` is None) until that media is in the cache, and its session's frames
-go on meanwhile. So a question read by the worker waits for the step running when it came and
-for the starts of questions read before it, never for another session's whole answer or whole
-video; and an answer's next token waits for one step.
-
-A session's own frames wait for its answer. For a live stream that wait must not turn into a
-hole in the cache: while a session answers or has a question ready to start, its ingest holds the
-real-time rule (`Ingest.hold`, set by the loop each turn from the same `answering` and
-`next_question_at` this scheduler reads), so the frames sent meanwhile queue up and enter the
-cache in the steps after the answer, instead of being dropped as late.
+A session does one thing at a time, its questions in order and before its media: a check or
+frames wait for its answer and questions (a check would fall inside the answer's turn), and a
+session with a watch due is checked before it takes more frames. Every question that can start
+goes in the next step, every answer under way gets a token in every step, and within each of the
+other kinds the sessions take turns after those that ran last, so that past `batch_sessions`
+every session's turn comes within ceil(sessions / batch_sessions) steps. What a question waits
+for, and why a live stream's frames queue meanwhile instead of being dropped (`Ingest.hold`), is
+docs/architecture.md's "Fairness" and "Live frames during an answer".
 """
 
 from collections.abc import Callable, Mapping

@@ -1,21 +1,13 @@
 """Session snapshots where any worker can read them: in Redis when small, in a directory when large.
 
-A snapshot is the engine's `snapshot()` bytes plus the live ingest's state (its sampling clock
-and init segment). It lives in the hash `session:{id}:snapshot` (fields `engine` or `path`,
-`ingest`, `taken_at`, and `pages`) and expires with the session. Files are written whole, then
-renamed, so a reader never sees half a snapshot; on several machines the directory must be
-shared. Only the worker that holds the session stores its snapshot, and each snapshot's file
-has a name of its own (`<id>.<stamp>.snapshot`), deleted once another is stored: a worker that
-lost the session while it wrote cannot overwrite the new holder's file, nor delete a page file
-the new holder's snapshot names.
-
-A session whose host tier (recall) holds more than fits in Redis is snapshotted without its
-host pages, and each page is a file of its own in the folder `<id>.pages`, written when it
-changed since the last snapshot (a page fills over a few evictions, then stays as it is until
-the tier lets it go): `pages` maps each page held to its file. So the bytes written per
-snapshot follow the tokens the session streamed since the last, not the tier's size. A page
-rewritten gets a new file, and files no snapshot names are deleted once the snapshot that
-replaced them is stored, so a reader always finds every file its snapshot names.
+A snapshot is the engine's `snapshot()` bytes plus the live ingest's state, in the hash
+`session:{id}:snapshot`; a large one, or a host tier's pages saved apart (each in a file of its
+own, written once it changed), go to files (docs/protocol.md, "Crash recovery"). Files are
+written whole, then renamed, so a reader never sees half a snapshot; on several machines the
+directory must be shared. Only the lease holder stores a snapshot, each file has a name of its
+own (`<id>.<stamp>.snapshot`, `<id>.pages/`), and files no snapshot names are deleted once the
+snapshot that replaced them is stored: a worker that lost the session while it wrote cannot
+overwrite the new holder's files, and a reader always finds every file its snapshot names.
 
 `Snapshots` decides when a held session is snapshotted, and acknowledges the live media a
 snapshot covers: until then a crash loses nothing that replaying the media cannot rebuild.

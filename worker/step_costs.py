@@ -1,17 +1,11 @@
-"""What an upload's steps cost, and so the time its ingest has left.
+"""What an upload's steps cost, and so the time its ingest has left (docs/api.md, "Ingest progress").
 
-A step's seconds (the wall time from the session's previous step, so the time the worker gives
-other sessions is in it) grow with the tokens its cache holds: a line, fitted by least squares
-over the upload's steps that left its cache below the budget. Once the cache is full every step
-evicts as well, which costs more than the line says (on a CPU, 1.3 to 1.9 times the last steps
-below the budget): that is measured, over the latest RATE_WINDOW_STEPS steps, once the cache is
-full; before, the worker knows it from an earlier upload of the same model, policy, budget and
-recall (`FullStepTimes`), and never takes less than the line's value at the budget (a full step
-does what any step does, and evicts), which alone stands for it where the worker knows nothing.
-
-The time left is the sum of the remaining steps' seconds, each at the tokens its cache will
-hold then: growing by the tokens a step adds (as the latest steps did), up to the budget. The
-video a step adds is that of the latest steps too.
+A step's seconds (wall time from the session's previous step, so other sessions' time is in it)
+grow with the tokens its cache holds: a line fitted by least squares over the steps that left
+the cache below the budget. A full cache's steps evict as well and cost more: measured over the
+latest RATE_WINDOW_STEPS once the cache is full, before that known from an earlier upload of
+the same kind (`FullStepTimes`), and never less than the line's value at the budget. The time
+left sums the remaining steps, each at the tokens its cache will hold then.
 """
 
 import math

@@ -1,21 +1,17 @@
 """A held session's watches: when each is due a check, the checks a step runs, and their outcome
 written to Redis (`streamvqa/protocol/watches.py` has the watch and the rule that fires it).
 
-The gateway adds and removes watches in Redis and counts each change in the session's hash
-(`watches_rev`). Before each step the worker reads, in one round trip, that count of every session
-it holds, and reads again the watches of those whose count moved (`Watching.refresh`): a watch
-made before a frame was sent is known before that frame is taken, and a session just taken over
-knows its watches before its first frames. A watch is due once the cache's video
-time is `every_s` past its last check (past its creation before its first); the scheduler puts a
-check of a session with one due in a step where the session neither answers nor takes frames
-(`worker/scheduler.py`), the most overdue of its watches first, so checks see the video at their
-own times. An ingest's frames are taken up to a session's next check (`frames_before_check`), so
-that a check runs at the frame where it falls due, not a step of frames later.
+Before each step the worker reads, in one round trip, the `watches_rev` count of every session
+it holds, and the watches again of those where it moved (`Watching.refresh`), so a watch made
+before a frame was sent is known before that frame is taken. A watch is due once the cache's
+video time is `every_s` past its last check (past its creation before its first); the scheduler
+checks the most overdue one of a session that neither answers nor takes frames in that step, and
+an ingest's frames stop at a session's next check (`frames_before_check`), so that each check
+sees the video up to its own time.
 
-Each check's outcome is written by one script (scripts.RECORD_CHECK_LUA): the watch after the
-check and, when it fired, its `watch_fired` event, at once, and only if the stored watch is the
-one the check was decided from. A worker that takes the session over reads the watches Redis
-holds and checks from there: a firing is written once, and sent once.
+Each outcome is written by one script (scripts.RECORD_CHECK_LUA): the watch and its firing at
+once, only if the stored watch is the one the check was decided from. A worker that takes the
+session over checks from what Redis holds: a firing is written once, and sent once.
 """
 
 from __future__ import annotations

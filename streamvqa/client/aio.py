@@ -49,11 +49,8 @@ class AsyncClient:
         return (await self.request("GET", "/sessions")).json()["sessions"]
 
     async def end_session(self, session_id: str) -> None:
-        try:
+        with wire.unless_gone():
             await self.request("DELETE", f"/sessions/{session_id}", 204)
-        except StreamvqaError as err:
-            if err.status != 404:
-                raise
 
     async def request(self, method: str, path: str, *expected: int, **kwargs: Any) -> httpx.Response:
         with wire.transport_errors(self.base_url):
@@ -124,11 +121,8 @@ class AsyncSession:
         return [Watch.model_validate(watch) for watch in (await self._call("GET", "/watches")).json()["watches"]]
 
     async def unwatch(self, watch_id: str) -> None:
-        try:
+        with wire.unless_gone("watch_not_found"):
             await self._call("DELETE", f"/watches/{watch_id}", 204)
-        except StreamvqaError as err:
-            if err.code != "watch_not_found":
-                raise
 
     async def events(self, since: str | None = "0") -> AsyncIterator[dict]:
         """See `Session.events`."""
@@ -158,11 +152,8 @@ class AsyncSession:
                 yield fired
 
     async def delete(self) -> None:
-        try:
+        with wire.unless_gone():
             await self._call("DELETE", "", 204)
-        except StreamvqaError as err:
-            if err.status != 404:
-                raise
 
     async def stream_frames(
         self,

@@ -58,11 +58,8 @@ class Client:
         """End one of your sessions without its token (`DELETE /sessions/{id}` as its owner: your
         API key; without keys, your address where the gateway sets ADDRESS_OWNS_SESSIONS, else
         `401 unauthorized`: end it with its token, `Session.delete()`); a gone one is no error."""
-        try:
+        with wire.unless_gone():
             self.request("DELETE", f"/sessions/{session_id}", 204)
-        except StreamvqaError as err:
-            if err.status != 404:
-                raise
 
     def request(self, method: str, path: str, *expected: int, **kwargs: Any) -> httpx.Response:
         with wire.transport_errors(self.base_url):
@@ -148,11 +145,8 @@ class Session:
 
     def unwatch(self, watch_id: str) -> None:
         """Stop a watch and forget its firings (their events stay); a gone watch is no error."""
-        try:
+        with wire.unless_gone("watch_not_found"):
             self._call("DELETE", f"/watches/{watch_id}", 204)
-        except StreamvqaError as err:
-            if err.code != "watch_not_found":
-                raise
 
     def events(self, since: str | None = "0") -> Iterator[dict]:
         """The session's events as they come (`GET /sessions/{id}/events`: `ingest`, `state`,
@@ -190,11 +184,8 @@ class Session:
 
     def delete(self) -> None:
         """Forget the session (its worker frees its memory); deleting a gone session is no error."""
-        try:
+        with wire.unless_gone():
             self._call("DELETE", "", 204)
-        except StreamvqaError as err:
-            if err.status != 404:
-                raise
 
     def stream_frames(
         self,

@@ -158,3 +158,13 @@ def transport_errors(url: str) -> Iterator[None]:
         yield
     except (httpx.TransportError, OSError, InvalidHandshake, InvalidURI, TimeoutError) as err:
         raise StreamvqaError.from_transport(err, url) from err
+
+
+@contextmanager
+def unless_gone(code: str | None = None) -> Iterator[None]:
+    """Deleting what is gone already is no error: a 404 (with `code`, only that one) passes."""
+    try:
+        yield
+    except StreamvqaError as err:
+        if err.status != 404 or code not in (None, err.code):
+            raise

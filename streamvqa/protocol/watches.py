@@ -1,12 +1,9 @@
 """Watches: standing yes/no conditions on a session's video, each checked every `every_s` seconds of
 video in the cache, and the rule that decides when one fires.
 
-A session's watches live in one Redis hash beside its other keys (`Keys.watches`: watch id ->
-the watch as JSON, at most MAX_WATCHES_PER_SESSION set by the gateway), with the session's TTL
-and deleted with it. The gateway adds and removes them (scripts.ADD_WATCH_LUA, HDEL); the worker
-that holds the session checks them and writes each check's outcome (scripts.RECORD_CHECK_LUA:
-the state and any firing at once, only after the check it was decided from, so that a worker
-taking the session over never sends a firing twice).
+A session's watches live in one Redis hash beside its other keys (`Keys.watches`: at most
+MAX_WATCHES_PER_SESSION), added and removed by the gateway and checked by the worker that holds
+the session (docs/protocol.md has the scripts and who writes what).
 
 The rule (`Watch.checked`), with hysteresis so that a condition that stays true fires once:
 - a watch is **armed** when created: its first check fires if p(yes) >= threshold;
