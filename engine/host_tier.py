@@ -15,10 +15,12 @@ did).
 Keys and values live in host memory (pinned on CUDA, so that what a question borrows is copied
 to the device without blocking), in a run of pages of a host pool (`engine/host_pool.py`): the
 worker's, shared by its sessions' tiers, or one of the tier's own; each slot is a page of the
-run. Each page keeps, where scoring is cheap (on the device), `page_keys` representative keys
-per layer and KV head: the sums (which point where the means do) of the keys held of equal runs
-of its places, in bfloat16, so that 4 of them cost the device what 2 in float32 did. A question
-borrows back, bit for bit, the pages its keys want most (`engine/page_scoring.py`).
+run. A float32 model's are kept in bfloat16 there (`page_dtype`: half the bytes, so a tier of
+the same memory holds twice the stream); any other model's bit for bit. Each page keeps, where
+scoring is cheap (on the device), `page_keys` representative keys per layer and KV head: the
+sums (which point where the means do) of the keys held of equal runs of its places, as they
+were evicted, in bfloat16, so that 4 of them cost the device what 2 in float32 did. A question
+borrows back, in the model's dtype, the pages its keys want most (`engine/page_scoring.py`).
 
 Bound: at most `budget_tokens // page_tokens` pages. When a page needs a place and all are
 taken, pages leave by the tier's `drop` rule:
@@ -199,7 +201,7 @@ class HostTier:
         for name in ("keys", "values", "kinds", "times", "grids"):
             if (given := getattr(evicted, name)) is not None:
                 into = getattr(pool, name)  # (layers, kv_heads, pages, page_tokens, ...)
-                into.view(-1, *into.shape[4:])[home] = given.cpu().to(into.dtype)[kept]
+                into.view(-1, *into.shape[4:])[home] = given.to(into.dtype).cpu()[kept]  # keys, values: rounded where kept narrower
         pool.present.view(-1)[home] = True
         self.changed.update(n for n in page.unique().tolist() if n in self.slot_of)
         device = self.held.device
@@ -319,17 +321,17 @@ class HostTier:
             return None
         self.clock += 1
         self.used[chosen[0] // self.page_tokens] = self.clock  # a page named twice takes the same clock
-        return self._lend(layer, *chosen, keys.device)
+        return self._lend(layer, *chosen, keys.device, keys.dtype)
 
-    def _lend(self, first: int, chosen: torch.Tensor, order: torch.Tensor, device: torch.device) -> Retrieval:
+    def _lend(self, first: int, chosen: torch.Tensor, order: torch.Tensor, device: torch.device, dtype: torch.dtype) -> Retrieval:
         """The tokens at `chosen` (layers, kv_heads, count) of the layers from `first` on, keys and
-        values on `device`, each in one copy for every layer."""
+        values on `device` in `dtype` (the cache's), each in one copy for every layer."""
         layers, heads, count = chosen.shape
         last = first + layers
 
         def lend(pool: torch.Tensor) -> torch.Tensor:
             out = torch.empty(layers * heads * count, pool.shape[-1], dtype=pool.dtype, pin_memory=device.type == "cuda")
-            return take(pool[first:last].flatten(2, 3), chosen, out=out).to(device, non_blocking=True)
+            return take(pool[first:last].flatten(2, 3), chosen, out=out).to(device, non_blocking=True).to(dtype)
 
         kinds, times, grids = (None if t is None else t[first:last].flatten(2).gather(2, chosen) for t in (self.kinds, self.times, self.grids))
         tokens = Tokens(lend(self.keys), lend(self.values), kinds, times, order, grids)

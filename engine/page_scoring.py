@@ -50,7 +50,7 @@ class Pages(Protocol):
     page_keys: int
     slot_of: dict[int, int]  # page number -> slot
     page_of: torch.Tensor  # (slots,) slot -> page number, -1 when free
-    keys: torch.Tensor  # (layers, kv_heads, slots, page_tokens, head_dim), host memory
+    keys: torch.Tensor  # (layers, kv_heads, slots, page_tokens, head_dim), host memory, as pages keep them (`page_dtype`)
     present: torch.Tensor  # (layers, kv_heads, slots, page_tokens), CPU
     held: torch.Tensor  # `present` on the device
     key_sums: torch.Tensor  # (layers, kv_heads, slots, page_keys, head_dim), device

@@ -13,7 +13,7 @@ DEFAULT_SYSTEM_PROMPT = (
     "You watch a video stream. Frames arrive in order, each after its time in seconds. "
     "Answer questions about what you have seen, briefly."
 )
-HOST_BUDGET_MULTIPLE = 4  # host_budget_tokens when not given: this many times the budget
+HOST_BUDGET_MULTIPLE = 8  # host_budget_tokens when not given: this many times the budget (the protocol's)
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class SessionConfig:
     prefill_chunk_tokens: int = 512  # the longest run of tokens in one forward
     evidence_top_k: int = 3  # video times returned as an answer's evidence
     recall: bool = False  # keep what the cache evicts in a host tier; each question borrows from it
-    host_budget_tokens: int | None = None  # the host tier's bound, per layer; None: 4x the budget
+    host_budget_tokens: int | None = None  # the host tier's bound, per layer; None: 8x the budget
     retrieval_tokens: int | None = None  # borrowed per question, per layer; None: half the budget
     page_tokens: int = 32  # evicted tokens per host page: the unit retrieved
     page_keys: int = 4  # representative keys a page is scored by (bench.recall: 2, 4 and 8 compared)

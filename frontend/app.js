@@ -37,7 +37,7 @@ const LIVE_MEDIA = new Set(["frames", "webm", "mp4"]);
 // The warnings a session keeps (its record's `warnings`) that the status card shows, by code,
 // with their headings; others are a passing note under Source.
 const KEPT_WARNINGS = { truncated_media: "Incomplete file" };
-const HOST_BUDGET_MULTIPLE = 4; // with recall, the host tier's default size: 4 x the budget
+const HOST_BUDGET_MULTIPLE = 8; // with recall, the host tier's default size: 8 x the budget (streamvqa/protocol/keys.py)
 
 const ui = {
   connection: $("#connection"),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine import GRID_BYTES, HostPool, KVPool, Model, SessionConfig, host_page_bytes, index_bytes_per_token, page_bytes
+from engine import HostPool, KVPool, Model, SessionConfig, host_page_bytes, index_bytes_per_token, page_bytes
 from streamvqa import protocol
 from streamvqa.protocol import (
     QUEUE_TIME_BUCKETS_S, STEP_SESSIONS_BUCKETS, TIME_PER_OUTPUT_TOKEN_BUCKETS_S, Histogram, SessionRecord,
@@ -123,9 +123,9 @@ class Capacity:
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self.dtype = str(model.dtype).removeprefix("torch.")
         self.context_tokens = min(model.context_tokens, settings.max_context_tokens or model.context_tokens)
-        grid_bytes = GRID_BYTES if model.position_axes == 3 else 0  # a place on its frame's grid, for 3-D positions
-        self.host_bytes_per_token = (
-            model.kv_bytes_per_token + model.num_layers * model.kv_heads * (protocol.HOST_TOKEN_OVERHEAD_BYTES + grid_bytes)
+        # keys and values as host pages keep them (bfloat16 for a float32 model), kinds, times, held and grids
+        self.host_bytes_per_token = host_page_bytes(
+            model.num_layers, model.kv_heads, model.head_dim, 1, model.dtype, model.position_axes == 3
         )
         self.index_bytes_per_host_token = index_bytes_per_token(
             model.num_layers, model.kv_heads, model.head_dim, SessionConfig.page_tokens, SessionConfig.page_keys

@@ -25,10 +25,8 @@ EVENTS_MAXLEN = 1000  # a session's recent events (ingest progress, errors, stat
 STREAMER_TTL_S = 10  # a connection's claim on its session's media (a stream socket, an upload), renewed every third of it
 REQUEUE_AFTER_S = 30  # a session queued this long ago without a worker is queued again at its next work
 
-HOST_BUDGET_MULTIPLE = 4  # with recall, the host tier holds this many times the budget unless told
+HOST_BUDGET_MULTIPLE = 8  # with recall, the host tier holds this many times the budget unless told
 MAX_HOST_BUDGET_TOKENS = 4_000_000
-# Host bytes per token beside its keys and values, per layer and KV head: kind (1), time (4), held (1)
-HOST_TOKEN_OVERHEAD_BYTES = 6
 
 # A cache's memory per token over its keys and values: it also
 # holds its keys rotated at their positions (engine/kv_cache.py)

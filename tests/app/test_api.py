@@ -31,7 +31,7 @@ def test_create_session_with_defaults_names_the_builtin_random_model(client):
     assert (session["model"], session["policy"], session["fps"]) == ("tiny-random-llava", "infmllm", 1.0)
     # recall is on: what was said just before the budget's span is still found (docs/api.md)
     budget = session["budget_tokens"]
-    assert (session["recall"], session["host_budget_tokens"], session["retrieval_tokens"]) == (True, 4 * budget, budget // 2)
+    assert (session["recall"], session["host_budget_tokens"], session["retrieval_tokens"]) == (True, 8 * budget, budget // 2)
     assert session["state"] in ("pending", "ready")
     assert client.wait_for_state("ready")["worker"]
 
@@ -245,7 +245,7 @@ def test_the_memory_view_counts_what_the_cache_holds_per_second(client):
 def test_recall_options_are_kept_with_their_defaults_and_checked(client):
     assert client.create(policy="snapkv", budget_tokens=512, recall=True).status_code == 201
     session = client.wait_for_state("ready")
-    assert (session["recall"], session["host_budget_tokens"], session["retrieval_tokens"]) == (True, 2048, 256)
+    assert (session["recall"], session["host_budget_tokens"], session["retrieval_tokens"]) == (True, 4096, 256)
     assert session["pin_turns"] == 0
     chosen = client.http.post("/sessions", json={"recall": True, "host_budget_tokens": 1000, "retrieval_tokens": 64})
     assert (chosen.json()["session"]["host_budget_tokens"], chosen.json()["session"]["retrieval_tokens"]) == (1000, 64)

@@ -100,9 +100,9 @@ def _create_at_once(stack: Stack, count: int, **options: object) -> tuple[list[C
     # prompt, an answer), x 512 bytes x 1.5 (the rotated copy of the keys): 3,932,160 bytes; two
     # fit in 10 MB, a third does not
     ({"KV_MEMORY": "10MB"}, {"budget_tokens": 2048, "recall": False}, "cache"),  # 9.5 MiB
-    # a 200,000-token host tier takes 200,000 x 536 bytes: 107,200,000; two fit in 250 MB, a
-    # third does not (their index, 4 MB each on the device, fits the cache memory)
-    ({"HOST_MEMORY": "250MB"}, {"budget_tokens": 256, "recall": True, "host_budget_tokens": 200_000}, "host tier"),  # 238.4 MiB
+    # a 200,000-token host tier takes 200,000 x 280 bytes (keys and values in bfloat16): 56,000,000;
+    # two fit in 125 MB, a third does not (their index, 4 MB each on the device, fits the cache memory)
+    ({"HOST_MEMORY": "125MB"}, {"budget_tokens": 256, "recall": True, "host_budget_tokens": 200_000}, "host tier"),  # 119.2 MiB
 ])
 def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_get_503(make_stack, env, options, memory):
     stack = make_stack(1, MAX_SESSIONS="8", IDLE_RELEASE_S="0", **env)
@@ -113,7 +113,7 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
     # the peaks: budget, a prompt, an answer (5,120), and with recall what a question borrows (3,456)
     needs = "5120 tokens at its peak" if memory == "cache" else "3456 tokens at its peak and a 200000-token host tier"
     no_room = f"no worker serving 'tiny-random-llava' has room now for a cache of {needs}"
-    offered = "9.5 MiB" if memory == "cache" else "238.4 MiB"  # the one worker's, not a sum over workers
+    offered = "9.5 MiB" if memory == "cache" else "119.2 MiB"  # the one worker's, not a sum over workers
     reserved = f"reserve the rest of the {memory} memory it offers ({offered}); idle ones give theirs back"
     for r in refused:  # refused by a worker's advertised room, or by the memory reserved at once
         assert r["message"] == no_room or (r["message"].startswith(no_room + ": ") and r["message"].endswith(reserved)), refused
@@ -123,10 +123,10 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
         pool = worker_memory_when(stack, lambda pool: pool["pool_free_pages"] == 204 - 2 * 80, 10.0)
         assert (pool["pool_pages"], pool["pool_page_tokens"], pool["pool_bytes"]) == (204, 64, 204 * 49_152)
         assert pool["pool_free_pages"] == 44
-    else:  # the worker's host pool: 250 MB in whole pages of 32 places (17,152 bytes), 6,250 pages a tier
-        pool = worker_memory_when(stack, lambda pool: pool["host_pool_free_pages"] == 14_576 - 2 * 6_250, 10.0)
-        assert (pool["host_pool_pages"], pool["host_pool_page_tokens"], pool["host_pool_bytes"]) == (14_576, 32, 14_576 * 17_152)
-        assert pool["host_pool_free_pages"] == 2_076
+    else:  # the worker's host pool: 125 MB in whole pages of 32 places (8,960 bytes), 6,250 pages a tier
+        pool = worker_memory_when(stack, lambda pool: pool["host_pool_free_pages"] == 13_951 - 2 * 6_250, 10.0)
+        assert (pool["host_pool_pages"], pool["host_pool_page_tokens"], pool["host_pool_bytes"]) == (13_951, 32, 13_951 * 8_960)
+        assert pool["host_pool_free_pages"] == 1_451
 
     late = Client(stack.url)
     reply = late.create(**options)
@@ -141,16 +141,16 @@ def test_sessions_created_at_once_reserve_memory_and_those_that_fit_no_worker_ge
         pool = worker_memory_when(stack, lambda pool: pool["pool_free_pages"] == 44, 10.0)
         assert pool["pool_free_pages"] == 44
     else:
-        pool = worker_memory_when(stack, lambda pool: pool["host_pool_free_pages"] == 2_076, 10.0)
-        assert pool["host_pool_free_pages"] == 2_076
+        pool = worker_memory_when(stack, lambda pool: pool["host_pool_free_pages"] == 1_451, 10.0)
+        assert pool["host_pool_free_pages"] == 1_451
 
 
 def test_a_burst_of_sessions_is_admitted_only_as_far_as_each_worker_holds_them(make_stack):
-    # a 200,000-token host tier takes 200,000 x 536 bytes: 107,200,000. Worker a's host memory
-    # holds one (200 MB), b's two (300 MB): together their 500 MB would hold four, but what is
-    # left on each (92.8 and 85.6 MB) is no place for a fourth
+    # a 200,000-token host tier takes 200,000 x 280 bytes: 56,000,000. Worker a's host memory
+    # holds one (100 MB), b's two (150 MB): together their 250 MB would hold four, but what is
+    # left on each (44 and 38 MB) is no place for a fourth
     options = {"budget_tokens": 256, "recall": True, "host_budget_tokens": 200_000}
-    stack = make_stack(2, {"a": {"HOST_MEMORY": "200MB"}, "b": {"HOST_MEMORY": "300MB"}}, MAX_SESSIONS="8",
+    stack = make_stack(2, {"a": {"HOST_MEMORY": "100MB"}, "b": {"HOST_MEMORY": "150MB"}}, MAX_SESSIONS="8",
                        IDLE_RELEASE_S="0")
     users, replies = _create_at_once(stack, 8, **options)
     assert sorted(reply.status_code for reply in replies) == [201] * 3 + [503] * 5, [r.text for r in replies]

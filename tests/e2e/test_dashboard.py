@@ -211,9 +211,9 @@ def test_with_recall_the_memory_view_shows_device_host_and_dropped_seconds_and_w
     page.get_by_label("Recall").uncheck()
     assert page.is_hidden("#host-budget")
     page.get_by_label("Recall").check()
-    assert page.get_attribute("#host-budget", "placeholder") == "4 × budget"  # the budget is the model's
+    assert page.get_attribute("#host-budget", "placeholder") == "8 × budget"  # the budget is the model's
     page.fill("#budget", "8192")
-    assert page.get_attribute("#host-budget", "placeholder") == "32,768 (4 × budget)"
+    assert page.get_attribute("#host-budget", "placeholder") == "65,536 (8 × budget)"
     page.fill("#budget", "")
     # 40 frames of 16 tokens (and 7 of text) in a 256-token budget: the latest seconds stay on the
     # device, 256 tokens evicted wait in the host tier, the rest are dropped

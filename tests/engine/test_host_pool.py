@@ -16,7 +16,7 @@ from engine.kv_pool import KVPool, PoolFull
 from tests.engine.test_kv_pool import resident_bytes
 
 HOST_PAGE_TOKENS = SessionConfig.page_tokens  # 32
-TIER_PAGES = 4 * 160 // HOST_PAGE_TOKENS  # a tier's bound is 4 times the budget of 160: 20 pages
+TIER_PAGES = 8 * 160 // HOST_PAGE_TOKENS  # a tier's bound is 8 times the budget of 160: 40 pages
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +135,9 @@ def test_a_session_restored_in_the_same_or_another_workers_pools_holds_and_answe
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are given back on Linux only")
 def test_a_host_tier_that_goes_back_gives_its_memory_back_to_the_operating_system(llava):
     shape = (llava.num_layers, llava.kv_heads, llava.head_dim)
-    pool = HostPool(*shape, 8192, HOST_PAGE_TOKENS, llava.dtype, llava.device)  # 536 bytes a place: 134 MiB
-    assert pool.nbytes == 8192 * HOST_PAGE_TOKENS * 536
-    run = pool.lease(8192 * HOST_PAGE_TOKENS)
+    pool = HostPool(*shape, 16384, HOST_PAGE_TOKENS, llava.dtype, llava.device)  # 280 bytes a place: 140 MiB
+    assert pool.nbytes == 16384 * HOST_PAGE_TOKENS * 280
+    run = pool.lease(16384 * HOST_PAGE_TOKENS)
     for part in (pool.keys, pool.values, pool.kinds, pool.times):
         part.fill_(1)  # resident, whether or not it was before (a long process may reuse memory it had)
     written = resident_bytes()

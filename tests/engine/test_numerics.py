@@ -120,7 +120,7 @@ def test_a_snapshot_restores_into_a_worker_of_the_other_dtype(taken, restored):
     target = load_model("tiny-random-llava", "cpu", dtype=restored)
     moved = Session.restore(target, source.snapshot())
     assert {layer.keys.dtype for layer in moved.cache.hf.layers} == {restored}
-    assert moved.cache.host.keys.dtype == restored
+    assert moved.cache.host.keys.dtype == torch.bfloat16  # either way: a float32 model's host pages keep bfloat16
     for session in (source, moved):  # the same text read over each cache: the same next token, the logits close
         session.append_text("Then a note arrives, in plain words.")
     assert float((moved.logits.float() - source.logits.float()).abs().max()) <= BF16_TOLERANCE * float(source.logits.abs().max())

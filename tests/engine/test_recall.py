@@ -1,11 +1,12 @@
-"""Recall: what the bounded cache evicts goes to a bounded host tier, bit for bit, and a question
-borrows it back for its answer only."""
+"""Recall: what the bounded cache evicts goes to a bounded host tier (a float32 model's keys and
+values rounded to bfloat16, any other's bit for bit), and a question borrows it back for its
+answer only."""
 
 import numpy as np
 import pytest
 import torch
 
-from engine import Session, SessionConfig, load_model
+from engine import Session, SessionConfig, host_page_bytes, load_model
 from engine.host_tier import HostTier, Tokens
 from engine.page_scoring import SCORED_LAYERS, Cached
 
@@ -45,7 +46,12 @@ def test_the_stream_runs_exactly_as_without_recall(model):
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
-def test_what_the_cache_evicts_reaches_the_host_tier_bit_for_bit(model):
+def kept(tensor: torch.Tensor) -> torch.Tensor:
+    """float32 keys or values as a host page keeps them: rounded to bfloat16."""
+    return tensor.to(torch.bfloat16)
+
+
+def test_what_the_cache_evicts_reaches_the_host_tier_rounded_to_bfloat16(model):
     session = Session(model, config())
     cache, seen = session.cache, {}
     evict = cache.evict
@@ -68,8 +74,8 @@ def test_what_the_cache_evicts_reaches_the_host_tier_bit_for_bit(model):
             assert held.count == host.tokens
             for index, place in enumerate(held.order[0, 0].tolist()):
                 keys, values = seen[layer, head, place]
-                assert torch.equal(held.keys[0, 0, index], keys)
-                assert torch.equal(held.values[0, 0, index], values)
+                assert torch.equal(held.keys[0, 0, index], kept(keys))
+                assert torch.equal(held.values[0, 0, index], kept(values))
                 checked += 1
     assert checked == host.tokens * cache.num_layers * cache.kv_heads
 
@@ -103,6 +109,24 @@ def test_after_the_answer_the_device_cache_holds_what_it_would_without_recall(mo
     for head in range(session.cache.kv_heads):  # nothing is both on the device and in the tier
         kept = set(session.cache.order[0][head].tolist())
         assert not kept & set(session.cache.host.contents(0, head).order[0, 0].tolist())
+
+
+def test_a_float32_session_keeps_eight_times_its_budget_in_bfloat16_host_pages_and_still_recalls(model):
+    """Half the bytes a token of float32: the default tier holds 8 times the budget in the host
+    memory 4 times took before; a question borrows its pages back in float32."""
+    session = watched(model, 40)  # 1,099 tokens (40 frames of 23 and the opening) in a 160-token budget
+    assert model.dtype == torch.float32 and session.config.host_tokens == 8 * BUDGET == 1280
+    host = session.cache.host
+    assert host.keys.dtype == host.values.dtype == torch.bfloat16
+    # every token evicted is held: 939 in a tier of 1,280 (4 times the budget, 640, would have let some go)
+    assert session.stats().host_tokens == session.stats().evicted_tokens == 939
+    # 2 layers x 2 KV heads x (2 x 16 bfloat16 keys and values + kind, time, held: 6) = 280 bytes a
+    # place (536 in float32), 32 places a page
+    assert host_page_bytes(2, 2, 16, 32, torch.float32) == 8_960
+    assert session.stats().host_bytes == len(host.pages) * 8_960 == 30 * 8_960
+    answer = session.ask("What was first?", max_new_tokens=6)
+    assert len(list(answer)) >= 1 and session.stats().retrieved_tokens == BUDGET // 2
+    assert session.cache.hf.layers[0].keys.dtype == torch.float32
 
 
 def test_the_host_tier_stays_within_its_budget_over_a_long_stream(model):
@@ -187,8 +211,9 @@ def test_a_page_is_a_span_of_the_stream_whatever_order_its_tokens_leave_in():
     got = asked(tier, 0, every.keys[0, :, 40:44] + 0.05 * torch.randn(2, 4, 16), count=8)
     assert got.pages == [5]
     assert got.tokens.order[0].tolist() == [list(range(40, 48))] * 2
-    assert torch.equal(got.tokens.keys[0], every.keys[0, :, 40:48])
-    assert torch.equal(got.tokens.values[0], every.values[0, :, 40:48])
+    assert got.tokens.keys.dtype == torch.float32  # lent in the model's dtype, as the tier kept them
+    assert torch.equal(got.tokens.keys[0], kept(every.keys[0, :, 40:48]).float())
+    assert torch.equal(got.tokens.values[0], kept(every.values[0, :, 40:48]).float())
 
 
 def asked(tier: HostTier, layer: int, keys: torch.Tensor, count: int):
@@ -333,7 +358,7 @@ def test_a_snapshot_with_its_host_pages_apart_writes_each_page_once_it_changed_a
     assert session.changed_host_pages() == {}  # nothing changed since
     restored = Session.restore(model, session.snapshot(host_pages=False), read_page=saved.__getitem__)
     whole = Session.restore(model, session.snapshot())
-    assert len(session.snapshot(host_pages=False)) < len(session.snapshot()) / 4
+    assert len(session.snapshot(host_pages=False)) < len(session.snapshot()) / 2  # the pages are most of it
     for other in (restored, whole):
         assert other.stats() == session.stats() and other.host_pages == session.host_pages
         for number in session.host_pages:  # keys, values, kinds, times, places held, representatives
@@ -373,7 +398,7 @@ def test_bad_recall_options_are_refused(changes, message):
 
 def test_recall_defaults_follow_the_budget():
     chosen = config()
-    assert (chosen.host_tokens, chosen.borrowed_tokens) == (4 * BUDGET, BUDGET // 2)
+    assert (chosen.host_tokens, chosen.borrowed_tokens) == (8 * BUDGET, BUDGET // 2)
     assert (config(recall=False).host_tokens, config(recall=False).borrowed_tokens) == (0, 0)
 
 
@@ -391,7 +416,7 @@ def test_a_host_tier_saved_in_pages_of_eviction_order_is_read_by_place():
     for head in range(2):
         held = tier.contents(0, head)
         assert held.order[0, 0].tolist() == list(range(24))
-        assert torch.equal(held.keys[0, 0], every.keys[0, head]) and torch.equal(held.values[0, 0], every.values[0, head])
+        assert torch.equal(held.keys[0, 0], kept(every.keys[0, head])) and torch.equal(held.values[0, 0], kept(every.values[0, head]))
 
 
 def test_a_host_tier_saved_with_float32_representatives_chooses_the_same_pages():

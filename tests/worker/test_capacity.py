@@ -52,7 +52,7 @@ def test_a_worker_started_beside_others_grows_its_caches_memory_once_they_leave_
     capacity = Capacity(WorkerSettings(kv_memory="0.5", host_memory="1GiB"), tiny, read=memory)
     assert capacity.kv_memory_bytes == 9 * MIB  # 90% of what is free, not the 8 GiB stated
     # a session with the default options: (8,192 + 4,096 borrowed + 2,048 + 1,024) tokens x 512
-    # bytes x 1.5 = 11,796,480 bytes, and its 32,768-token host tier's index, 655,360: 12,451,840
+    # bytes x 1.5 = 11,796,480 bytes, and its 65,536-token host tier's index, 1,310,720: 13,107,200
     assert capacity.default_sessions == 0
     assert capacity.warning.startswith("room for 0 session(s) with the default options in 9 MiB for caches")
     assert "holds 0 session(s) with the default options" in caplog.text
@@ -60,16 +60,16 @@ def test_a_worker_started_beside_others_grows_its_caches_memory_once_they_leave_
 
     memory.reading = Reading(16 * GIB, 12 * GIB, 1 * GIB)  # the others left
     capacity.refresh([])
-    assert (capacity.kv_memory_bytes, capacity.default_sessions, capacity.warning) == (8 * GIB, 689, None)
+    assert (capacity.kv_memory_bytes, capacity.default_sessions, capacity.warning) == (8 * GIB, 655, None)
     assert "memory for the sessions' caches: 8,192 MiB, as stated (0.5 of 16,384 MiB)" in caplog.text
 
     # its own sessions take 3 GiB of the RAM (caches and host tiers share it on a CPU): their
     # memory is still theirs, and one reserving 512 MiB of host tier leaves the caches that less
     held = [SessionRecord(id="a", model="tiny", policy="infmllm", budget_tokens=256, fps=1, recall=True,
-                          host_budget_tokens=1_001_625)]  # x 536 bytes: 536,871,000, 512 MiB
+                          host_budget_tokens=1_917_397)]  # x 280 bytes: 536,871,160, 512 MiB
     memory.reading = Reading(16 * GIB, 4 * GIB, 4 * GIB)
     capacity.refresh(held)
-    assert capacity.kv_memory_bytes == 6_549_825_038  # 3 GiB + 90% of 4 GiB - 536,871,000
+    assert capacity.kv_memory_bytes == 6_549_824_878  # 3 GiB + 90% of 4 GiB - 536,871,160
     assert capacity.host_memory_bytes == 1 * GIB
 
     memory.reading = Reading(16 * GIB, 100 * MIB, 1 * GIB)  # others come back: it never takes what they use
@@ -86,7 +86,7 @@ def test_models_says_what_each_worker_offers_and_warns_when_its_caches_hold_unde
             "host_memory": "64MiB", "host_memory_bytes": 64 * MIB,
         }
         assert memory["device_free_bytes"] > 0 and memory["ram_free_bytes"] > 0
-        assert memory["default_sessions"] == 0  # 12,451,840 bytes each
+        assert memory["default_sessions"] == 0  # 13,107,200 bytes each
         assert memory["warning"].startswith("room for 0 session(s) with the default options in 4 MiB for caches")
         log = stack.log("worker")
         assert "memory for the sessions' caches: 4 MiB, as stated (4MiB)" in log

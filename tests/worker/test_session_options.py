@@ -16,14 +16,14 @@ def test_the_recall_defaults_are_the_engine_s(budget):
     options = SessionOptions(policy="h2o", budget_tokens=budget, recall=True)
     engine = SessionConfig(policy="h2o", budget_tokens=budget, recall=True)
     assert (options.host_tokens, options.borrowed_tokens) == (engine.host_tokens, engine.borrowed_tokens)
-    assert (options.host_tokens, options.borrowed_tokens) == (4 * budget, budget // 2)
+    assert (options.host_tokens, options.borrowed_tokens) == (8 * budget, budget // 2)
 
 
 def test_a_session_asked_for_with_no_options_recalls_what_it_evicts():
     """What was said just before the budget's span is evicted first; with recall a question still
     finds it (docs/benchmarks.md, "Retention"), so it is on unless a client turns it off."""
-    assert SessionOptions().recall is True and SessionOptions().host_tokens == 4 * DEFAULT_BUDGET_TOKENS
-    assert SessionOptions(policy="sliding", budget_tokens=512).host_tokens == 2048
+    assert SessionOptions().recall is True and SessionOptions().host_tokens == 8 * DEFAULT_BUDGET_TOKENS
+    assert SessionOptions(policy="sliding", budget_tokens=512).host_tokens == 4096
     assert SessionOptions(recall=False).host_tokens == 0
     assert SessionOptions(policy="full").recall is False  # it evicts nothing
     assert SessionOptions().within(8192).budget_tokens == 3413  # with half of it borrowed: 3413 + 1706 + 3072 fit

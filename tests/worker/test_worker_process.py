@@ -78,10 +78,10 @@ def test_sessions_fit_the_worker_s_cache_memory(redis_url, tmp_path):
         redis_url, tmp_path, KV_MEMORY_BYTES=str(6_000_000), HOST_MEMORY_BYTES=str(150_000_000), MAX_SESSIONS="8"
     ) as stack:
         users = [Client(stack.url) for _ in range(3)]
-        vast = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=4_000_000)  # ~2.1 GB of host tier
+        vast = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=4_000_000)  # ~1.1 GB of host tier
         assert (vast.status_code, vast.json()["code"]) == (503, "no_capacity")
         assert "4000000-token host tier" in vast.json()["message"]
-        # 200,000 host tokens: 107 MB of host memory fit, but their index (20 bytes a token on
+        # 200,000 host tokens: 56 MB of host memory fit, but their index (20 bytes a token on
         # the device: 4 MB) beside the peak cache (256 + 128 borrowed + 3,072: 2.65 MB) does not
         indexed = Client(stack.url).create(budget_tokens=256, recall=True, host_budget_tokens=200_000)
         assert (indexed.status_code, indexed.json()["code"]) == (503, "no_capacity")
