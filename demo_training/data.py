@@ -216,7 +216,7 @@ SEEN = ("{thing} is visible", "there is {thing}", "{thing} is on screen", "the v
         "you can see {thing}", "{thing} appears", "{thing} is shown")
 
 
-def _condition(scene: Scene, rng: np.random.Generator) -> tuple[str, str]:
+def condition_for(scene: Scene, rng: np.random.Generator) -> tuple[str, str]:
     """(a condition that `scene` makes true, what it tests: "colour shape", "shape", "symbol"
     or "colour"), worded at random."""
     if scene.kind in ("shape", "count"):
@@ -248,6 +248,12 @@ def _holds(scene: Scene, target: Scene, condition: tuple[str, str]) -> bool | No
         return scene.kind == target.kind and scene.symbol == target.symbol
     shaped = scene.kind in ("shape", "count") and scene.shape == target.shape and (scene.kind == "count") == (target.kind == "count")
     return shaped and (test == "shape" or scene.colour == target.colour)
+
+
+def misses(scene: Scene, target: Scene, condition: tuple[str, str], near: bool) -> bool:
+    """Whether `scene` makes the condition drawn from `target` false, as a near miss of `target`
+    where `near`."""
+    return _holds(scene, target, condition) is False and (not near or _near(scene, target))
 
 
 def _near(scene: Scene, target: Scene) -> bool:
@@ -426,7 +432,7 @@ class Samples:
         walk = self._walk(rng, count)
         shown = _pick(rng, self.scene)
         target = self.pool.scenes[shown]
-        condition = _condition(target, rng)
+        condition = condition_for(target, rng)
         held = int(rng.integers(1, min(4, count - 1) + 1))
         if rng.random() < 0.3:
             walk[int(rng.integers(count - held))] = _pick(rng, self.scene)
@@ -439,8 +445,7 @@ class Samples:
                 now = _pick(rng, self.real)
             else:
                 near = other == "near" and target.kind != "count"
-                now = self._matching(rng, lambda scene: _holds(scene, target, condition) is False
-                                     and (not near or _near(scene, target)))
+                now = self._matching(rng, lambda scene: misses(scene, target, condition, near))
             if count - held >= 2 and rng.random() < 0.5:  # the condition was true a while ago
                 before = int(rng.integers(count - held - 1))
                 walk[before] = shown

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from demo_training import scenes
-from demo_training.data import DESCRIBE
+from demo_training.data import DESCRIBE, condition_for, misses
 from engine.demo.model import EfficientNetTower, pooled_features
 from engine.model import Model
 from engine import Session, SessionConfig
@@ -83,26 +83,23 @@ def naming_accuracy(model: Model, frames: Sequence[np.ndarray], names: Sequence[
     return right / len(frames), results
 
 
-
 def check_accuracy(model: Model, count: int, seed: int) -> tuple[float, list[tuple[str, bool, float]]]:
     """How often a watch's check (`Session.check`, engine/check.py) is on the right side of 0.5,
     over `count` held-out streams of three scenes one a second, half of whose last scene makes
     the condition true and half not (a near miss half of those: the shape in another colour,
     another shape in the colour, another digit or letter); and the (condition, truth, p(yes)) of each."""
-    from demo_training.data import _condition, _holds, _near
-
     rng = np.random.default_rng(seed)
     results = []
     for k in range(count):
         image, target = scenes.draw(rng)
         while target.kind == "plain":
             image, target = scenes.draw(rng)
-        condition = _condition(target, rng)
+        condition = condition_for(target, rng)
         true = k % 2 == 0
         near = not true and rng.random() < 0.5 and target.kind != "count"
         while not true:
             image, scene = scenes.draw(rng, target.kind if near else None)
-            if scene.kind != "plain" and _holds(scene, target, condition) is False and (not near or _near(scene, target)):
+            if scene.kind != "plain" and misses(scene, target, condition, near):
                 break
         before = [scenes.draw(rng)[0] for _ in range(2)]
         session = Session(model, SessionConfig(policy="full"))
