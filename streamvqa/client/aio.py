@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import asynccontextmanager
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, Unpack
 
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
 
 from streamvqa.client import frames as media
 from streamvqa.client import wire
@@ -30,13 +30,8 @@ class AsyncClient:
     def __init__(
         self, base_url: str | None = None, api_key: str | None = None, timeout_s: float = wire.DEFAULT_TIMEOUT_S
     ) -> None:
-        self.base_url = wire.gateway_url(base_url)
-        self.timeout_s = timeout_s
-        self.http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=wire.client_headers(wire.gateway_api_key(api_key)),
-            timeout=wire.http_timeout(timeout_s),
-        )
+        self.base_url, self.timeout_s = wire.gateway_url(base_url), timeout_s
+        self.http = httpx.AsyncClient(**wire.http_options(self.base_url, api_key, timeout_s))
 
     async def create_session(self, **options: Any) -> AsyncSession:
         body = (await self.request("POST", "/sessions", 201, json=wire.session_options(options))).json()
@@ -89,16 +84,10 @@ class AsyncSession:
     async def wait_until_ingested(
         self, progress: wire.RecordProgress | None = None, timeout_s: float | None = None
     ) -> dict:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            record = await self.info()
-            if progress:
-                progress(record)
-            if wire.ingest_finished(record):
-                return record
-            if deadline is not None and time.monotonic() > deadline:
-                raise wire.not_ingested(record, timeout_s)
+        waiting = wire.IngestWait(progress, timeout_s)
+        while not waiting.over(record := await self.info()):
             await asyncio.sleep(wire.POLL_INTERVAL_S)
+        return record
 
     async def ask(self, question: str, max_new_tokens: int = 64, **sampling: Unpack[wire.SamplingOptions]) -> Answer:
         reply = await self._call("POST", "/ask", json=wire.ask_body(question, max_new_tokens, **sampling))
@@ -126,21 +115,16 @@ class AsyncSession:
 
     async def events(self, since: str | None = "0") -> AsyncIterator[dict]:
         """See `Session.events`."""
-        headers = {**wire.bearer(self.token), **wire.SSE_HEADERS}
-        following = self.client.http.stream("GET", f"{self._path}/events", params=wire.events_params(since), headers=headers)
-        with wire.transport_errors(self.client.base_url):
-            async with following as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    wire.checked(response)
-                decoder = SseDecoder()
-                async for line in response.aiter_lines():
-                    if (event := decoder.feed(line)) is None:
-                        continue
-                    body = event.json()
-                    if body.get("type") == "gone":
-                        return
-                    yield body
+        async with self._stream("GET", "/events", params=wire.events_params(since)) as response:
+            wire.checked(response)
+            decoder = SseDecoder()
+            async for line in response.aiter_lines():
+                if (event := decoder.feed(line)) is None:
+                    continue
+                body = event.json()
+                if body.get("type") == "gone":
+                    return
+                yield body
 
     async def firings(self, watch_id: str | None = None) -> AsyncIterator[WatchFiredEvent]:
         """See `Session.firings`: `async for fired in session.firings()`."""
@@ -171,18 +155,19 @@ class AsyncSession:
         live = LiveStream(question, every_s, max_new_tokens, on_event, on_answer, sampling)
         pacer = Pacer(speed)
         async with await self._connect() as socket:
-            channel = _Channel(socket, live, self.client.timeout_s)
-            await channel.send_json(live.start_message())
-            live.started(await channel.receive())
-            async for time_s, jpeg in _aiter(frames):
-                await channel.pump(until=pacer.due(time_s))
-                while live.paused:
+            with wire.socket_errors(live):
+                channel = _Channel(socket, live, self.client.timeout_s)
+                await channel.send(live.start_message())
+                live.started(await channel.receive())
+                async for time_s, jpeg in _aiter(frames):
+                    await channel.pump(until=pacer.due(time_s))
+                    while live.paused:
+                        await channel.pump_one()
+                    await socket.send(frame_message(time_s, jpeg))
+                    live.frame_sent()
+                await channel.send(live.end())
+                while not live.finished:
                     await channel.pump_one()
-                await channel.send(frame_message(time_s, jpeg))
-                live.frame_sent()
-            await channel.send_json(live.end())
-            while not live.finished:
-                await channel.pump_one()
         return live.summary()
 
     async def stream_file(
@@ -201,6 +186,16 @@ class AsyncSession:
     async def _call(self, method: str, path: str, *expected: int, **kwargs: Any) -> httpx.Response:
         kwargs["headers"] = {**wire.bearer(self.token), **kwargs.get("headers", {})}
         return await self.client.request(method, self._path + path, *expected, **kwargs)
+
+    @asynccontextmanager
+    async def _stream(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
+        """See `Session._stream`."""
+        headers = {**wire.bearer(self.token), **wire.SSE_HEADERS}
+        with wire.transport_errors(self.client.base_url):
+            async with self.client.http.stream(method, self._path + path, headers=headers, **kwargs) as response:
+                if not wire.is_event_stream(response):
+                    await response.aread()
+                yield response
 
     async def _connect(self) -> ClientConnection:
         url = wire.stream_url(self.client.base_url, self.id)
@@ -226,26 +221,21 @@ class AsyncAnswerStream:
         self.answer: Answer | None = None
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        session, body = self.session, self.body
-        headers = {**wire.bearer(session.token), **wire.SSE_HEADERS}
-        asking = session.client.http.stream("POST", f"{session._path}/ask", json=body, headers=headers)
-        with wire.transport_errors(session.client.base_url):
-            async with asking as response:
-                if response.status_code != 200 or not wire.is_event_stream(response):
-                    await response.aread()
-                    self.answer = Answer.from_json(wire.checked(response).json(), self.question)
-                    yield self.answer.answer
+        async with self.session._stream("POST", "/ask", json=self.body) as response:
+            if not wire.is_event_stream(response):
+                self.answer = Answer.from_json(wire.checked(response).json(), self.question)
+                yield self.answer.answer
+                return
+            decoder = SseDecoder()
+            async for line in response.aiter_lines():
+                if (event := decoder.feed(line)) is None:
+                    continue
+                piece = answer_event(event, self.question)
+                if isinstance(piece, Answer):
+                    self.answer = piece
                     return
-                decoder = SseDecoder()
-                async for line in response.aiter_lines():
-                    if (event := decoder.feed(line)) is None:
-                        continue
-                    piece = answer_event(event, self.question)
-                    if isinstance(piece, Answer):
-                        self.answer = piece
-                        return
-                    if piece:
-                        yield piece
+                if piece:
+                    yield piece
         raise StreamvqaError(None, "answer_incomplete", "the answer stream ended before its final event")
 
 
@@ -255,21 +245,12 @@ class _Channel:
     def __init__(self, socket: ClientConnection, live: LiveStream, timeout_s: float) -> None:
         self.socket, self.live, self.timeout_s = socket, live, timeout_s
 
-    async def send(self, message: str | bytes) -> None:
-        try:
-            await self.socket.send(message)
-        except ConnectionClosed as closed:
-            raise self._closed(closed) from closed
-
-    async def send_json(self, message: dict) -> None:
-        await self.send(json.dumps(message))
+    async def send(self, message: dict) -> None:
+        await self.socket.send(json.dumps(message))
 
     async def receive(self, timeout_s: float | None = None) -> dict:
-        try:
-            async with asyncio.timeout(self.timeout_s if timeout_s is None else timeout_s):
-                return json.loads(await self.socket.recv())
-        except ConnectionClosed as closed:
-            raise self._closed(closed) from closed
+        async with asyncio.timeout(self.timeout_s if timeout_s is None else timeout_s):
+            return json.loads(await self.socket.recv())
 
     async def pump_one(self) -> None:
         try:
@@ -292,10 +273,7 @@ class _Channel:
 
     async def _handle(self, event: dict) -> None:
         for message in self.live.handle(event):
-            await self.send_json(message)
-
-    def _closed(self, closed: ConnectionClosed) -> StreamvqaError:
-        return self.live.closed(*wire.close_frame(closed))
+            await self.send(message)
 
 
 async def _aiter(frames: Frames) -> AsyncIterator[tuple[float, bytes]]:

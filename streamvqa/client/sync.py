@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Unpack
 
 import httpx
-from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from streamvqa.client import frames as media
@@ -29,13 +29,8 @@ class Client:
     def __init__(
         self, base_url: str | None = None, api_key: str | None = None, timeout_s: float = wire.DEFAULT_TIMEOUT_S
     ) -> None:
-        self.base_url = wire.gateway_url(base_url)
-        self.timeout_s = timeout_s
-        self.http = httpx.Client(
-            base_url=self.base_url,
-            headers=wire.client_headers(wire.gateway_api_key(api_key)),
-            timeout=wire.http_timeout(timeout_s),
-        )
+        self.base_url, self.timeout_s = wire.gateway_url(base_url), timeout_s
+        self.http = httpx.Client(**wire.http_options(self.base_url, api_key, timeout_s))
 
     def create_session(self, **options: Any) -> Session:
         """A new session. Options (all optional): fps, model, policy, budget_tokens,
@@ -101,16 +96,10 @@ class Session:
     def wait_until_ingested(self, progress: wire.RecordProgress | None = None, timeout_s: float | None = None) -> dict:
         """Poll until all media is in the cache; the final record. StreamvqaError when the media
         failed (`session_error`) or after `timeout_s` (`timeout`)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            record = self.info()
-            if progress:
-                progress(record)
-            if wire.ingest_finished(record):
-                return record
-            if deadline is not None and time.monotonic() > deadline:
-                raise wire.not_ingested(record, timeout_s)
+        waiting = wire.IngestWait(progress, timeout_s)
+        while not waiting.over(record := self.info()):
             time.sleep(wire.POLL_INTERVAL_S)
+        return record
 
     def ask(self, question: str, max_new_tokens: int = 64, **sampling: Unpack[wire.SamplingOptions]) -> Answer:
         """Ask about what the session has seen so far; waits for the whole answer. Greedy unless
@@ -153,15 +142,8 @@ class Session:
         `warning`, `error`, `watch_fired`), each a dict with its `type`: from the first it keeps
         (`since="0"`, the last 1000) or only new ones (None). Ends when the session is deleted or
         expires; leave the loop to stop sooner."""
-        headers = {**wire.bearer(self.token), **wire.SSE_HEADERS}
-        params = wire.events_params(since)
-        with (
-            wire.transport_errors(self.client.base_url),
-            self.client.http.stream("GET", f"{self._path}/events", params=params, headers=headers) as response,
-        ):
-            if response.status_code != 200:
-                response.read()
-                wire.checked(response)
+        with self._stream("GET", "/events", params=wire.events_params(since)) as response:
+            wire.checked(response)
             decoder = SseDecoder()
             for line in response.iter_lines():
                 if (event := decoder.feed(line)) is None:
@@ -210,17 +192,17 @@ class Session:
         """
         live = LiveStream(question, every_s, max_new_tokens, on_event, on_answer, sampling)
         pacer = Pacer(speed)
-        with self._connect() as socket:
+        with self._connect() as socket, wire.socket_errors(live):
             channel = _Channel(socket, live, self.client.timeout_s)
-            channel.send_json(live.start_message())
+            channel.send(live.start_message())
             live.started(channel.receive())
             for time_s, jpeg in frames:
                 channel.pump(until=pacer.due(time_s))
                 while live.paused:
                     channel.pump_one()
-                channel.send(frame_message(time_s, jpeg))
+                socket.send(frame_message(time_s, jpeg))
                 live.frame_sent()
-            channel.send_json(live.end())
+            channel.send(live.end())
             while not live.finished:
                 channel.pump_one()
         return live.summary()
@@ -241,6 +223,18 @@ class Session:
     def _call(self, method: str, path: str, *expected: int, **kwargs: Any) -> httpx.Response:
         kwargs["headers"] = {**wire.bearer(self.token), **kwargs.get("headers", {})}
         return self.client.request(method, self._path + path, *expected, **kwargs)
+
+    @contextmanager
+    def _stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
+        """A reply read as it comes: a stream of events, else (its body read) an error or a whole answer."""
+        headers = {**wire.bearer(self.token), **wire.SSE_HEADERS}
+        with (
+            wire.transport_errors(self.client.base_url),
+            self.client.http.stream(method, self._path + path, headers=headers, **kwargs) as response,
+        ):
+            if not wire.is_event_stream(response):
+                response.read()
+            yield response
 
     def _connect(self) -> ClientConnection:
         url = wire.stream_url(self.client.base_url, self.id)
@@ -268,14 +262,8 @@ class AnswerStream:
         self.answer: Answer | None = None
 
     def __iter__(self) -> Iterator[str]:
-        session, body = self.session, self.body
-        headers = {**wire.bearer(session.token), **wire.SSE_HEADERS}
-        with (
-            wire.transport_errors(session.client.base_url),
-            session.client.http.stream("POST", f"{session._path}/ask", json=body, headers=headers) as response,
-        ):
-            if response.status_code != 200 or not wire.is_event_stream(response):
-                response.read()
+        with self.session._stream("POST", "/ask", json=self.body) as response:
+            if not wire.is_event_stream(response):
                 self.answer = Answer.from_json(wire.checked(response).json(), self.question)
                 yield self.answer.answer
                 return
@@ -299,21 +287,12 @@ class _Channel:
     def __init__(self, socket: ClientConnection, live: LiveStream, timeout_s: float) -> None:
         self.socket, self.live, self.timeout_s = socket, live, timeout_s
 
-    def send(self, message: str | bytes) -> None:
-        try:
-            self.socket.send(message)
-        except ConnectionClosed as closed:
-            raise self._closed(closed) from closed
-
-    def send_json(self, message: dict) -> None:
-        self.send(json.dumps(message))
+    def send(self, message: dict) -> None:
+        self.socket.send(json.dumps(message))
 
     def receive(self, timeout_s: float | None = None) -> dict:
         """The next event; TimeoutError when none comes within `timeout_s` (the client's when None)."""
-        try:
-            return json.loads(self.socket.recv(timeout=self.timeout_s if timeout_s is None else timeout_s))
-        except ConnectionClosed as closed:
-            raise self._closed(closed) from closed
+        return json.loads(self.socket.recv(timeout=self.timeout_s if timeout_s is None else timeout_s))
 
     def pump_one(self) -> None:
         """Wait for the next event and handle it."""
@@ -337,10 +316,7 @@ class _Channel:
 
     def _handle(self, event: dict) -> None:
         for message in self.live.handle(event):
-            self.send_json(message)
-
-    def _closed(self, closed: ConnectionClosed) -> StreamvqaError:
-        return self.live.closed(*wire.close_frame(closed))
+            self.send(message)
 
 
 def _chunks(file: Any, size: int | None, progress: wire.UploadProgress | None) -> Iterator[bytes]:

@@ -4,6 +4,7 @@ translation of transport failures into StreamvqaError."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import IO, Any, TypedDict
 import httpx
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
+from streamvqa.client.live import LiveStream
 from streamvqa.client.models import StreamvqaError, WatchFiredEvent
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -36,12 +38,11 @@ def gateway_api_key(api_key: str | None) -> str | None:
     return api_key or os.environ.get("STREAMVQA_API_KEY") or None
 
 
-def http_timeout(timeout_s: float) -> httpx.Timeout:
-    return httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
-
-
-def client_headers(api_key: str | None) -> dict[str, str]:
-    return {"X-API-Key": api_key} if api_key else {}
+def http_options(base_url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
+    """Either client's httpx options: the gateway, the API key (see `gateway_api_key`), the timeouts."""
+    api_key = gateway_api_key(api_key)
+    timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
+    return {"base_url": base_url, "headers": {"X-API-Key": api_key} if api_key else {}, "timeout": timeout}
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -109,7 +110,8 @@ def checked(response: httpx.Response, *expected: int) -> httpx.Response:
 
 
 def is_event_stream(response: httpx.Response) -> bool:
-    return response.headers.get("content-type", "").startswith("text/event-stream")
+    """Whether a reply is a stream of events (else its body is an error, or a whole answer)."""
+    return response.status_code == 200 and response.headers.get("content-type", "").startswith("text/event-stream")
 
 
 def ingest_finished(record: dict) -> bool:
@@ -119,14 +121,33 @@ def ingest_finished(record: dict) -> bool:
     return record["state"] == "ingested"
 
 
-def not_ingested(record: dict, timeout_s: float | None) -> StreamvqaError:
-    message = f"session {record['id']} not ingested after {timeout_s} s (state {record['state']})"
-    return StreamvqaError(None, "timeout", message)
+class IngestWait:
+    """`wait_until_ingested` on either client: each look at the session's record goes to `over`."""
+
+    def __init__(self, progress: RecordProgress | None, timeout_s: float | None) -> None:
+        self.progress, self.timeout_s = progress, timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def over(self, record: dict) -> bool:
+        """Whether all the media is in; StreamvqaError when it failed or the time is up."""
+        if self.progress:
+            self.progress(record)
+        if ingest_finished(record):
+            return True
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            message = f"session {record['id']} not ingested after {self.timeout_s} s (state {record['state']})"
+            raise StreamvqaError(None, "timeout", message)
+        return False
 
 
-def close_frame(closed: ConnectionClosed) -> tuple[int | None, str]:
-    """The code and reason the gateway closed a socket with (None, "" when it sent none)."""
-    return (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (None, "")
+@contextmanager
+def socket_errors(live: LiveStream) -> Iterator[None]:
+    """A stream socket the gateway closed, as the error its close code (or last event) names."""
+    try:
+        yield
+    except ConnectionClosed as closed:
+        code, reason = (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else (None, "")
+        raise live.closed(code, reason) from closed
 
 
 @contextmanager
