@@ -153,10 +153,9 @@ def delete(client: Client, args: argparse.Namespace) -> int:
 def _new_session(client: Client, args: argparse.Namespace) -> Iterator[Session]:
     """A session with the command's options, deleted after unless `--keep` (then its id and
     token go to stdout, for `info`, `memory` and `delete`)."""
-    options = {"fps": args.fps, "policy": args.policy, "budget_tokens": args.budget, "model": args.model}
-    if args.recall is not None:
-        options["recall"] = args.recall
-    session = client.create_session(**options)
+    session = client.create_session(  # the options not given (None) keep the gateway's defaults
+        fps=args.fps, policy=args.policy, budget_tokens=args.budget, model=args.model, recall=args.recall
+    )
     print(f"session {session.id}", file=sys.stderr)
     if not args.keep:
         with session:
@@ -169,9 +168,8 @@ def _new_session(client: Client, args: argparse.Namespace) -> Iterator[Session]:
 
 
 def _sampling(args: argparse.Namespace) -> dict:
-    """The sampling options given on the command line (the rest keep the gateway's defaults)."""
-    chosen = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
-    return {name: value for name, value in chosen.items() if value is not None}
+    """The sampling options of the command line; the client leaves out those not given (None)."""
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
 
 
 def _bar(total: float | None = None, **options: object) -> tqdm:
