@@ -116,20 +116,10 @@ class Keys:
         return self._of(session_id, "watches")
 
     def session_data(self, session_id: str) -> tuple[str, ...]:
-        """The keys that live and expire with a session: hash, media, questions, events, snapshot,
-        memory report, asked ids, open sockets, asked questions' text, watches."""
-        return (
-            self.session(session_id),
-            self.media(session_id),
-            self.questions(session_id),
-            self.events(session_id),
-            self.snapshot(session_id),
-            self.memory(session_id),
-            self.asked(session_id),
-            self.sockets(session_id),
-            self.asked_questions(session_id),
-            self.watches(session_id),
-        )
+        """The keys that live and expire with a session: its hash, then media, questions, events,
+        snapshot, memory report, asked ids, open sockets, asked questions' text, watches."""
+        names = ("media", "questions", "events", "snapshot", "memory", "asked", "sockets", "asked_questions", "watches")
+        return (self.session(session_id), *(self._of(session_id, name) for name in names))
 
     def answer(self, session_id: str, answer_id: str) -> str:
         return self._of(session_id, f"answer:{answer_id}")
