@@ -12,7 +12,7 @@ from app.deps import AuthorizedSession, Caller, KeysDep, Metrics, OwnedSession, 
 from app.errors import CLOSE, ApiError, ErrorBody
 from app.sessions import NoPlace, Room, TooManySessions, UploadRefused
 from app.settings import GatewaySettings
-from app.tail import tail
+from app.tail import last_id, tail
 from app.uploads import file_chunks
 from streamvqa.protocol import EventEnvelope, MemoryReport, SessionOptions, SessionRecord
 
@@ -277,10 +277,7 @@ async def session_events(session: AuthorizedSession, request: Request, redis: Re
     same events a stream socket relays, named by type, each with an id. New events only, unless
     `since=0` (every retained event) or a `Last-Event-ID` to resume after. Ends with a `gone`
     event when the session is deleted or expires."""
-    start = sse.last_event_id(request, "0-0" if since == "0" else "")
-    if not start:
-        last = await redis.xrevrange(keys.events(session.id), count=1)
-        start = last[0][0].decode() if last else "0-0"
+    start = sse.last_event_id(request, "0-0" if since == "0" else "") or await last_id(redis, keys.events(session.id))
     return sse.response(_session_events(redis, keys, session.id, start))
 
 

@@ -28,7 +28,7 @@ from app.media_forwarder import MediaForwarder, StreamClosed
 from app.metrics import GatewayMetrics
 from app.sessions import SessionStore
 from app.settings import GatewaySettings
-from app.tail import tail
+from app.tail import last_id, tail
 from streamvqa import protocol
 from streamvqa.redis_client import FAILURES
 from streamvqa.protocol import (
@@ -118,7 +118,7 @@ class StreamConnection:
                 self.redis, self.keys, record, self.id, self.format, claimed, self.settings.upload_stall_s
             )
             try:
-                since = await self._last_event_id()
+                since = await last_id(self.redis, self.keys.events(self.session_id))
                 if self.format:
                     await media.add(MediaEntry(MediaKind.CONNECT, format=self.format, connection=self.id))
                 started = StartedEvent(
@@ -203,10 +203,6 @@ class StreamConnection:
             raise StreamClosed(CloseCode.CONFLICT, f"the session failed: {record.error}")
         stream_bytes, last_frame_s = claimed
         return int(stream_bytes), float(last_frame_s) if last_frame_s else None
-
-    async def _last_event_id(self) -> str:
-        last = await self.redis.xrevrange(self.keys.events(self.session_id), count=1)
-        return last[0][0].decode() if last else "0-0"
 
     # -- serving -------------------------------------------------------------------------------
 

@@ -16,6 +16,12 @@ from streamvqa.redis_client import xread
 READ_BLOCK_MS = 1000  # the longest one read waits for a new entry
 
 
+async def last_id(redis: Redis, stream: str) -> str:
+    """The id of the stream's latest entry ("0-0" when it has none): a tail from it sees only new entries."""
+    last = await redis.xrevrange(stream, count=1)
+    return last[0][0].decode() if last else "0-0"
+
+
 class TailTimeout(Exception):
     """The stream was followed for its `timeout_s`."""
 
