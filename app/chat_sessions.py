@@ -30,7 +30,7 @@ from app import chat_ingest, chat_media
 from app.chat_ingest import MEDIA_FIELD
 from app.chat_messages import MAX_MESSAGES, Dialogue, Turn
 from app.chat_media import Media, MediaRoom, MediaSlots
-from app.deps import SESSION_ID, KeysDep, Metrics, RedisDep, Settings, Store, session_owner
+from app.deps import KeysDep, Metrics, RedisDep, Settings, Store, session_owner
 from app.errors import ApiError
 from app.routes import create_session
 from streamvqa.protocol import AnswerEnvelope, QuestionText, SessionOptions, SessionRecord, SessionState, scripts
@@ -108,8 +108,6 @@ class ChatSessions:
     # -- finding the session ---------------------------------------------------------------------
 
     async def _named(self, session_id: str) -> SessionRecord:
-        if not SESSION_ID.fullmatch(session_id):
-            raise ApiError(404, "session_not_found", f"no session {session_id}")
         record, valid = await self.store.authenticate(session_id, self.bearer)
         if record is None:
             raise ApiError(404, "session_not_found", f"no session {session_id}")

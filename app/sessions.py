@@ -3,6 +3,7 @@
 import asyncio
 import hashlib
 import hmac
+import re
 import secrets
 import time
 import uuid
@@ -20,6 +21,7 @@ from streamvqa.protocol import (
 )
 
 CREATE_GRACE_S = 60  # a session whose gateway died while creating it is gone this soon
+SESSION_ID = re.compile(r"[0-9a-f]{32}")  # what `create` makes: an id in any other form is no session's
 
 
 def _digest(token: str) -> str:
@@ -238,7 +240,7 @@ class SessionStore:
     ) -> tuple[SessionRecord | None, bool]:
         """The session (None when unknown) and whether `token` is its token or, when `owner` is
         given, `owner` is who created it."""
-        fields = await self.redis.hgetall(self.keys.session(session_id))
+        fields = await self.redis.hgetall(self.keys.session(session_id)) if SESSION_ID.fullmatch(session_id) else None
         if not fields:
             return None, False
         expected = fields.pop(b"token_sha256", b"").decode()

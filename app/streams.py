@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from app import answer_stream
 from app.answer_stream import Failed, Finished, TimedOut, Token
-from app.deps import SESSION_ID, Limiter, LimitedCaller, Metrics, Settings, Store, origin_allowed
+from app.deps import Limiter, LimitedCaller, Metrics, Settings, Store, origin_allowed
 from app.errors import ApiError
 from app.limits import MessageRate
 from app.media_forwarder import MediaForwarder, StreamClosed
@@ -158,8 +158,6 @@ class StreamConnection:
         header = self.websocket.headers.get("authorization", "")
         if header.lower().startswith("bearer "):
             token = header[7:].strip()
-        if not SESSION_ID.fullmatch(self.session_id):
-            raise StreamClosed(CloseCode.NOT_FOUND, f"no session {self.session_id}")
         record, valid = await self.store.authenticate(self.session_id, token)
         if record is None:
             raise StreamClosed(CloseCode.NOT_FOUND, f"no session {self.session_id}")
