@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from contextlib import asynccontextmanager
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import IO, Any, Unpack
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Unpack
 
