@@ -29,8 +29,8 @@ from pydantic import TypeAdapter, ValidationError
 from app import chat_ingest, chat_media
 from app.chat_ingest import MEDIA_FIELD
 from app.chat_messages import MAX_MESSAGES, Dialogue, Turn
-from app.chat_media import Media, MediaRoom, MediaSlots
-from app.deps import KeysDep, Metrics, RedisDep, Settings, Store, session_owner
+from app.chat_media import Media, MediaRoom
+from app.deps import ChatMediaSlots, KeysDep, Metrics, RedisDep, Settings, Store, session_owner
 from app.errors import ApiError
 from app.routes import create_session
 from streamvqa.protocol import AnswerEnvelope, QuestionText, SessionOptions, SessionRecord, SessionState, scripts
@@ -51,15 +51,11 @@ _bearer = HTTPBearer(
 )
 
 
-def _media_slots(request: Request) -> MediaSlots:
-    return request.app.state.chat_media_slots
-
-
 class ChatSessions:
     def __init__(
         self, request: Request, store: Store, redis: RedisDep, keys: KeysDep, settings: Settings, metrics: Metrics,
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-        slots: Annotated[MediaSlots, Depends(_media_slots)],
+        slots: ChatMediaSlots,
     ) -> None:
         self.request, self.store, self.redis, self.keys, self.settings, self.metrics = request, store, redis, keys, settings, metrics
         # this request's hold on a slot while it has media in memory: its body's (taken by the

@@ -15,6 +15,7 @@ from fastapi.requests import HTTPConnection
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from redis.asyncio import Redis
 
+from app.chat_media import MediaSlots
 from app.errors import ApiError
 from app.limits import RateLimiter, key_id
 from app.metrics import GatewayMetrics
@@ -43,6 +44,7 @@ KeysDep = Annotated[Keys, Depends(_app_state("keys"))]
 Store = Annotated[SessionStore, Depends(_app_state("store"))]
 Metrics = Annotated[GatewayMetrics, Depends(_app_state("metrics"))]
 Limiter = Annotated[RateLimiter, Depends(_app_state("rate_limiter"))]
+ChatMediaSlots = Annotated[MediaSlots, Depends(_app_state("chat_media_slots"))]
 
 
 def valid_api_key(settings: GatewaySettings, api_key: str | None) -> bool:
