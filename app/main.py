@@ -64,9 +64,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     errors.install(app, openai_routes=completions.router.routes)
     limited = [Depends(rate_limit)]
     app.include_router(ops.router)
-    app.include_router(routes.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
-    app.include_router(asks.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
-    app.include_router(watches.router, dependencies=limited, responses=errors.ERROR_RESPONSES)
+    for router in (routes.router, asks.router, watches.router):
+        app.include_router(router, dependencies=limited, responses=errors.ERROR_RESPONSES)
     app.include_router(completions.router, dependencies=limited)
     app.include_router(samples.router, dependencies=limited)
     app.include_router(streams.router)
