@@ -1,5 +1,5 @@
-"""What the sync and async clients send alike: URLs, headers, bodies, upload sources, and the
-translation of transport failures into StreamvqaError."""
+"""What the sync and async clients do alike: URLs, headers, bodies, upload sources, the wait for
+an ingest, and the translation of transport failures and closed sockets into StreamvqaError."""
 
 from __future__ import annotations
 
