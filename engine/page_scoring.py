@@ -2,8 +2,10 @@
 
 A question scores the pages in each layer's KV heads by its own keys there (its tokens' keys, as
 stored, of the question's words only, not the chat template's: a fact is asked about in the
-words it was told in, and keys of the same words are close, where queries are not): a page
-matches a question key by the cosine similarity of its closest representative (in the first
+words it was told in, and keys of the same words are close, where queries are not), every key
+centred on the mean key the head's pages hold (`centre`: a layer's keys share one large
+direction, so that uncentred two different words are nearly as close as one word to itself): a
+page matches a question key by the cosine similarity of its closest representative (in the first
 EXACT_LAYERS layers, of its closest key held: there keys are the words' own, and a mean of 8
 words hides one); per question key, a softmax over the pages (sharpened by
 SIMILARITY_SHARPNESS); a page's score is that share averaged over the question's keys. A page is
@@ -144,21 +146,33 @@ def score(tier: Pages, layer: int, keys: torch.Tensor, cached: Cached | None = N
     else:
         held = tier.held[layer].view(heads, slots, tier.page_keys, -1).any(-1)  # (kv_heads, slots, page_keys)
         reps = tier.key_sums[layer]  # a mean points where its sum does: cosine needs no division by the count
-    wanted = keys.float().to(reps.device)
+    counts = tier.held[layer].view(heads, slots, tier.page_keys, -1).sum(-1)  # (kv_heads, slots, page_keys) keys in each sum
+    mean = centre(tier.key_sums[layer], counts).to(reps.device)  # (kv_heads, head_dim)
+    wanted = keys.float().to(reps.device) - mean[:, None]
     wanted = wanted / wanted.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # (kv_heads, c, head_dim)
     similarity = torch.empty(heads, wanted.shape[1], slots, device=reps.device)
     step = max(1, SIMILARITY_CHUNK // (heads * reps.shape[2] * reps.shape[3]))  # slots at a time, in float32
     for start in range(0, slots, step):
-        block = reps[:, start : start + step].float()
+        within = 1 if layer < EXACT_LAYERS else counts[:, start : start + step, :, None].to(reps.device)  # a sum of n keys: n means
+        block = reps[:, start : start + step].float() - within * mean[:, None, None]
         near = torch.einsum("hcd,hskd->hcsk", wanted, block)  # (kv_heads, c, step, keys a page)
         near /= block.norm(dim=-1).clamp_min(1e-6)[:, None]  # cosine, without a normalized copy of the keys
         similarity[:, :, start : start + step] = near.masked_fill_(~held[:, None, start : start + step], float("-inf")).amax(-1)
     spanned = best = None
     if cached is not None:
-        in_pages, elsewhere = cached_similarity(tier, wanted, cached)
+        in_pages, elsewhere = cached_similarity(tier, wanted, cached, mean)
         spanned = torch.maximum(similarity, in_pages.to(similarity.device))
         best = best_shares(spanned, elsewhere.to(similarity.device))
     return *(None if near is None else shares(near).to(keys.device) for near in (similarity, spanned)), best
+
+
+def centre(key_sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(kv_heads, head_dim) the mean key the pages of a layer hold, per KV head (from their sums
+    (kv_heads, slots, page_keys, head_dim), each of `counts` keys): what every key of the layer
+    shares. In SmolLM2's first layer two different words' keys have a cosine similarity of about
+    0.97 and a word's own key 1.0, so that a question's word matched the page it was told in by
+    about as much as any other; centred, the same word stands out."""
+    return key_sums.float().sum((1, 2)) / counts.sum((1, 2)).clamp_min(1)[:, None].to(key_sums.device)
 
 
 def best_shares(spanned: torch.Tensor, elsewhere: torch.Tensor) -> torch.Tensor:
@@ -179,8 +193,8 @@ def shares(similarity: torch.Tensor) -> torch.Tensor:
     return share.mean(dim=1).masked_fill(similarity.isinf().all(1), float("-inf"))
 
 
-def cached_similarity(tier: Pages, wanted: torch.Tensor, cached: Cached) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv_heads, c, slots) per question key (unit length, (kv_heads, c, head_dim)) the cosine
+def cached_similarity(tier: Pages, wanted: torch.Tensor, cached: Cached, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_heads, c, slots) per question key (centred, unit length, (kv_heads, c, head_dim)) the cosine
     similarity of its closest key that the device cache holds of each page's span (-inf where
     it holds none); and (kv_heads, c, d) the same for the d spans of pages the tier holds
     nothing of, held on the device alone. A policy that scores per head keeps part of a
@@ -195,7 +209,7 @@ def cached_similarity(tier: Pages, wanted: torch.Tensor, cached: Cached) -> tupl
     slots = torch.tensor([tier.slot_of[n] for n in pages], dtype=torch.int64, device=device)
     at = torch.searchsorted(numbers, page).clamp_max(len(numbers) - 1)
     paged = numbers[at] == page  # the token's page is held here
-    keys = cached.keys.float()  # (kv_heads, n, head_dim)
+    keys = cached.keys.float() - mean.to(device)[:, None]  # (kv_heads, n, head_dim), centred as the question's
     near = torch.einsum("hcd,hnd->hcn", wanted.to(device), keys) / keys.norm(dim=-1).clamp_min(1e-6)[:, None]
     similarity = torch.full((heads, count, tier.slots + 1), float("-inf"), device=device)
     into = torch.where(paged, slots[at], tier.slots)[:, None].expand(-1, count, -1)  # the spare column: no page

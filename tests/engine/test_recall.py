@@ -237,6 +237,26 @@ def test_a_question_brings_back_the_pages_whose_keys_match_its_own():
     assert torch.equal(more[0], more[1])  # every head borrows from the same pages
 
 
+def test_a_word_the_question_shares_with_one_page_outweighs_words_every_other_page_shares_though_keys_share_a_direction():
+    """A layer's keys share one large direction, so that uncentred two different words are
+    nearly as close as a word to itself (cosine 0.97 to 1.0 in SmolLM2's first layer): the
+    question's rare word (told in page 5 alone) then barely stands out, and its common words
+    (in every other page) carry the choice away. Keys centred on the pages' mean tell them apart."""
+    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
+    torch.manual_seed(0)
+    every = tokens(0, 64, heads=2, dim=16)
+    words = torch.randn(2, 3, 16)  # the question's words: a rare one, two common ones
+    every.keys[0, :, 42] = words[:, 0]  # the rare word, told in page 5 only
+    for page in (0, 1, 2, 3, 4, 6, 7):
+        every.keys[0, :, 8 * page + 1] = words[:, 1]
+        every.keys[0, :, 8 * page + 5] = words[:, 2]
+    shared = torch.zeros(16)
+    shared[0] = 24.0  # the direction every key of the layer shares
+    every.keys += shared
+    tier.add(every)
+    assert asked(tier, 0, words + shared, count=8).pages == [5]
+
+
 def test_a_sentence_whose_words_the_device_still_holds_is_found_by_them_and_its_evicted_number_comes_back():
     """A policy that scores per head keeps a fact's words (which its question repeats) and evicts
     its number: the page is scored by the words the device cache holds of its span too, so the
