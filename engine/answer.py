@@ -3,9 +3,9 @@
 Its `Phase` only moves forward, each move an explicit call (`stop` stops it from any phase; a
 step then closes its turn). An engine step (`engine/step.py`) runs the prompts of many answers,
 and frames, in one forward and calls these; it imports nothing that runs (the answer a user
-iterates is `engine/session.py`'s). Nothing changes the cache but these calls: an answer left
-open is stopped and closed by the step of its session's next frames or text
-(`SessionState.open_answer`).
+iterates is `engine/session.py`'s). It changes only itself: the step hands it what ran and
+does to the cache what follows (reserve, pin, evict, give back). An answer left open is stopped
+and closed by the step of its session's next frames or text (`SessionState.open_answer`).
 """
 
 from enum import Enum, auto
@@ -13,14 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.evidence import Contrast, Evidence, FrameAttention, frame_attention
-from engine.loan import begin_retrieval, give_back
+from engine.evidence import Contrast, Evidence, FrameAttention
 from engine.sampling import Sampling
 
 if TYPE_CHECKING:
+    from engine.model import Model
     from engine.session_state import Part, SessionState
-
-MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the host tier
 
 
 class Phase(Enum):
@@ -38,9 +36,10 @@ class Answer:
     text held back for a stop string that never came is one more piece, after the last token's.
     """
 
-    def __init__(self, session: "SessionState", prompt: list["Part"], closing: "Part", max_new_tokens: int,
+    def __init__(self, session: "SessionState", model: "Model", prompt: list["Part"], closing: "Part", max_new_tokens: int,
                  sampling: Sampling) -> None:
-        self.session = session
+        self.session = session  # whose answer it is: the step's to read, never the answer's
+        self._model = model  # its stop ids and detokenizer
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
         self._random = sampling.generator()
@@ -53,11 +52,11 @@ class Answer:
         self._rest = ""  # text held back for a stop string that never came, given out last
         self._unfed: list[int] = []  # the token chosen last, not yet run through the model
         self._contrast = Contrast()  # what the question's queries paid each frame time, then the answer's excess
-        self._unweighed = 0  # the answer's tokens run since its evidence was last read (engine/evidence.py)
+        self.unweighed = 0  # the answer's tokens run since its evidence was last read (`weighed`)
         self.finish_reason = "stop"  # `stop`: the model ended its turn, or a stop string came;
         # `length`: it reached `max_new_tokens`, or the model's context
         self.prompt_tokens = 0  # tokens the question added to the cache, with the markers of its turn
-        self.borrowed = 0  # places reserved for what the question borrows from the host tier
+        self.borrowed = 0  # places the step reserved for what the question borrows from the host tier
         self.evidence: list[Evidence] = []  # once over
         self.recalled_s: list[int] = []  # whole seconds of video the answer borrowed, once over
 
@@ -73,15 +72,12 @@ class Answer:
     # -- the steps -----------------------------------------------------------------------------
 
     def begin(self) -> list["Part"] | None:
-        """The question's prompt, to be run next by a step, with the
-        places of what it borrows reserved; None once begun."""
+        """The question's prompt (its words, the markers closing them), to be run next by a
+        step; None once begun."""
         if self.phase is not Phase.ASKED:
             return None
         self.phase, prompt, self._prompt = Phase.BEGUN, self._prompt, None
-        question, closing = prompt
-        self.borrowed = begin_retrieval(self.session.cache, self.session.config.borrowed_tokens, question.tokens)
-        self.prompt_tokens = question.tokens + closing.tokens
-        self.session.pin_turn(self.session.cache.appended + question.tokens, closing.tokens, new_turn=True)
+        self.prompt_tokens = sum(part.tokens for part in prompt)
         return prompt
 
     def probed(self, answer_queries: int, attention: FrameAttention | None) -> None:
@@ -90,31 +86,26 @@ class Answer:
         evidence (engine/evidence.py)."""
         self._contrast.probe(attention, answer_queries)
 
-    def question_ran(self) -> None:
-        """The question's prompt ran: the answer begins from the logits after it."""
-        self.phase, cache = Phase.ANSWERING, self.session.cache
-        self._contrast.add(frame_attention(cache, self.prompt_tokens))
-        if self.session.policy.evict_on_question:
-            self.session.cache.evict()
-        self._fed = self.session.logits
+    def question_ran(self, attention: FrameAttention | None, logits: torch.Tensor) -> None:
+        """The question's prompt ran: what its queries paid the frames (`attention`) is weighed
+        against its probe's, and the answer begins from the `logits` (vocab,) after it."""
+        self.phase, self._fed = Phase.ANSWERING, logits
+        self._contrast.add(attention)
 
     def failed(self) -> None:
         """The question's prompt did not run: the answer is over, with no turn in the cache."""
         self._finish()
 
-    def unfed(self) -> list["Part"] | None:
+    def unfed(self) -> list[int] | None:
         """The token chosen last, to be run next; None when there is none to run."""
         if self.phase is not Phase.ANSWERING or not self._unfed:
             return None
-        return [self.session.part(self._unfed)]
+        return self._unfed
 
     def fed(self, logits: torch.Tensor) -> None:
-        """The token chosen last ran: the logits (vocab,) after it (h2o evicts after every one)."""
+        """The token chosen last ran: the logits (vocab,) after it."""
         self._fed, self._unfed = logits, []
-        self._unweighed += 1
-        if self.session.policy.evicts_every_decode_step:
-            self._weigh_frames()
-            self.session.cache.evict()
+        self.unweighed += 1
 
     def advance(self) -> str | None:
         """After the step that ran its prompt (or with nothing to run): the next piece, or None
@@ -134,17 +125,16 @@ class Answer:
         """The next token, chosen from `logits` (vocab,): its piece of text; None when the model
         ended its turn (no piece)."""
         self._fed = None
-        session = self.session
         if len(self._ids) >= self.max_new_tokens:
             self.phase, self.finish_reason = Phase.STOPPING, "length"
             return None
         token = self.sampling.choose(logits, self._random)
-        if token in session.model.stop_ids:
+        if token in self._model.stop_ids:
             self.phase, self.finish_reason = Phase.STOPPING, "stop"
             return None
         self._ids.append(token)
         self._unfed = [token]
-        text = session.model.detokenize(self._ids)
+        text = self._model.detokenize(self._ids)
         shown, stopped = self.sampling.cut(text)  # held back: what may begin a stop string
         complete = not shown.endswith("\ufffd")  # else a UTF-8 character is still partial
         piece = shown[len(self._emitted) :] if complete else ""
@@ -155,26 +145,16 @@ class Answer:
                 self._rest = text[len(self._emitted) :].rstrip("\ufffd")  # held back for a stop string that never came
         return piece
 
-    def closing(self) -> list["Part"] | None:
-        """The prompt that closes the answer's turn in the cache (the token chosen last, unless it
-        ran, and the markers closing the answer), its markers pinned; None when its question
-        never ran (then there is no turn to close)."""
+    def closing(self) -> tuple[list[int], "Part"] | None:
+        """What closes its turn in the cache: the token chosen last, unless it ran, and the markers
+        closing the answer; None when its question never ran (then there is no turn to close)."""
         if self.phase not in (Phase.ANSWERING, Phase.STOPPING):
             return None
-        session = self.session
-        session.pin_turn(session.cache.appended + len(self._unfed), self._closing.tokens, new_turn=False)
-        return [session.part(self._unfed), self._closing]
+        return self._unfed, self._closing
 
-    def closed(self) -> None:
-        """The closing prompt ran: its evidence read, what it borrowed given back; it is over."""
-        session, cache = self.session, self.session.cache
-        self._unweighed += len(self._unfed) + self._closing.tokens
-        self._weigh_frames()
-        give_back(cache)
-        cache.evict()
-        self.evidence = self._contrast.top(session.config.evidence_top_k)
-        if self.borrowed:
-            self.recalled_s = sorted(cache.loan.recalled_seconds)[:MAX_RECALLED_SECONDS]
+    def closed(self, evidence: list[Evidence], recalled_s: list[int]) -> None:
+        """Its closing ran, and its evidence and the seconds it borrowed were read: it is over."""
+        self.evidence, self.recalled_s = evidence, recalled_s
         self._finish()
 
     def stop(self) -> bool:
@@ -192,13 +172,9 @@ class Answer:
     def _finish(self) -> None:
         self.phase = Phase.OVER
         self._fed, self._unfed, self._rest = None, [], ""  # an answer over gives out nothing more
-        self.session.answer_over(self)
 
-    # -- evidence ------------------------------------------------------------------------------
-
-    def _weigh_frames(self) -> None:
-        """The attention of the answer's tokens run since the last call (and of the markers
-        closing it), against its question's (engine/evidence.py)."""
-        rows, self._unweighed = self._unweighed, 0
-        if rows:
-            self._contrast.add(frame_attention(self.session.cache, rows), answer=True)
+    def weighed(self, attention: FrameAttention | None) -> None:
+        """What its tokens run since last weighed paid the frames, against its question's
+        (engine/evidence.py)."""
+        self._contrast.add(attention, answer=True)
+        self.unweighed = 0

@@ -41,8 +41,8 @@ class Answer(AnswerState, Iterator[str]):
     def end(self) -> None:
         """Stop now and close the answer's turn in the cache: a step of one, as a step closes
         the turns of the answers that said all. An answer whose question never ran ends with no change."""
-        if self.stop():
-            _alone(self)
+        self.stop()
+        _alone(self)  # closes its turn, or (over already) lets it go
 
     close = end
 
@@ -81,7 +81,7 @@ class Session(SessionState):
         if self.open_answer is not None or self.frames_waiting:  # the last answer's turn closed, and the question sees the frames held
             _alone(Frames(self, [], [], flush=True))
         prompt, closing, most = self.question(question, max_new_tokens)
-        self.open_answer = Answer(self, prompt, closing, most, sampling)
+        self.open_answer = Answer(self, self.model, prompt, closing, most, sampling)
         return self.open_answer
 
     def snapshot(self, host_pages: bool = True) -> bytes:

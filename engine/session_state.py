@@ -254,13 +254,7 @@ class SessionState:
         if tokens > self._room() - kept_tokens:
             raise ContextFull(what, tokens, self.cache.tokens, self.context_tokens, kept_tokens)
 
-    # What an answer (`engine/answer.py`) asks of its session: its tokens as parts, its turn's
-    # markers pinned, and to be let go once over.
-
-    def answer_over(self, answer: object) -> None:
-        """The answer is over (ended, or its question failed): nothing is left to close."""
-        if self.open_answer is answer:
-            self.open_answer = None
+    # What a step asks of a session for an answer (`engine/answer.py`): its tokens as parts, its turn's markers pinned.
 
     def pin_turn(self, start: int, count: int, new_turn: bool) -> None:
         """With `pin_turns`: never evict the `count` tokens from stream place `start` on."""

@@ -39,13 +39,15 @@ import torch
 
 from engine import layout, runner
 from engine.check import answer_ids, p_yes, prompt_text
-from engine.evidence import PROBE, PROBE_ANSWER, Contrast, Evidence, Observed
+from engine.evidence import PROBE, PROBE_ANSWER, Contrast, Evidence, Observed, frame_attention
+from engine.loan import begin_retrieval, give_back
 
 if TYPE_CHECKING:
     from engine.answer import Answer
     from engine.session_state import Part, SessionState
 
 log = logging.getLogger(__name__)
+MAX_RECALLED_SECONDS = 64  # whole seconds an answer lists as borrowed from the host tier
 
 
 class Checked(NamedTuple):
@@ -174,6 +176,9 @@ def step(work: Sequence[Work]) -> list[Result]:
             except Exception as err:
                 results[i] = err
     _apply([job for job in closing if job is not None], work, results, {})
+    for item in work:  # an answer over (ended, or its question failed) is no longer its session's open one
+        if item.session.open_answer is not None and item.session.open_answer.over:
+            item.session.open_answer = None
     return results
 
 
@@ -217,12 +222,8 @@ def _applied(job: _Job, ran: runner.Ran, item: Work, results: list[Result], plan
         results[job.item] = Checked(job.p_yes, job.contrast.top(session.config.evidence_top_k))
     else:
         session.ran(job.parts, ran.logits)
-        if job.does is Does.QUESTION:
-            item.question_ran()
-        elif job.does is Does.TOKEN:
-            item.fed(session.logits)
-        elif job.does is Does.CLOSING:
-            item.closed()
+        if job.does in (Does.QUESTION, Does.TOKEN, Does.CLOSING):
+            _answer_ran(job, item)
         elif job.does is Does.FRAMES:
             session.appended_frames(job.times)
         else:  # TEXT
@@ -231,21 +232,48 @@ def _applied(job: _Job, ran: runner.Ran, item: Work, results: list[Result], plan
                 results[job.item] = TextScore(len(job.targets), ran.nll)
 
 
+def _answer_ran(job: _Job, answer: "Answer") -> None:
+    """An answer's prompt ran: it takes the logits and what its queries paid the frames, then the
+    cache evicts as the policy says (once its turn closed, after giving back what it borrowed)."""
+    session, cache = job.session, job.session.cache
+    if job.does is Does.QUESTION:
+        answer.question_ran(frame_attention(cache, answer.prompt_tokens), session.logits)
+        if session.policy.evict_on_question:
+            cache.evict()
+    elif job.does is Does.TOKEN:
+        answer.fed(session.logits)
+        if session.policy.evicts_every_decode_step:  # h2o
+            answer.weighed(frame_attention(cache, answer.unweighed))
+            cache.evict()
+    else:  # CLOSING
+        answer.weighed(frame_attention(cache, answer.unweighed + sum(part.tokens for part in job.parts)))
+        give_back(cache)
+        cache.evict()
+        recalled = sorted(cache.loan.recalled_seconds)[:MAX_RECALLED_SECONDS] if answer.borrowed else []
+        answer.closed(answer.contrast.top(session.config.evidence_top_k), recalled)
+
+
 def _closing_job(item: int, answer: "Answer") -> _Job | None:
-    """The prompt that closes the turn of an answer that said all; None (and it is over) when
-    its question never ran."""
+    """The prompt that closes the turn of an answer that said all, the markers closing it
+    pinned; None (and it is over) when its question never ran."""
     if (closing := answer.closing()) is None:
         answer.stop()
         return None
-    return _Job(item, answer.session, closing, Does.CLOSING)
+    (unfed, markers), session = closing, answer.session
+    session.pin_turn(session.cache.appended + len(unfed), markers.tokens, new_turn=False)
+    return _Job(item, session, [session.part(unfed), markers], Does.CLOSING)
 
 
 def _answer_jobs(item: int, answer: "Answer") -> list[_Job]:
     """The prompts that advance an answer: its probe (where it wants evidence and the context has
-    room for the probe) and its question's, or its last token; none if none."""
+    room) and its question's, places reserved for what it borrows and its markers pinned; or its
+    last token; none if none."""
     session = answer.session
     question = answer.begin()
     if question is not None:
+        words, markers = question
+        answer.borrowed = begin_retrieval(session.cache, session.config.borrowed_tokens, words.tokens)
+        session.pin_turn(session.cache.appended + words.tokens, markers.tokens, new_turn=True)
         asked = _Job(item, session, question, Does.QUESTION)
         if session.config.evidence_top_k == 0:
             return [asked]
@@ -254,7 +282,7 @@ def _answer_jobs(item: int, answer: "Answer") -> list[_Job]:
             return [asked]
         return [_Job(item, session, probe, Does.PROBE, observed=Observed()), asked]
     token = answer.unfed()
-    return [] if token is None else [_Job(item, session, token, Does.TOKEN)]
+    return [] if token is None else [_Job(item, session, [session.part(token)], Does.TOKEN)]
 
 
 def _check_job(item: int, check: Check) -> _Job:

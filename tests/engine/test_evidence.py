@@ -2,11 +2,13 @@
 about nothing in particular and an answer's first words to it (the probe, run read only before
 the question) did."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-import engine.answer
+import engine.step  # noqa: F401 (the module: `engine.step` is the function `engine/__init__.py` exports)
 from engine import Session, SessionConfig, load_model
 from engine.evidence import PROBE, PROBE_ANSWER, Contrast, Evidence, FrameAttention, Observed, top_evidence
 
@@ -119,7 +121,7 @@ def test_an_answer_weighs_its_question_and_its_own_tokens_against_its_probe(mode
         probed.append(read(observed))  # what the probe really paid the five frames
         return PROBED
 
-    monkeypatch.setattr(engine.answer, "frame_attention", frame_attention)
+    monkeypatch.setattr(sys.modules["engine.step"], "frame_attention", frame_attention)
     monkeypatch.setattr(Observed, "read", probe_attention)
     answer = session.ask("What changed?", max_new_tokens=3)
     text = "".join(answer)
