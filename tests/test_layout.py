@@ -94,11 +94,13 @@ def test_no_module_imports_one_that_imports_it_back():
 
 def test_no_module_imports_one_that_imports_it_back_even_for_annotations():
     """No loop either counting imports for annotations alone (`if TYPE_CHECKING:`): the engine's
-    state (a session's, an answer's) imports nothing that drives it."""
+    state (a session's, an answer's) imports nothing that drives it, and an answer nothing that
+    changes a cache (the step borrows, gives back and evicts for it)."""
     assert _loops(_imports(_modules(), annotations=True)) == []
     engine = _imports(_modules(), annotations=True)
     for state in ("engine.session_state", "engine.answer"):
         assert not engine[state] & {"engine.step", "engine.runner", "engine.session"}, state
+    assert not engine["engine.answer"] & {"engine.loan", "engine.kv_cache"}
 
 
 def test_the_rooms_keep_their_walls():
