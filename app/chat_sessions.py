@@ -116,9 +116,14 @@ class ChatSessions:
         return record
 
     async def _use(self, session_id: str) -> None:
-        """Restart the session's idle clock, and say when this route last began to use it."""
-        await self.store.touch(session_id)
-        await self.redis.hset(self.keys.session(session_id), USED_FIELD, repr(time.time()))
+        """Restart the session's idle clock, and say when this route last began to use it: only
+        while it lives. A session deleted since it was read (for media the worker refused) does
+        not come back as a hash of this one field, without a TTL, where this request would then
+        claim its media."""
+        keys = self.keys.session_data(session_id)
+        await self.redis.eval(
+            scripts.UPDATE_RECORD_LUA, len(keys), *keys, self.settings.session_ttl_s, "", "", USED_FIELD, repr(time.time())
+        )
 
     async def _owns(self, session_id: str) -> bool:
         """Whether the caller owns the session: its API key (with API_KEYS), or without them its

@@ -378,9 +378,11 @@ return 1
 # -- a held session's record, answers and snapshot (the worker) ------------------------------------
 
 # Updates a live session's record (a state change is one of records.TRANSITIONS): KEYS = its hash,
-# media and question streams; ARGV[1] = TTL (s), ARGV[2] = a state to set ('' for none), ARGV[3] =
-# the state it must replace ('' for any), ARGV[4..] = field, value pairs, written before the state.
-# Returns 0 (nothing written) when the session is gone.
+# then the keys that take the TTL (the worker: its media and question streams; the gateway, as a
+# chat completion begins to use a session: every key of Keys.session_data); ARGV[1] = TTL (s),
+# ARGV[2] = a state to set ('' for none), ARGV[3] = the state it must replace ('' for any),
+# ARGV[4..] = field, value pairs, written before the state. Returns 0 (nothing written) when the
+# session is gone.
 UPDATE_RECORD_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if #ARGV > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4)) end
