@@ -140,13 +140,13 @@ def score(tier: Pages, layer: int, keys: torch.Tensor, cached: Cached | None = N
     representatives. With `cached`, a second score, by every key of its span, those the device
     cache still holds too (a head holding any of the span there has a say), and `best_shares`."""
     heads, slots = tier.held.shape[1:3]
+    counts = tier.held[layer].view(heads, slots, tier.page_keys, -1).sum(-1)  # (kv_heads, slots, page_keys) keys in each sum
     if layer < EXACT_LAYERS:
         held = tier.present[layer]  # (kv_heads, slots, page_tokens)
         reps = tier.keys[layer]  # every key held, in host memory: the first layer's keys are the words' own
     else:
-        held = tier.held[layer].view(heads, slots, tier.page_keys, -1).any(-1)  # (kv_heads, slots, page_keys)
+        held = counts > 0  # (kv_heads, slots, page_keys)
         reps = tier.key_sums[layer]  # a mean points where its sum does: cosine needs no division by the count
-    counts = tier.held[layer].view(heads, slots, tier.page_keys, -1).sum(-1)  # (kv_heads, slots, page_keys) keys in each sum
     mean = centre(tier.key_sums[layer], counts).to(reps.device)  # (kv_heads, head_dim)
     wanted = keys.float().to(reps.device) - mean[:, None]
     wanted = wanted / wanted.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # (kv_heads, c, head_dim)
