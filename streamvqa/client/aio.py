@@ -17,7 +17,7 @@ from streamvqa.client import frames as media
 from streamvqa.client import wire
 from streamvqa.client.live import AnswerHandler, EventHandler, LiveStream, Pacer
 from streamvqa.client.models import Answer, StreamResult, StreamvqaError, Watch, WatchFiredEvent
-from streamvqa.client.sse import SseDecoder, answer_event
+from streamvqa.client.sse import SessionEvents, SseDecoder, answer_event
 from streamvqa.protocol import frame_message
 
 POLL_S = 0.001  # asyncio has no non-blocking receive: a look for events already here waits this long
@@ -117,14 +117,12 @@ class AsyncSession:
         """See `Session.events`."""
         async with self._stream("GET", "/events", params=wire.events_params(since)) as response:
             wire.checked(response)
-            decoder = SseDecoder()
+            events = SessionEvents()
             async for line in response.aiter_lines():
-                if (event := decoder.feed(line)) is None:
-                    continue
-                body = event.json()
-                if body.get("type") == "gone":
+                if (body := events.body(line)) is not None:
+                    yield body
+                elif events.gone:
                     return
-                yield body
 
     async def firings(self, watch_id: str | None = None) -> AsyncIterator[WatchFiredEvent]:
         """See `Session.firings`: `async for fired in session.firings()`."""

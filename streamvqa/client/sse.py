@@ -45,6 +45,23 @@ class SseDecoder:
         return None
 
 
+class SessionEvents(SseDecoder):
+    """A session's event stream (`GET /sessions/{id}/events`): each event's body as it completes,
+    until the event saying the session is gone, which ends it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gone = False
+
+    def body(self, line: str) -> dict | None:
+        """The body of the event that `line` completes; None when it completes none, or the last."""
+        if (event := self.feed(line)) is None:
+            return None
+        body = event.json()
+        self.gone = body.get("type") == "gone"
+        return None if self.gone else body
+
+
 def answer_event(event: ServerSentEvent, question: str) -> str | Answer:
     """One event of an answer stream: a token's text, or the final answer; raises on `error`."""
     if event.event == "token":

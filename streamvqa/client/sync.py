@@ -16,7 +16,7 @@ from streamvqa.client import frames as media
 from streamvqa.client import wire
 from streamvqa.client.live import AnswerHandler, EventHandler, LiveStream, Pacer
 from streamvqa.client.models import Answer, StreamResult, StreamvqaError, Watch, WatchFiredEvent
-from streamvqa.client.sse import SseDecoder, answer_event
+from streamvqa.client.sse import SessionEvents, SseDecoder, answer_event
 from streamvqa.protocol import frame_message
 
 
@@ -144,14 +144,12 @@ class Session:
         expires; leave the loop to stop sooner."""
         with self._stream("GET", "/events", params=wire.events_params(since)) as response:
             wire.checked(response)
-            decoder = SseDecoder()
+            events = SessionEvents()
             for line in response.iter_lines():
-                if (event := decoder.feed(line)) is None:
-                    continue
-                body = event.json()
-                if body.get("type") == "gone":
+                if (body := events.body(line)) is not None:
+                    yield body
+                elif events.gone:
                     return
-                yield body
 
     def firings(self, watch_id: str | None = None) -> Iterator[WatchFiredEvent]:
         """The firings of the session's watches (of `watch_id` alone, if given) as they come, from
