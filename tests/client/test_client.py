@@ -14,7 +14,7 @@ import pytest
 
 from streamvqa.client import Answer, AsyncClient, Client, StreamvqaError, file_frames
 from streamvqa.client.live import LiveStream
-from streamvqa.client.sse import SseDecoder
+from streamvqa.client.sse import SessionEvents, SseDecoder
 from streamvqa.redis_server import free_port
 from tests.media import jpeg
 from tests.support import sample_video
@@ -294,6 +294,15 @@ def test_server_sent_events_are_decoded_with_their_ids():
         ("token", '{"text": "a"}', "1-0"),
         ("message", "two\nlines", "1-0"),  # no event name: "message"; the id carries on
     ]
+
+
+def test_a_session_s_events_end_with_the_event_saying_it_is_gone():
+    events = SessionEvents()
+    lines = ['data: {"type": "state", "state": "ready"}', "", ": keep-alive", "",
+             'event: gone', 'data: {"type": "gone", "message": "the session was deleted or expired"}', ""]
+    bodies = [events.body(line) for line in lines]
+    assert [body for body in bodies if body is not None] == [{"type": "state", "state": "ready"}]
+    assert events.gone and bodies[-1] is None  # the gone event is not handed on: it ends the stream
 
 
 def ingested_to(live: LiveStream, time_s: float) -> list[str]:
