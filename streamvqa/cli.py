@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from streamvqa.client import Answer, Client, Session, StreamvqaError, WatchFiredEvent
-from streamvqa.client.wire import gateway_api_key, gateway_url
+from streamvqa.client.wire import Call, gateway_api_key, gateway_url
 
 DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)?")
 # The ingest bar: the share of the video in the cache, then where it is and the time left, as the
@@ -112,7 +112,7 @@ def watch(client: Client, args: argparse.Namespace) -> int:
 
 
 def sessions(client: Client, _: argparse.Namespace) -> int:
-    listing = client.request("GET", "/sessions").json()
+    listing = client.send(Call("GET", "/sessions"))
     for record in listing["sessions"]:
         print(
             f"{record['id']}  {record['state']:<9}  {record['model']}  {record['policy']}  "

@@ -14,9 +14,10 @@ as frames also needs PyAV and Pillow (`pip install 'streamvqa[worker]'`).
 """
 
 from streamvqa.client.aio import AsyncAnswerStream, AsyncClient, AsyncSession
+from streamvqa.client.endpoints import AnswerStream
 from streamvqa.client.frames import camera_frames, file_frames
 from streamvqa.client.models import Answer, Evidence, StreamResult, StreamvqaError, Watch, WatchFiredEvent
-from streamvqa.client.sync import AnswerStream, Client, Session
+from streamvqa.client.sync import Client, Session
 
 __all__ = [
     "Answer",

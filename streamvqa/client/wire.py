@@ -1,5 +1,6 @@
-"""What the sync and async clients do alike: URLs, headers, bodies, upload sources, the wait for
-an ingest, and the translation of transport failures and closed sockets into StreamvqaError."""
+"""What the sync and async clients do alike: URLs, headers, bodies, each request as a `Call`
+(what to send and how its reply reads), upload sources, the wait for an ingest, and the
+translation of transport failures and closed sockets into StreamvqaError."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, TypedDict
+from typing import IO, Any, Generic, TypedDict, TypeVar
 
 import httpx
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
@@ -26,6 +28,9 @@ SSE_HEADERS = {"Accept": "text/event-stream"}
 UploadSource = str | os.PathLike | IO[bytes]
 UploadProgress = Callable[[int, int | None], None]  # (bytes sent, total bytes or None when unknown)
 RecordProgress = Callable[[dict], None]  # the session record, at each look
+Chunks = Callable[[IO[bytes], int | None, UploadProgress | None], Any]  # a client's upload body: (async) chunks of the file
+ANY_CODE = "*"
+T = TypeVar("T")
 
 
 def gateway_url(base_url: str | None) -> str:
@@ -55,11 +60,6 @@ def stream_url(base_url: str, session_id: str) -> str:
     return str(url.copy_with(scheme=scheme, path=f"{url.path.rstrip('/')}/sessions/{session_id}/stream"))
 
 
-def session_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The body of `POST /sessions`: the options given, without the ones left at None."""
-    return {name: value for name, value in options.items() if value is not None}
-
-
 class SamplingOptions(TypedDict, total=False):
     """How an answer's tokens are chosen (docs/api.md, "Sampling"); each one left out keeps the
     gateway's default: greedy."""
@@ -69,22 +69,6 @@ class SamplingOptions(TypedDict, total=False):
     top_k: int  # 0 (no limit) to 1000
     seed: int  # the same seed, question and cache give the same answer
     stop: list[str] | str  # up to 4 strings of 1 to 64 characters: the answer ends before the first
-
-
-def ask_body(question: str, max_new_tokens: int, stream: bool = False, **sampling: Any) -> dict[str, Any]:
-    chosen = {name: value for name, value in sampling.items() if value is not None}
-    return {"question": question, "max_new_tokens": max_new_tokens, **chosen, **({"stream": True} if stream else {})}
-
-
-def watch_body(condition: str, every_s: float | None, threshold: float | None) -> dict[str, Any]:
-    """The body of `POST /sessions/{id}/watches`; each option left at None keeps the gateway's
-    default (every_s 2, threshold 0.5)."""
-    options = {"every_s": every_s, "threshold": threshold}
-    return {"condition": condition, **{name: value for name, value in options.items() if value is not None}}
-
-
-def events_params(since: str | None) -> dict[str, str]:
-    return {"since": since} if since else {}
 
 
 def firing(event: dict, watch_id: str | None) -> WatchFiredEvent | None:
@@ -102,9 +86,9 @@ def ends_media(event: dict) -> bool:
     return (kind == "state" and event.get("state") == "ingested") or (kind == "error" and event.get("code") == "session_error")
 
 
-def checked(response: httpx.Response, *expected: int) -> httpx.Response:
-    """The response when its status is one of `expected` (200 when none); StreamvqaError otherwise."""
-    if response.status_code not in (expected or (200,)):
+def checked(response: httpx.Response) -> httpx.Response:
+    """The response when its status is 200; StreamvqaError otherwise."""
+    if response.status_code != 200:
         raise StreamvqaError.from_response(response)
     return response
 
@@ -166,12 +150,6 @@ def upload_source(source: UploadSource) -> Iterator[tuple[IO[bytes], int | None]
     yield source, size
 
 
-def upload_headers(token: str, size: int | None) -> dict[str, str]:
-    """With a known size the gateway can refuse an upload over its limit before any byte is sent."""
-    length = {"Content-Length": str(size)} if size is not None else {}
-    return {**bearer(token), "Content-Type": "application/octet-stream", **length}
-
-
 @contextmanager
 def transport_errors(url: str) -> Iterator[None]:
     """HTTP and WebSocket failures below the API (refused, timed out, dropped) as StreamvqaError."""
@@ -181,11 +159,53 @@ def transport_errors(url: str) -> Iterator[None]:
         raise StreamvqaError.from_transport(err, url) from err
 
 
+def nothing(_: httpx.Response) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request to the gateway and what its reply gives, without any I/O: both clients send
+    it, each over its own transport (`Client.send`, `AsyncClient.send`)."""
+
+    method: str
+    path: str
+    result: Callable[[httpx.Response], T] = httpx.Response.json  # the value of a reply with an expected status
+    expected: tuple[int, ...] = (200,)
+    token: str | None = None  # the session's, sent as a bearer token
+    json: Any = None
+    params: dict[str, str] | None = None
+    upload: tuple[UploadSource, UploadProgress | None] | None = None  # a body read from a file
+    gone: str | None = None  # a 404 with this code (any code: ANY_CODE) is no error: the value is None
+
+    def request(self, headers: dict[str, str] | None = None) -> dict[str, Any]:
+        """httpx's arguments for the call, with `headers` beside the token."""
+        token = bearer(self.token) if self.token else {}
+        return {
+            "method": self.method, "url": self.path, "headers": {**token, **(headers or {})}, "json": self.json,
+            "params": self.params,
+        }
+
+    def reply(self, response: httpx.Response) -> T:
+        """The reply's value; StreamvqaError for a status not expected, save a 404 the call lets pass (None)."""
+        if response.status_code in self.expected:
+            return self.result(response)
+        error = StreamvqaError.from_response(response)
+        if error.status == 404 and self.gone in (ANY_CODE, error.code):
+            return None  # deleting what is gone already is no error
+        raise error
+
+
 @contextmanager
-def unless_gone(code: str | None = None) -> Iterator[None]:
-    """Deleting what is gone already is no error: a 404 (with `code`, only that one) passes."""
-    try:
-        yield
-    except StreamvqaError as err:
-        if err.status != 404 or code not in (None, err.code):
-            raise
+def request(call: Call, chunks: Chunks) -> Iterator[dict[str, Any]]:
+    """httpx's arguments for `call`. An upload's body is `chunks` of its file, which stays open (a
+    path is opened here) until the request is over; with its size known the gateway can refuse an
+    upload over its limit before any byte is sent."""
+    if call.upload is None:
+        yield call.request()
+        return
+    source, progress = call.upload
+    with upload_source(source) as (file, size):
+        length = {"Content-Length": str(size)} if size is not None else {}
+        headers = {"Content-Type": "application/octet-stream", **length}
+        yield {**call.request(headers), "content": chunks(file, size, progress)}

@@ -300,9 +300,9 @@ def test_a_session_s_events_end_with_the_event_saying_it_is_gone():
     events = SessionEvents()
     lines = ['data: {"type": "state", "state": "ready"}', "", ": keep-alive", "",
              'event: gone', 'data: {"type": "gone", "message": "the session was deleted or expired"}', ""]
-    bodies = [events.body(line) for line in lines]
+    bodies = [events.take(line) for line in lines]
     assert [body for body in bodies if body is not None] == [{"type": "state", "state": "ready"}]
-    assert events.gone and bodies[-1] is None  # the gone event is not handed on: it ends the stream
+    assert events.done and bodies[-1] is None  # the gone event is not handed on: it ends the stream
 
 
 def ingested_to(live: LiveStream, time_s: float) -> list[str]:
