@@ -9,7 +9,7 @@ import json
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
@@ -20,12 +20,11 @@ from streamvqa.client.endpoints import AnswerStream, ClientEndpoints, SessionEnd
 from streamvqa.client.live import AnswerHandler, EventHandler, LiveStream, Pacer
 from streamvqa.client.models import StreamResult, StreamvqaError, WatchFiredEvent
 from streamvqa.client.sse import AnswerEvents, SessionEvents
-from streamvqa.client.wire import Call
+from streamvqa.client.wire import Call, T
 from streamvqa.protocol import frame_message
 
 POLL_S = 0.001  # asyncio has no non-blocking receive: a look for events already here waits this long
 Frames = Iterable[tuple[float, bytes]] | AsyncIterable[tuple[float, bytes]]
-T = TypeVar("T")
 
 AsyncAnswerStream = AnswerStream  # one class for both clients: `async for` over the async client's
 

@@ -6,16 +6,15 @@ which returns the reply's value on the sync client and is awaited for it on the 
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Any, TypeVar, Unpack
+from typing import Any, Unpack
 
 import httpx
 
 from streamvqa.client import wire
 from streamvqa.client.models import Answer, Watch
 from streamvqa.client.sse import AnswerEvents, SessionEvents
-from streamvqa.client.wire import Call
+from streamvqa.client.wire import Call, T
 
-T = TypeVar("T")
 Reply = T | Awaitable[T]  # the value on the sync client, to be awaited on the async one
 
 

@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import httpx
 from websockets.sync.client import ClientConnection, connect
@@ -18,10 +18,8 @@ from streamvqa.client.endpoints import ClientEndpoints, SessionEndpoints
 from streamvqa.client.live import AnswerHandler, EventHandler, LiveStream, Pacer
 from streamvqa.client.models import StreamResult, StreamvqaError, WatchFiredEvent
 from streamvqa.client.sse import AnswerEvents, SessionEvents
-from streamvqa.client.wire import Call
+from streamvqa.client.wire import Call, T
 from streamvqa.protocol import frame_message
-
-T = TypeVar("T")
 
 
 class Session(SessionEndpoints):
