@@ -117,7 +117,7 @@ class AsyncClient(ClientEndpoints):
 
     async def send(self, call: Call[T]) -> T:
         """See `Client.send`."""
-        with wire.request(call, _chunks) as request, wire.transport_errors(self.base_url):
+        with wire.opened(call, _chunks) as request, wire.transport_errors(self.base_url):
             response = await self.http.request(**request)
         return call.reply(response)
 

@@ -123,7 +123,7 @@ class Client(ClientEndpoints):
 
     def send(self, call: Call[T]) -> T:
         """The value of the reply to `call`; StreamvqaError when the gateway refuses it or cannot be reached."""
-        with wire.request(call, _chunks) as request, wire.transport_errors(self.base_url):
+        with wire.opened(call, _chunks) as request, wire.transport_errors(self.base_url):
             response = self.http.request(**request)
         return call.reply(response)
 

@@ -197,7 +197,7 @@ class Call(Generic[T]):
 
 
 @contextmanager
-def request(call: Call, chunks: Chunks) -> Iterator[dict[str, Any]]:
+def opened(call: Call, chunks: Chunks) -> Iterator[dict[str, Any]]:
     """httpx's arguments for `call`. An upload's body is `chunks` of its file, which stays open (a
     path is opened here) until the request is over; with its size known the gateway can refuse an
     upload over its limit before any byte is sent."""
