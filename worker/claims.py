@@ -195,7 +195,9 @@ class Claims:
 
     async def _replay(self, session_id: str) -> None:
         """Finish what a dead worker had read but not finished: its questions (each answered once,
-        or failed with `session_reset` when it had begun answering), then its media, in order."""
+        or failed with `session_reset` when it had begun answering), then its media, in order.
+        Each handler acknowledges an entry deleted after it was read (no fields)."""
+        hosted = self.sessions[session_id]
         for stream, handle in (
             (self.keys.questions(session_id), self.answering.reclaim),
             (self.keys.media(session_id), self.intake.receive),
@@ -204,12 +206,6 @@ class Claims:
             while True:
                 start, entries, *_ = await self.redis.xautoclaim(stream, protocol.GROUP, self.leases.worker_id, 0, start, count=64)
                 for entry_id, fields in entries:
-                    hosted = self.sessions.get(session_id)
-                    if hosted is None or not fields or (hosted.failed and handle == self.intake.receive):
-                        await self.records.consume(stream, entry_id)  # gone, deleted after it was read, or media of a failed session
-                        if hosted is not None and handle == self.intake.receive:
-                            hosted.took_media(entry_id)  # a question that waits for it waits no more
-                        continue
                     for _ in range(1000):  # the queue has room before the next entry
                         ingest = hosted.ingest
                         if ingest is None or ingest.frames_block or ingest.accepts_media:
@@ -218,6 +214,5 @@ class Claims:
                     await handle(session_id, hosted, entry_id, fields)
                 if start in (b"0-0", "0-0"):
                     break
-        hosted = self.sessions.get(session_id)
-        if hosted is not None and hosted.failed:
+        if hosted.failed:
             await self.intake.fail(session_id, hosted, hosted.error)

@@ -111,13 +111,16 @@ class MediaIntake:
     # -- entries -------------------------------------------------------------------------------
 
     async def receive(self, session_id: str, hosted: Hosted, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-        """Hand a media entry to the session's ingest (opening one for its first media)."""
+        """Hand a media entry to the session's ingest (opening one for its first media). An entry
+        deleted after it was read (no fields), or read before the session failed, is only
+        acknowledged."""
+        media = self.keys.media(session_id)
+        if not fields or hosted.failed:  # nothing takes it now
+            await self.records.consume(media, entry_id)
+            hosted.took_media(entry_id)  # a question that waits for it waits no more
+            return
         hosted.active_at = hosted.media_at = time.monotonic()
         entry = MediaEntry.read(fields)
-        media = self.keys.media(session_id)
-        if hosted.failed:  # read before it failed: nothing takes it now
-            await self.records.consume(media, entry_id)
-            return
         try:
             if entry.kind == MediaKind.ABORT:  # the gateway gave up on this upload and freed the slot; drop its bytes
                 await self.close(hosted)

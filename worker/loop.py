@@ -201,13 +201,8 @@ class Worker:
                     await self.answering.queue(session_id, hosted, entry_id, fields)
                     hosted.active_at = now
             for entry_id, fields in entries.get(self.keys.media(session_id), []):
-                if entry_id in known:
-                    continue
-                if not fields:  # deleted after it was read
-                    await self.records.consume(self.keys.media(session_id), entry_id)
-                    hosted.took_media(entry_id)  # a question that waits for it waits no more
-                    continue
-                await self.intake.receive(session_id, hosted, entry_id, fields)
+                if entry_id not in known:
+                    await self.intake.receive(session_id, hosted, entry_id, fields)
 
     def _block_ms(self) -> int | None:
         """How long this turn's read may wait for new entries: not at all while a step is ready."""
