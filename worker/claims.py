@@ -130,21 +130,16 @@ class Claims:
         except FAILURES:
             raise
         except OptionsDoNotFit as err:  # the client's options, not a fault: the session fails saying why
-            await self.leases.release(session_id)
-            await self.records.set(session_id, SessionState.ERROR, error=str(err))
-            await leave(self.redis, self.keys, session_id, self.leases.model)  # its place and memory back at once
+            await self._not_opened(session_id, str(err))
             log.info("session %s not opened: %s", session_id, err)
             return
         except Exception:
-            await self.leases.release(session_id)
-            await self.records.set(session_id, SessionState.ERROR, error=f"the worker could not open it {INTERNAL}")
-            await leave(self.redis, self.keys, session_id, self.leases.model)
+            await self._not_opened(session_id, f"the worker could not open it {INTERNAL}")
             raise
         finally:
             self.claiming.discard(session_id)
         if not await self.leases.renew(session_id, hosted):
-            if hosted.ingest is not None:
-                hosted.ingest.close(delete=False)
+            await self.intake.close(hosted, delete=False)
             await self.threads.engine(hosted.engine.release)
             return  # opening took longer than the lease, and another worker has it now
         self.sessions[session_id] = hosted
@@ -152,6 +147,12 @@ class Claims:
         await self.records.set(session_id, SessionState.READY, SessionState.PENDING)
         await self._replay(session_id)
         log.info("took session %s", session_id)
+
+    async def _not_opened(self, session_id: str, error: str) -> None:
+        """The session cannot be opened: it fails saying why, its place and memory back at once."""
+        await self.leases.release(session_id)
+        await self.records.set(session_id, SessionState.ERROR, error=error)
+        await leave(self.redis, self.keys, session_id, self.leases.model)
 
     async def _no_room(self, session_id: str) -> None:
         """No room for the session's cache here: back in the queue, for this or another worker."""
