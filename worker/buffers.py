@@ -22,7 +22,6 @@ class ByteFeed(io.RawIOBase):
     def __init__(self, max_bytes: int) -> None:
         super().__init__()
         self.max_bytes = max_bytes
-        self.total_bytes = 0  # every byte written
         self._chunks: deque[memoryview] = deque()
         self._held = 0
         self._ended = False
@@ -52,7 +51,6 @@ class ByteFeed(io.RawIOBase):
                 raise ValueError("write after end_input")
             self._chunks.append(memoryview(bytes(data)))
             self._held += len(data)
-            self.total_bytes += len(data)
             self._changed.notify_all()
         return len(data)
 
@@ -172,17 +170,15 @@ class FrameQueue:
             self._changed.notify_all()
         return [frame for frame, _ in taken], lag_s
 
-    def _drop_late(self) -> bool:
+    def _drop_late(self) -> None:
         """Drop the frames late by more than `max_lag_s` (and the grace of a hold), except the
-        newest; none while held. True when any was."""
+        newest; none while held."""
         if self._held_since is not None:
-            return False
+            return
         now = self._clock()
-        before = len(self._frames)
         while len(self._frames) > 1 and now - self._frames[0][1] > self.max_lag_s + self.grace_s:
             self._frames.popleft()
-        self.dropped += before - len(self._frames)
-        return len(self._frames) < before
+            self.dropped += 1
 
     def close(self) -> None:
         """Wake a waiting `put` (it returns False) and drop what is queued."""

@@ -148,7 +148,7 @@ class Capacity:
         self.pool: KVPool | None = None  # made by `make_pool`
         self.refresh([])
 
-    def make_pool(self) -> KVPool:
+    def make_pool(self) -> None:
         """The worker's KV pool with its host pool beside it: on a GPU as many pages as the
         memory offered now holds (taken now), on a CPU as many as the setting states, at most
         the RAM (taken as sessions use them, given back as they end); then offers again."""
@@ -174,7 +174,6 @@ class Capacity:
         for name, pool in (("KV pool", self.pool), ("host pool", host)):
             log.info("%s: %d pages of %d tokens, %s (%s)", name, pool.total_pages, pool.page_tokens, _mib(pool.nbytes), taken)
         self.refresh([])
-        return self.pool
 
     @property
     def kv_memory_bytes(self) -> int:

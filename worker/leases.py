@@ -79,16 +79,15 @@ class Leases:
         keys = [self.keys.lease(session_id), self.keys.session(session_id)]
         return await self._take(keys=keys, args=[self.worker_id, self.lease_ms]) == 1
 
-    async def renew(self, session_id: str, hosted: Hosted | None = None) -> bool:
-        """Renew the lease (`hosted`: until when it surely holds, or that it is lost)."""
+    async def renew(self, session_id: str, hosted: Hosted) -> bool:
+        """Renew the lease; `hosted` learns until when it surely holds, or that it is lost."""
         renewed_at = time.monotonic()
         keys = [self.keys.lease(session_id), self.keys.session(session_id)]
         held = bool(await self._renew(keys=keys, args=[self.worker_id, self.lease_ms]))
-        if hosted is not None:
-            if held:
-                hosted.lease_until = renewed_at + self.margin_s
-            else:
-                hosted.lost = True
+        if held:
+            hosted.lease_until = renewed_at + self.margin_s
+        else:
+            hosted.lost = True
         return held
 
     async def release(self, session_id: str) -> None:

@@ -20,7 +20,6 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
@@ -61,13 +60,6 @@ def prefix_folder(prefix: str) -> str:
     """A folder name for a key prefix, so that deployments sharing SPOOL_DIR or SNAPSHOT_DIR
     never touch each other's files."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", prefix.rstrip(":")) or "_"
-
-
-async def _try(action: Callable) -> None:
-    try:
-        await action()
-    except FAILURES as err:
-        log.warning("Redis failed again (%s)", err)
 
 
 class Worker:
@@ -149,7 +141,10 @@ class Worker:
                     self._failing_since = self._failing_since or time.monotonic()
                     if isinstance(err, ResponseError) and "NOGROUP" in str(err):  # Redis lost its data
                         log.warning("a stream or its group is gone (%s); repairing", err)
-                        await _try(self._repair)
+                        try:
+                            await self._repair()
+                        except FAILURES as again:
+                            log.warning("Redis failed again (%s)", again)
                     else:
                         log.warning("Redis failed (%s); retrying in %.1f s", err, backoff_s)
                     await self._stopped_within(backoff_s)
