@@ -144,15 +144,11 @@ class MediaIntake:
                 if entry.kind == MediaKind.END:
                     hosted.move(Phase.SAMPLING)
                 await self.records.consume_upload(session_id, entry_id, receipt)
-        except DecodeError as err:
-            await self.records.consume(media, entry_id)
-            await self.fail(session_id, hosted, str(err))
         except FAILURES:
             raise
-        except Exception:
-            log.exception("session %s: receiving media failed", session_id)
+        except Exception as err:
             await self.records.consume(media, entry_id)
-            await self.fail(session_id, hosted, f"receiving media failed {INTERNAL}")
+            await self._failed(session_id, hosted, "receiving media", err)
         finally:
             hosted.took_media(entry_id)  # questions asked after it now wait for its frames
 
@@ -209,8 +205,7 @@ class MediaIntake:
             if isinstance(error, ContextFull):
                 await self._context_full(session_id, hosted, error)
             elif error is not None:
-                log.error("session %s: ingest failed", session_id, exc_info=error)
-                await self.fail(session_id, hosted, f"ingest failed {INTERNAL}")
+                await self._failed(session_id, hosted, "ingest", error)
                 continue
             hosted.changed = True
             stats = hosted.engine.stats()
@@ -251,11 +246,8 @@ class MediaIntake:
                 hosted.batch = None
                 return batch
             return hosted.ingest.next_frames(self._count(hosted))
-        except DecodeError as err:
-            await self.fail(session_id, hosted, str(err))
-        except Exception:
-            log.exception("session %s: ingest failed", session_id)
-            await self.fail(session_id, hosted, f"ingest failed {INTERNAL}")
+        except Exception as err:
+            await self._failed(session_id, hosted, "ingest", err)
         return None
 
     async def _report(self, session_id: str, hosted: Hosted, batch: Batch, appended: int) -> None:
@@ -411,6 +403,15 @@ class MediaIntake:
         await self.records.set(session_id, SessionState.ERROR, error=message)
         await self.records.event(session_id, MediaErrorEvent(code="session_error", message=message))
         log.info("session %s failed: %s", session_id, message)
+
+    async def _failed(self, session_id: str, hosted: Hosted, doing: str, err: BaseException) -> None:
+        """The session fails for `err`, raised while `doing`: a DecodeError says why to the user;
+        anything else is the worker's fault, logged, and the user told no more than that."""
+        if isinstance(err, DecodeError):
+            await self.fail(session_id, hosted, str(err))
+            return
+        log.error("session %s: %s failed", session_id, doing, exc_info=err)
+        await self.fail(session_id, hosted, f"{doing} failed {INTERNAL}")
 
     async def close(self, hosted: Hosted, delete: bool = True) -> None:
         """Close the session's ingest (one that decodes slowly after the frames being decoded, on
