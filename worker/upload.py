@@ -30,17 +30,21 @@ class UploadIngest:
     dropped = 0
 
     def __init__(
-        self, spool_path: Path, fps: float, max_side: int, max_bytes: int, clock: Callable[[], float] = time.monotonic
+        self, spool_path: Path, fps: float, max_side: int, max_bytes: int, clock: Callable[[], float] = time.monotonic,
+        bytes_received: int = 0,
     ) -> None:
+        """`bytes_received`: the spool file's bytes that count, going on after a takeover (those
+        written after them are cut off: they come again from the media stream)."""
         self.spool_path = spool_path
         self.fps = fps
         self.max_side = max_side
         self.max_bytes = max_bytes
         self.clock = clock  # monotonic seconds, which its steps are timed by
-        self.bytes_received = 0
+        self.bytes_received = bytes_received
         self.info: VideoInfo | None = None
         self.finished = False
-        self._file: BinaryIO | None = spool_path.open("wb")
+        self._file: BinaryIO | None = spool_path.open("ab")
+        self._file.truncate(bytes_received)
         self._sampled: FileFrames | None = None  # the file's frames, once it has ended
         self._frames = None  # those not yet taken (after a takeover, past the cache's last frame)
         self._costs: StepCosts | None = None  # its steps' seconds, from its end on
@@ -69,13 +73,7 @@ class UploadIngest:
             self._file.write(data)
             self._file.flush()  # acknowledged next: the bytes must be in the file, for another worker
         elif entry.kind == MediaKind.END:
-            self._file.close()
-            self._file = None
-            if self.bytes_received == 0:
-                raise DecodeError("the upload is empty")
-            self.info = probe(self.spool_path)
-            self._frames = self._sampled = sample_file(self.spool_path, self.fps, self.max_side, self.info)
-            self._costs = StepCosts(self.clock(), 0.0)
+            self._end()
         else:
             raise DecodeError(f"unexpected media entry {entry.kind!r} in an upload")
 
@@ -94,19 +92,21 @@ class UploadIngest:
         spool = Path(state["spool"])
         if not spool.is_file() or spool.stat().st_size < state["bytes"]:
             raise DecodeError("the upload was lost with the worker that held it; upload it again to a new session")
-        ingest = cls.__new__(cls)
-        ingest.spool_path, ingest.fps, ingest.max_side, ingest.max_bytes = spool, fps, max_side, max_bytes
-        ingest.bytes_received, ingest.info, ingest.finished, ingest.clock = state["bytes"], None, False, time.monotonic
-        ingest._sampled = ingest._frames = ingest._costs = None
-        with spool.open("r+b") as file:
-            file.truncate(state["bytes"])  # bytes written after the snapshot come again from the media stream
-        ingest._file = None if state["ended"] else spool.open("ab")
+        ingest = cls(spool, fps, max_side, max_bytes, bytes_received=state["bytes"])
         if state["ended"]:
-            ingest.info = probe(spool)
-            ingest._sampled = sample_file(spool, fps, max_side, ingest.info)
-            ingest._frames = (f for f in ingest._sampled if after_s is None or f.time_s > after_s)
-            ingest._costs = StepCosts(ingest.clock(), after_s or 0.0)
+            ingest._end(after_s)
         return ingest
+
+    def _end(self, after_s: float | None = None) -> None:
+        """The file is whole: its frames are sampled, those up to `after_s` (in the cache already) skipped."""
+        self._file.close()
+        self._file = None
+        if self.bytes_received == 0:
+            raise DecodeError("the upload is empty")
+        self.info = probe(self.spool_path)
+        self._sampled = sample_file(self.spool_path, self.fps, self.max_side, self.info)
+        self._frames = self._sampled if after_s is None else (f for f in self._sampled if f.time_s > after_s)
+        self._costs = StepCosts(self.clock(), after_s or 0.0)
 
     def next_frames(self, count: int) -> Batch:
         """Up to `count` more frames; blocking (decoding)."""
