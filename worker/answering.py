@@ -61,13 +61,31 @@ class Starts:
         return [run.pieces for _, run in self.begun if isinstance(run, AnswerRun)]
 
     async def publish(self, results: list[Result] | Exception) -> None:
+        """Each question started, or refused (too long, past the context, a failure)."""
         if isinstance(results, Exception):  # the step failed as a whole
             begun = [(tokens, results, None) for tokens, _ in self.begun]
             begun += [(0, results, None)] * (len(self.starting) - len(begun))
         else:
             firsts = iter(results)
             begun = [(tokens, run, next(firsts) if isinstance(run, AnswerRun) else None) for tokens, run in self.begun]
-        await self.answering._started(self.starting, begun)
+        answering, counters = self.answering, self.answering.counters
+        for (session_id, hosted, entry_id, _, stream), (tokens, run, piece) in zip(self.starting, begun, strict=True):
+            error = run if isinstance(run, Exception) else piece if isinstance(piece, Exception) else None
+            if isinstance(error, ContextFull):
+                message = f"{error}: ask a shorter question, or start a session with a policy that evicts"
+                await answering._refuse(session_id, entry_id, stream, ErrorEvent(code="context_full", message=message))
+            elif error is not None:
+                log.error("session %s: answering failed", session_id, exc_info=error)
+                await answering._refuse(session_id, entry_id, stream, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
+            elif run is None:
+                message = f"the question is {tokens} tokens long; at most {protocol.MAX_QUESTION_TOKENS} are taken"
+                await answering._refuse(session_id, entry_id, stream, ErrorEvent(code="question_too_long", message=message))
+            else:
+                hosted.answer = run
+                counters.prompt_tokens += run.pieces.prompt_tokens
+                if run.question.asked_at is not None:
+                    counters.queue_time_s.observe(max(0.0, run.started_unix - run.question.asked_at))
+                await answering._send(session_id, hosted, piece)
 
 
 class Tokens:
@@ -82,7 +100,12 @@ class Tokens:
 
     async def publish(self, results: list[Result] | Exception) -> None:
         pieces = [results] * len(self.stepping) if isinstance(results, Exception) else results
-        await self.answering._advanced(self.stepping, pieces)
+        for (session_id, hosted), piece in zip(self.stepping, pieces, strict=True):
+            if isinstance(piece, Exception):
+                log.error("session %s: answering failed", session_id, exc_info=piece)
+                await self.answering.cancel(session_id, hosted, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
+            else:
+                await self.answering._send(session_id, hosted, piece)
 
 
 class Answering:
@@ -107,27 +130,6 @@ class Answering:
             if question is not None:
                 starting.append((session_id, hosted, *question))
         return Starts(self, starting) if starting else None
-
-    async def _started(self, starting: list[tuple[str, Hosted, bytes, Question, str]],
-                       begun: list[tuple[int, "AnswerRun | Exception | None", Result]]) -> None:
-        """Each question started, or refused (too long, past the context, a failure)."""
-        for (session_id, hosted, entry_id, _, stream), (tokens, run, piece) in zip(starting, begun, strict=True):
-            error = run if isinstance(run, Exception) else piece if isinstance(piece, Exception) else None
-            if isinstance(error, ContextFull):
-                message = f"{error}: ask a shorter question, or start a session with a policy that evicts"
-                await self._refuse(session_id, entry_id, stream, ErrorEvent(code="context_full", message=message))
-            elif error is not None:
-                log.error("session %s: answering failed", session_id, exc_info=error)
-                await self._refuse(session_id, entry_id, stream, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
-            elif run is None:
-                message = f"the question is {tokens} tokens long; at most {protocol.MAX_QUESTION_TOKENS} are taken"
-                await self._refuse(session_id, entry_id, stream, ErrorEvent(code="question_too_long", message=message))
-            else:
-                hosted.answer = run
-                self.counters.prompt_tokens += run.pieces.prompt_tokens
-                if run.question.asked_at is not None:
-                    self.counters.queue_time_s.observe(max(0.0, run.started_unix - run.question.asked_at))
-                await self._send(session_id, hosted, piece)
 
     async def queue(self, session_id: str, hosted: Hosted, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         """A question read joins its session's queue. One asked on a stream socket after media
@@ -190,14 +192,6 @@ class Answering:
             if hosted.answer.outbox:
                 await self._send(session_id, hosted, "")
         return Tokens(self, stepping) if stepping else None
-
-    async def _advanced(self, stepping: list[tuple[str, Hosted]], pieces: list[Result]) -> None:
-        for (session_id, hosted), piece in zip(stepping, pieces, strict=True):
-            if isinstance(piece, Exception):
-                log.error("session %s: answering failed", session_id, exc_info=piece)
-                await self.cancel(session_id, hosted, ErrorEvent(code="internal_error", message=f"answering failed {INTERNAL}"))
-            else:
-                await self._send(session_id, hosted, piece)
 
     async def cancel(self, session_id: str, hosted: Hosted, error: ErrorEvent | None = None) -> None:
         """Stop an answer under way (its turn still ends in the cache), with `error` as its last event."""

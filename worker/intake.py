@@ -59,8 +59,28 @@ class Appending:
                 for _, hosted, batch in self.appending]
 
     async def publish(self, results: list[Result] | Exception) -> None:
+        """Each session's frames counted, or its failure; every report sent."""
+        intake, counters = self.intake, self.intake.counters
         errors = [results] * len(self.appending) if isinstance(results, Exception) else results
-        await self.intake._appended(self.taken, self.appending, self.befores, errors)
+        appended: dict[str, int] = {}
+        for (session_id, hosted, batch), before, error in zip(self.appending, self.befores, errors, strict=True):
+            if isinstance(error, ContextFull):
+                await intake._context_full(session_id, hosted, error)
+            elif error is not None:
+                await intake._failed(session_id, hosted, "ingest", error)
+                continue
+            hosted.changed = True
+            stats = hosted.engine.stats()
+            appended[session_id] = stats.frames - before.frames
+            counters.frames_ingested += appended[session_id]
+            counters.evictions += stats.evictions - before.evictions
+            hosted.host_bytes = stats.host_bytes
+            hosted.lag_s = batch.lag_s
+        for session_id, hosted, batch in self.taken:
+            if not hosted.failed:
+                hosted.reports.append((batch, appended.get(session_id, 0)))
+        for session_id, hosted, _ in self.taken:
+            await intake._send_reports(session_id, hosted)
 
 
 class MediaIntake:
@@ -196,29 +216,6 @@ class MediaIntake:
     async def step(self, work: list[tuple[str, Hosted]]) -> None:
         """An engine step of these sessions' frames alone (a replay makes room in a live queue)."""
         await engine_steps.run(self.threads, [await self.frames(work)])
-
-    async def _appended(self, taken: list[tuple[str, Hosted, Batch]], appending: list[tuple[str, Hosted, Batch]],
-                        befores: list[SessionStats], errors: list[Result]) -> None:
-        """After the step: each session's frames counted, or its failure; every report sent."""
-        appended: dict[str, int] = {}
-        for (session_id, hosted, batch), before, error in zip(appending, befores, errors, strict=True):
-            if isinstance(error, ContextFull):
-                await self._context_full(session_id, hosted, error)
-            elif error is not None:
-                await self._failed(session_id, hosted, "ingest", error)
-                continue
-            hosted.changed = True
-            stats = hosted.engine.stats()
-            appended[session_id] = stats.frames - before.frames
-            self.counters.frames_ingested += appended[session_id]
-            self.counters.evictions += stats.evictions - before.evictions
-            hosted.host_bytes = stats.host_bytes
-            hosted.lag_s = batch.lag_s
-        for session_id, hosted, batch in taken:
-            if not hosted.failed:
-                hosted.reports.append((batch, appended.get(session_id, 0)))
-        for session_id, hosted, _ in taken:
-            await self._send_reports(session_id, hosted)
 
     async def _send_reports(self, session_id: str, hosted: Hosted) -> None:
         """The session's step reports not yet sent, oldest first: a Redis failure leaves the rest
