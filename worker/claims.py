@@ -6,7 +6,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
@@ -15,7 +14,7 @@ from engine import Model, PoolFull, Session, SessionConfig
 from streamvqa import protocol
 from streamvqa.pending import leave
 from streamvqa.protocol import Keys, SessionRecord, SessionState
-from streamvqa.redis_client import FAILURES
+from streamvqa.redis_client import FAILURES, xreadgroup
 from worker.answering import Answering
 from worker.capacity import Capacity
 from worker.decode import INTERNAL
@@ -36,22 +35,20 @@ class OptionsDoNotFit(Exception):
     """A new session whose options the engine refuses for this worker's model."""
 
 
-Read = Callable[[dict[str, str], int, int | None], Awaitable[list]]
-
-
 class Claims:
     def __init__(
-        self, redis: Redis, keys: Keys, model: Model, max_sessions: int, sessions: dict[str, Hosted], read: Read,
+        self, redis: Redis, reader: Redis, keys: Keys, model: Model, max_sessions: int, sessions: dict[str, Hosted],
         threads: Threads, leases: Leases, capacity: Capacity, store: SnapshotStore, records: RecordWriter,
         intake: MediaIntake, answering: Answering,
     ) -> None:
+        """`reader` reads the pending queue (XREADGROUP), as the worker's `reader` its streams."""
         self.redis = redis
+        self.reader = reader
         self.keys = keys
         self.model = model
         self.max_sessions = max_sessions
         self.sessions = sessions  # the worker's: those it holds
         self.claiming: set[str] = set()  # sessions being opened: advertised, not yet held
-        self._read = read
         self.threads = threads
         self.leases = leases
         self.capacity = capacity
@@ -92,7 +89,7 @@ class Claims:
             _, orphans, *_ = await self.redis.xautoclaim(
                 pending, protocol.GROUP, self.leases.worker_id, self.leases.lease_ms, "0-0", count=room
             )
-        reply = [(pending, orphans)] if orphans else await self._read({pending: ">"}, room, block_ms)
+        reply = [(pending, orphans)] if orphans else await self._read(pending, room, block_ms)
         for _, rows in reply:
             for entry_id, fields in rows:
                 try:
@@ -104,6 +101,15 @@ class Claims:
                 await self.records.consume(pending, entry_id)
         if reply:
             await self.leases.advertise(self.sessions, self.claiming)
+
+    async def _read(self, pending: str, count: int, block_ms: int | None) -> list:
+        """XREADGROUP of the pending queue; nothing when its group was gone (made again now)."""
+        try:
+            return await xreadgroup(self.reader, protocol.GROUP, self.leases.worker_id, {pending: ">"}, count, block_ms)
+        except ResponseError as err:
+            if "NOGROUP" in str(err) and await self.ensure_queue():
+                return []
+            raise
 
     async def claim(self, session_id: str) -> None:
         """Take a session: a new one, one that left a worker idle, or one whose worker died (from

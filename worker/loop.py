@@ -104,7 +104,7 @@ class Worker:
         self.answering = Answering(redis, keys, model, threads, records, counters)
         self.watching = Watching(redis, keys)
         self.claims = Claims(
-            redis, keys, model, settings.max_sessions, self.sessions, self._read, threads, self.leases,
+            redis, self.reader, keys, model, settings.max_sessions, self.sessions, threads, self.leases,
             self.capacity, self.store, records, self.intake, self.answering,
         )
 
