@@ -115,11 +115,10 @@ class MediaIntake:
         if record.media == "upload" and record.upload_bytes > 0 and record.state == SessionState.INGESTING:
             stats = hosted.engine.stats()
             after_s = stats.video_time_s if stats.frames else None
-            state = {"spool": str(self.spool(session_id)), "bytes": record.upload_bytes, "ended": record.upload_ended}
             try:
                 hosted.ingest = await self.threads.decode(
-                    UploadIngest.resume, state, record.fps, self.settings.max_frame_side,
-                    self.settings.max_upload_bytes, after_s,
+                    UploadIngest.resume, self.spool(session_id), record.upload_bytes, record.upload_ended, record.fps,
+                    self.settings.max_frame_side, self.settings.max_upload_bytes, after_s,
                 )
                 hosted.phase = Phase.SAMPLING if record.upload_ended else Phase.UPLOADING
             except DecodeError as err:

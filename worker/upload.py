@@ -86,14 +86,16 @@ class UploadIngest:
         return fields
 
     @classmethod
-    def resume(cls, state: dict, fps: float, max_side: int, max_bytes: int, after_s: float | None) -> "UploadIngest":
-        """The upload a `state` describes; frames up to `after_s` (already in the cache) are skipped.
-        DecodeError when its spool file is gone or shorter than it was."""
-        spool = Path(state["spool"])
-        if not spool.is_file() or spool.stat().st_size < state["bytes"]:
+    def resume(
+        cls, spool: Path, bytes_received: int, ended: bool, fps: float, max_side: int, max_bytes: int, after_s: float | None
+    ) -> "UploadIngest":
+        """The upload another worker held, as the session's record has it (`upload_bytes`,
+        `upload_ended`); frames up to `after_s` (already in the cache) are skipped. DecodeError
+        when its spool file is gone or shorter than it was."""
+        if not spool.is_file() or spool.stat().st_size < bytes_received:
             raise DecodeError("the upload was lost with the worker that held it; upload it again to a new session")
-        ingest = cls(spool, fps, max_side, max_bytes, bytes_received=state["bytes"])
-        if state["ended"]:
+        ingest = cls(spool, fps, max_side, max_bytes, bytes_received=bytes_received)
+        if ended:
             ingest._end(after_s)
         return ingest
 
