@@ -24,7 +24,9 @@ class Part(Protocol):
         """One result per item of `work`, in order; or what failed the whole step."""
 
 
-async def run(threads: Threads, parts: Sequence[Part]) -> None:
+async def run(threads: Threads, parts: Sequence[Part | None]) -> None:
+    """The parts that have work (None: a kind with none) as one engine step, if any has."""
+    parts = [part for part in parts if part is not None]
     if not parts:
         return
 

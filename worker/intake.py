@@ -202,15 +202,16 @@ class MediaIntake:
             if hosted.batch is None and ingest is not None and ingest.frames_block and ingest.has_work and hosted.held:
                 hosted.batch = self.threads.decode_ahead(ingest.next_frames, self._count(hosted))
 
-    async def frames(self, work: list[tuple[str, Hosted]]) -> "Appending":
+    async def frames(self, work: list[tuple[str, Hosted]]) -> Appending | None:
         """The frames ready for each session of a step (decoded ahead, or taken from a live
-        queue), appended in the engine step (`engine/step.py`), then reported (`Appending`)."""
+        queue), appended in the engine step (`engine/step.py`), then reported (`Appending`);
+        None when no session's could be taken."""
         taken: list[tuple[str, Hosted, Batch]] = []
         for session_id, hosted in work:
             batch = await self._take(session_id, hosted)
             if batch is not None:
                 taken.append((session_id, hosted, batch))
-        return Appending(self, taken)
+        return Appending(self, taken) if taken else None
 
     async def step(self, work: list[tuple[str, Hosted]]) -> None:
         """An engine step of these sessions' frames alone (a replay makes room in a live queue)."""

@@ -63,14 +63,14 @@ def prefix_folder(prefix: str) -> str:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, model: Model, threads: Threads, redis: Redis, reader: Redis | None = None) -> None:
+    def __init__(self, settings: WorkerSettings, model: Model, threads: Threads, redis: Redis, reader: Redis) -> None:
         """`threads`: those the model was loaded on (worker/threads.py). `reader` reads the
         streams (XREADGROUP): a client that never retries a command by itself (a lost reply's
         entries are read again from the worker's pending entries)."""
         self.settings = settings
         self.model = model
         self.redis = redis
-        self.reader = reader or redis
+        self.reader = reader
         self._reread = False  # a read failed: entries it delivered may be pending unseen
         # a restarted process never reuses a dead one's id (containers restart with the same pid)
         self.id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -221,14 +221,10 @@ class Worker:
         self.counters.step_batch_sessions.observe(len(step.sessions))
         work = lambda ids: [(session_id, self.sessions[session_id]) for session_id in ids]  # noqa: E731
         parts = [
-            part
-            for part in (
-                await self.answering.starts(work(step.starts)) if step.starts else None,
-                await self.answering.tokens(work(step.answers)) if step.answers else None,
-                await self.watching.checks(work(step.checks)) if step.checks else None,
-                await self.intake.frames(work(step.frames)) if step.frames else None,
-            )
-            if part is not None
+            await self.answering.starts(work(step.starts)),
+            await self.answering.tokens(work(step.answers)),
+            await self.watching.checks(work(step.checks)),
+            await self.intake.frames(work(step.frames)),
         ]
         await engine_steps.run(self.threads, parts)
 

@@ -140,8 +140,10 @@ class Watching:
         hosted.watches.watches = {key.decode(): Watch.model_validate_json(value) for key, value in stored.items()}
         hosted.watches.failed_s = {key: value for key, value in hosted.watches.failed_s.items() if key in hosted.watches.watches}
 
-    async def checks(self, work: list[tuple[str, Watched]]) -> Checking:
-        return Checking(self, work)
+    async def checks(self, work: list[tuple[str, Watched]]) -> Checking | None:
+        """The checks of a step (None when none of these sessions has one due)."""
+        checking = Checking(self, work)
+        return checking if checking.items else None
 
     async def record(self, session_id: str, hosted: Watched, watch: Watch, time_s: float, checked: Checked) -> None:
         """Write a check's outcome (and its firing, as a `watch_fired` event) unless another
