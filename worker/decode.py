@@ -192,22 +192,16 @@ def _sample_with_decord(
     starts, ends = starts - starts[0], stamps[:, 1] - starts[0]
     sampler = FrameSampler(fps)
     chosen = [i for i, start in enumerate(starts) if sampler.keep(float(start))]
-    yield from _read_batches(reader, chosen, starts, ends, reached)
-    last = len(starts) - 1
-    if chosen[-1] != last:  # an index (an MP4's) may list frames past the end of a file cut short
-        reader.get_batch([last])
-        reached(float(ends[last]))
-
-
-def _read_batches(
-    reader, chosen: list[int], starts: np.ndarray, ends: np.ndarray, reached: Callable[[float], None]
-) -> Iterator[Frame]:
     for first in range(0, len(chosen), DECORD_BATCH_FRAMES):
         indices = chosen[first : first + DECORD_BATCH_FRAMES]
         batch = reader.get_batch(indices).asnumpy()  # (n, H, W, 3) uint8
         reached(float(ends[indices[-1]]))
         for index, image in zip(indices, batch, strict=True):
             yield Frame(np.ascontiguousarray(image), round(float(starts[index]), 6))
+    last = len(starts) - 1
+    if chosen[-1] != last:  # an index (an MP4's) may list frames past the end of a file cut short
+        reader.get_batch([last])
+        reached(float(ends[last]))
 
 
 def _sample_with_pyav(

@@ -193,7 +193,10 @@ class Snapshots:
         pages = None
         try:
             if apart:  # its host pages apart, each once it changed
-                engine, changed_pages, held = await self.threads.engine(self._without_pages, hosted.engine)
+                session = hosted.engine
+                engine, changed_pages, held = await self.threads.engine(
+                    lambda: (session.snapshot(host_pages=False), session.changed_host_pages(), session.host_pages)
+                )
                 pages = HostPages(changed_pages, held, hosted.page_files or {})
             else:
                 engine = await self.threads.engine(hosted.engine.snapshot)
@@ -212,11 +215,6 @@ class Snapshots:
         if covered:
             await self.records.consume(self.store.keys.media(session_id), *covered)
         return True
-
-
-    @staticmethod
-    def _without_pages(session) -> tuple[bytes, dict[int, bytes], list[int]]:
-        return session.snapshot(host_pages=False), session.changed_host_pages(), session.host_pages
 
 
 async def sweep(redis: Redis, keys: Keys, folders: list[Path]) -> None:
