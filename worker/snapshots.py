@@ -178,7 +178,7 @@ class Snapshots:
         middle of an answer; a live session only while no frame waits for the engine, so the
         media it acknowledges is in the cache (or sampled out). True when the session's state is
         in a snapshot."""
-        if hosted.lost or hosted.failed or not hosted.held or hosted.answer is not None:
+        if hosted.failed or not hosted.held or hosted.answer is not None:
             return False
         if not (hosted.changed or hosted.unacked):
             return True
