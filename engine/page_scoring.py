@@ -23,7 +23,11 @@ borrows the pages evicted last (the stream just before what the device holds), n
 look like it. The first layer chooses by its own scores for itself and the other scoring
 layers; the last of them chooses by all of theirs for every layer after it at once, which
 borrow without scoring. The page after a page ranks at least FOLLOWER_SHARE of it: a sentence
-cut by a page's end goes on there. Every KV head then borrows the tokens it holds of the best
+cut by a page's end goes on there. Only pages that stand out (above the median page by
+STANDING_SHARE of the best's lead over it) rank by their scores; the places they leave go to the
+pages evicted last, as when the device leads: prose that shares a word or two with the question
+draws a small model's answer into itself, where the stream just before the device's newest
+tokens goes on from what the device holds. Every KV head then borrows the tokens it holds of the best
 pages, best first, up to the retrieval budget (the same count in every head; a head that kept
 more of those pages on the device reaches further down the list; the last page may come in
 part). What each rule was measured to give: docs/engine.md, "Recall: the host tier".
@@ -40,6 +44,7 @@ SCORED_LAYERS = 4  # layers that score the pages; the last of them chooses for e
 CANDIDATE_PAGES = 4  # a question's places are chosen among the best pages that could lend 4 times what it borrows
 SPAN_PAGES = 1  # a question's places go first to the best page by its whole span (the device cache's tokens of it too)
 DEVICE_LEAD = 2.0  # the device's best span this many times as wanted as the tier's best page: borrow the pages evicted last
+STANDING_SHARE = 0.5  # a page stands out when above the median page by half the best's lead; the rest of a question's places go to the pages evicted last
 FOLLOWER_SHARE = 0.99  # the page after a matched page scores this share of it, when that is more than its own
 SIMILARITY_CHUNK = 1 << 24  # elements of one block of the representatives' similarity matrix
 
@@ -103,12 +108,14 @@ class Question:
         """For layers first..last-1, each KV head's `count` places (into slots * page_tokens) of the
         best pages by the pooled scores, and their places in the stream, both (layers, kv_heads,
         count) on the CPU, in stream order."""
+        recent = tier.page_of.to(self.pooled[0].device, torch.float32)  # (slots,) the pages evicted last rank first
         # the device holds what is asked: borrow what it evicted last, not pages like the question
         if self.best is not None and bool(self.best[1] > DEVICE_LEAD * self.best[0]):
-            scores = tier.page_of.to(self.pooled[0].device, torch.float32)  # (slots,)
+            scores = recent
         else:
             before = torch.tensor([tier.slot_of.get(page - 1, -1) for page in tier.page_of.tolist()])  # slot -> the page before's
             scores = with_followers(self.pooled[0] / self.pooled_heads[0].clamp_min(1), before)  # (slots,)
+            floor = standing_floor(scores[recent >= 0])
             if self.pooled[1] is not None:  # the best pages by their whole span go first
                 spanned = self.pooled[1] / self.pooled_heads[1].clamp_min(1)
                 lead = spanned.topk(min(SPAN_PAGES, tier.slots)).indices
@@ -116,6 +123,9 @@ class Question:
                 scores = scores.clone()
                 scores[lead] = scores.max() + 1 + spanned[lead]
                 scores = with_followers(scores, before)
+            # places the pages that stand out leave go to the pages evicted last, not to pages a little like the question
+            standing = (scores >= floor) & (recent >= 0)
+            scores = torch.where(standing, scores, scores[standing].min() - 2 + recent / (recent.max() + 1))
         held = tier.held[first:last]  # (layers, kv_heads, slots, page_tokens)
         # Among the best pages only, when every head holds enough of them: the same choice, in a fraction of the places
         best = scores.topk(min(tier.slots, CANDIDATE_PAGES * -(-count // tier.page_tokens))).indices
@@ -218,6 +228,13 @@ def cached_similarity(tier: Pages, wanted: torch.Tensor, cached: Cached, mean: t
     elsewhere = torch.full((heads, count, alone.shape[0]), float("-inf"), device=device)
     elsewhere.scatter_reduce_(2, column[:, None].expand(-1, count, -1), near, "amax")
     return in_pages, elsewhere[:, :, int(bool(paged.any())) :]
+
+
+def standing_floor(scores: torch.Tensor) -> torch.Tensor:
+    """The score a page needs to stand out among the tier's pages (`scores`): above the median
+    page's by STANDING_SHARE of the best page's lead over it."""
+    middle = scores.median()
+    return middle + STANDING_SHARE * (scores.max() - middle)
 
 
 def with_followers(scores: torch.Tensor, before: torch.Tensor) -> torch.Tensor:

@@ -330,7 +330,19 @@ def test_the_page_after_a_matched_page_comes_with_it():
     tier.add(every)
     question = torch.cat([every.keys[0, :, 40:44], every.keys[0, :, 16:17]], dim=1)  # page 5 well, page 2 a little
     assert asked(tier, 0, question, count=16).pages == [5, 6]
-    assert asked(tier, 0, question, count=24).pages == [2, 5, 6]
+
+
+def test_places_the_pages_a_question_asks_for_leave_go_to_the_pages_evicted_last_not_to_pages_a_little_like_it():
+    """A page the question matches in one word of five does not stand out: the places the asked
+    page (and the one after it) leave go to the stream evicted last, which the device's newest
+    tokens go on from, not to prose that shares a word with the question."""
+    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
+    torch.manual_seed(0)
+    every = tokens(0, 64, heads=2, dim=16)
+    tier.add(every)
+    question = torch.cat([every.keys[0, :, 16:20], every.keys[0, :, 40:41]], dim=1)  # page 2 well, page 5 a little
+    assert asked(tier, 0, question, count=16).pages == [2, 3]
+    assert asked(tier, 0, question, count=32).pages == [2, 3, 6, 7]
 
 
 def test_a_page_held_on_the_device_in_some_layers_keeps_the_score_of_the_layers_that_hold_it():
