@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import Sampling, Session, SessionConfig, load_model, sampling
-from streamvqa import protocol
+from streamvqa.protocol import options
 from tests.engine.test_session import frames
 
 FULL = SessionConfig(policy="full")
@@ -87,4 +87,4 @@ def test_sampling_out_of_bounds_is_refused(options):
 
 def test_the_gateway_checks_the_engines_bounds():
     for name in ("MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_TEMPERATURE", "MAX_TOP_K", "MAX_SEED"):
-        assert getattr(protocol, name) == getattr(sampling, name), name
+        assert getattr(options, name) == getattr(sampling, name), name
