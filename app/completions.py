@@ -24,7 +24,7 @@ from app.asks import raise_if_left, refusal
 from app.chat_messages import MAX_MESSAGES, Message
 from app.chat_sessions import ChatSessions
 from app.deps import KeysDep, Metrics, RedisDep, Settings, Store
-from app.errors import ApiError, openai_responses
+from app.errors import ApiError, openai_error, openai_responses
 from app.metrics import GatewayMetrics
 from app.settings import GatewaySettings
 from app.sessions import SessionStore
@@ -411,8 +411,7 @@ async def _chunks(
 
 
 def _error_data(code: str, message: str) -> str:
-    error = {"message": message, "type": "server_error", "param": None, "code": code}
-    return f"data: {json.dumps({'error': error})}\n\n"
+    return f"data: {json.dumps(openai_error(500, code, message))}\n\n"
 
 
 def _usage(finished: Finished) -> Usage:
