@@ -93,11 +93,10 @@ class AnswerStream:
 
     @classmethod
     def follow(
-        cls, redis: Redis, keys: Keys, session_id: str, answer_id: str, timeout_s: float, since: str,
-        idle_s: float = sse.KEEPALIVE_S,
+        cls, redis: Redis, keys: Keys, session_id: str, answer_id: str, timeout_s: float, since: str
     ) -> AnswerStream:
         """An answer asked before, from after the entry id `since`; closing it cancels nothing."""
-        return cls(redis, keys, session_id, answer_id, timeout_s, idle_s, since)
+        return cls(redis, keys, session_id, answer_id, timeout_s, sse.KEEPALIVE_S, since)
 
     def __aiter__(self) -> AnswerStream:
         return self

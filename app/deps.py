@@ -96,13 +96,9 @@ async def limited_caller(connection: HTTPConnection, settings: Settings) -> str:
 LimitedCaller = Annotated[str, Depends(limited_caller)]
 
 
-async def rate_limit(limiter: Limiter, caller: LimitedCaller, metrics: Metrics) -> None:
+async def rate_limit(limiter: Limiter, caller: LimitedCaller) -> None:
     """429 when the caller (API key, else address) is over `RATE_LIMIT_PER_S`."""
-    try:
-        await limiter.check(caller)
-    except ApiError:
-        metrics.rate_limited.inc()
-        raise
+    await limiter.check(caller)
 
 
 Caller = Annotated[str, Depends(api_caller)]
