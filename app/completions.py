@@ -265,12 +265,6 @@ async def _read_body(request: Request) -> ChatCompletionRequest:
         raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in err.errors()]) from None
 
 
-def _may_carry_media(request: Request, settings: GatewaySettings) -> bool:
-    """A body that may carry a data URL: longer than any other route's body may be, or of no stated length."""
-    length = request.headers.get("content-length", "")
-    return not length.isdigit() or int(length) > settings.max_body_bytes
-
-
 @router.post(
     "/chat/completions",
     openapi_extra={"requestBody": REQUEST_BODY},
@@ -290,7 +284,8 @@ async def chat_completions(
     A client that leaves before the answer is done cancels it. A body that may carry media is
     read once one of MAX_CHAT_MEDIA_REQUESTS places is free (`chat_media.MediaSlots`)."""
     try:
-        if _may_carry_media(request, settings):
+        length = request.headers.get("content-length", "")
+        if not length.isdigit() or int(length) > settings.max_body_bytes:  # a body that may carry a data URL
             await chat.room.take()
         body = await _read_body(request)
         options = body.options()

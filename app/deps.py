@@ -187,13 +187,6 @@ def address_of(connection: HTTPConnection) -> str:
     return connection.client.host if connection.client else "unknown"
 
 
-def owner_hint(settings: GatewaySettings) -> str:
-    """How else a caller may act on a session than with its token, as the end of a sentence."""
-    if settings.api_key_list:
-        return ", or call as its owner: with the API key that created it"
-    return ", or call from the address that created it" if settings.address_owns_sessions else ""
-
-
 async def owned_session(
     session_id: str,
     connection: HTTPConnection,
@@ -208,7 +201,10 @@ async def owned_session(
     that is not the owner learns no more than without this: that the id exists."""
     owner = proven_owner(settings, api_key, bearer, address_of(connection))
     presented = bool(settings.api_key_list) and api_key is not None
-    return await _session(session_id, store, bearer, owner, presented, owner_hint(settings))
+    hint = ", or call as its owner: with the API key that created it" if settings.api_key_list else (
+        ", or call from the address that created it" if settings.address_owns_sessions else ""
+    )  # how else than with its token the caller may act on the session
+    return await _session(session_id, store, bearer, owner, presented, hint)
 
 
 OwnedSession = Annotated[SessionRecord, Depends(owned_session)]
