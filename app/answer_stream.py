@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from app import answers, sse
-from app.errors import ApiError
 from app.metrics import GatewayMetrics
 from app.tail import TailTimeout, tail
 from streamvqa.protocol import Answer, AnswerEnvelope, AskOptions, DoneEvent, Keys, SessionRecord
@@ -67,18 +66,11 @@ async def ask(
     metrics: GatewayMetrics, via: str, timeout_s: float, idle_s: float = sse.KEEPALIVE_S, after_media: str | None = None,
 ) -> AnswerStream:
     """Queue a question (asked via `rest`, `sse`, `socket` or `openai`) with its length and
-    sampling, and on a socket the media entry it follows; its answer's stream. ApiError 429 when
-    the session's question backlog is full, 404 when the session is gone, 409 when it failed."""
-    try:
-        answer_id = await answers.submit(
-            redis, keys, session, question, options.answer_tokens, options.sampling(), session_ttl_s, after_media
-        )
-    except answers.QuestionsBacklogFull as err:
-        raise ApiError(429, "too_many_questions", "too many unanswered questions on this session") from err
-    except answers.QuestionRefused as err:
-        if err.code == "session_not_found":
-            raise ApiError(404, err.code, f"no session {session.id}") from err
-        raise ApiError(409, err.code, "the session failed; see its error") from err
+    sampling, and on a socket the media entry it follows; its answer's stream. ApiError as
+    `answers.submit` refuses it."""
+    answer_id = await answers.submit(
+        redis, keys, session, question, options.answer_tokens, options.sampling(), session_ttl_s, after_media
+    )
     metrics.questions.labels(via).inc()
     return AnswerStream(redis, keys, session.id, answer_id, timeout_s, idle_s, metrics=metrics)
 
@@ -101,11 +93,10 @@ class AnswerStream:
 
     @classmethod
     def follow(
-        cls, redis: Redis, keys: Keys, session_id: str, answer_id: str, timeout_s: float, since: str,
-        idle_s: float = sse.KEEPALIVE_S,
+        cls, redis: Redis, keys: Keys, session_id: str, answer_id: str, timeout_s: float, since: str
     ) -> AnswerStream:
         """An answer asked before, from after the entry id `since`; closing it cancels nothing."""
-        return cls(redis, keys, session_id, answer_id, timeout_s, idle_s, since)
+        return cls(redis, keys, session_id, answer_id, timeout_s, sse.KEEPALIVE_S, since)
 
     def __aiter__(self) -> AnswerStream:
         return self

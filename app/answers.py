@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
+from app.errors import ApiError
 from streamvqa import protocol
 from streamvqa.pending import enqueue
 from streamvqa.protocol import Answer, AnswerEnvelope, Keys, Question, Sampling, SessionRecord, scripts
@@ -24,18 +25,6 @@ from streamvqa.redis_client import FAILURES
 
 log = logging.getLogger(__name__)
 _cancelling: set[asyncio.Task] = set()  # cancel marks on their way to Redis: one per client that left, each done in a moment
-
-
-class QuestionsBacklogFull(Exception):
-    pass
-
-
-class QuestionRefused(Exception):
-    """The session cannot take questions: `code` is session_not_found or session_error."""
-
-    def __init__(self, code: str) -> None:
-        super().__init__(code)
-        self.code = code
 
 
 class AnswerStatus(BaseModel):
@@ -58,7 +47,8 @@ async def submit(
     session_ttl_s: int, after_media: str | None = None,
 ) -> str:
     """Queue a question for the session's worker; returns the answer id. With `after_media` (a
-    media entry's id), the worker starts it once that entry's frames are in the cache."""
+    media entry's id), the worker starts it once that entry's frames are in the cache. ApiError
+    429 when the session's question backlog is full, 404 when the session is gone, 409 when it failed."""
     answer_id = uuid.uuid4().hex
     asked_at = time.time()
     message = Question(
@@ -74,26 +64,25 @@ async def submit(
     if woke:
         await enqueue(redis, keys, session.id, session.model, asked_at)
     if queued == 0:
-        raise QuestionsBacklogFull()
+        raise ApiError(429, "too_many_questions", "too many unanswered questions on this session")
+    if queued == -1:
+        raise ApiError(404, "session_not_found", f"no session {session.id}")
     if queued < 0:
-        raise QuestionRefused("session_not_found" if queued == -1 else "session_error")
+        raise ApiError(409, "session_error", "the session failed; see its error")
     return answer_id
 
 
-async def cancel(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> None:
-    """Mark an answer cancelled: its worker stops it at its next token (or never begins it)."""
-    await redis.eval(
-        scripts.CANCEL_ANSWER_LUA, 2, keys.session(session_id), keys.cancel(session_id, answer_id), protocol.ANSWER_TTL_S
-    )
-
-
 def cancel_soon(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> None:
-    """Cancel an answer whose client left, from a task of its own: the request's own task is
-    being cancelled, and could await nothing more."""
+    """Mark an answer whose client left cancelled (its worker stops it at its next token, or never
+    begins it), from a task of its own: the request's own task is being cancelled, and could
+    await nothing more."""
 
     async def cancelling() -> None:
         try:
-            await cancel(redis, keys, session_id, answer_id)
+            await redis.eval(
+                scripts.CANCEL_ANSWER_LUA, 2, keys.session(session_id), keys.cancel(session_id, answer_id),
+                protocol.ANSWER_TTL_S,
+            )
         except FAILURES as err:
             log.warning("answer %s: its client left, and Redis failed to take the cancel (%s)", answer_id, err)
 
@@ -125,31 +114,24 @@ async def conversation(redis: Redis, keys: Keys, session_id: str, limit: int) ->
     return listed
 
 
-async def asked_at(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> float | None:
-    """When the question was asked, or None when the session never asked it (or has forgotten it)."""
-    return await redis.zscore(keys.asked(session_id), answer_id)
-
-
 async def status(redis: Redis, keys: Keys, session_id: str, answer_id: str) -> AnswerStatus:
     entries = await redis.xrange(keys.answer(session_id, answer_id))
-    text, tokens, last_id = [], 0, None
+    text, last_id = [], None
     for entry_id, fields in entries:
         last_id = entry_id.decode()
         event = AnswerEnvelope.model_validate_json(fields[b"m"]).event
-        if event.type == "token":
-            text.append(event.text)
-            tokens += 1
-        elif event.type == "done":
+        if event.type == "done":
             return AnswerStatus(
                 answer_id=answer_id, status="done", answer=event.answer, tokens=event.tokens,
                 last_event_id=last_id, result=event.answered(answer_id),
             )
-        else:
+        if event.type != "token":
             return AnswerStatus(
-                answer_id=answer_id, status="error", answer="".join(text), tokens=tokens,
+                answer_id=answer_id, status="error", answer="".join(text), tokens=len(text),
                 last_event_id=last_id, code=event.code, message=event.message,
             )
+        text.append(event.text)
     return AnswerStatus(
-        answer_id=answer_id, status="streaming" if entries else "pending", answer="".join(text), tokens=tokens,
+        answer_id=answer_id, status="streaming" if entries else "pending", answer="".join(text), tokens=len(text),
         last_event_id=last_id,
     )

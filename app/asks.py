@@ -90,18 +90,16 @@ async def ask(
     """Ask about what the session has seen so far."""
     if session.state == SessionState.ERROR:
         raise ApiError(409, "session_error", f"the session failed: {session.error}")
-    streaming = body.stream or sse.wants_events(request)
+    streaming = body.stream or sse.wants_events(request)  # streamed, it waits ASK_TIMEOUT_S whatever `wait_s` says
+    wait_s = settings.ask_timeout_s if streaming or body.wait_s is None else min(body.wait_s, settings.ask_timeout_s)
+    via, idle_s = ("sse", sse.KEEPALIVE_S) if streaming else ("rest", answer_stream.LEAVE_CHECK_S)
+    stream = await answer_stream.ask(
+        redis, keys, session, body.question, body, settings.session_ttl_s, metrics, via, wait_s, idle_s
+    )
+    location = _answer_url(session.id, stream.answer_id)
     if streaming:
-        stream = await answer_stream.ask(
-            redis, keys, session, body.question, body, settings.session_ttl_s, metrics, "sse", settings.ask_timeout_s
-        )
-        location = _answer_url(session.id, stream.answer_id)
         started = sse.frame("started", {"answer_id": stream.answer_id, "location": location})  # no id: resuming starts after it
         return sse.response(_answer_frames(stream, first=started), headers={"Location": location})
-    wait_s = settings.ask_timeout_s if body.wait_s is None else min(body.wait_s, settings.ask_timeout_s)
-    stream = await answer_stream.ask(
-        redis, keys, session, body.question, body, settings.session_ttl_s, metrics, "rest", wait_s, answer_stream.LEAVE_CHECK_S
-    )
     async with stream:
         async for item in stream:
             await raise_if_left(request)  # at each keepalive too
@@ -113,7 +111,6 @@ async def ask(
     if body.wait_s is None:
         raise ApiError(504, "answer_timeout", f"no answer within {settings.ask_timeout_s} s (answer {stream.answer_id})")
     found = await answers.status(redis, keys, session.id, stream.answer_id)
-    location = _answer_url(session.id, stream.answer_id)
     pending = AnswerPending(answer_id=stream.answer_id, status=found.status, location=location)
     return JSONResponse(pending.model_dump(), status_code=202, headers={"Location": location})
 
@@ -144,7 +141,7 @@ async def get_answer(
 ) -> AnswerStatus:
     """An answer as far as it has come. With `Accept: text/event-stream`, its events as
     Server-Sent Events from the start, or after the `Last-Event-ID` a client last saw."""
-    if not ANSWER_ID.fullmatch(answer_id) or (asked := await answers.asked_at(redis, keys, session.id, answer_id)) is None:
+    if not ANSWER_ID.fullmatch(answer_id) or (asked := await redis.zscore(keys.asked(session.id), answer_id)) is None:
         raise ApiError(404, "answer_not_found", f"this session asked no question {answer_id}")
     found = await answers.status(redis, keys, session.id, answer_id)
     if sse.wants_events(request):

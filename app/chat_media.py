@@ -132,7 +132,10 @@ def _decoded(ref: MediaRef, url: str, max_bytes: int) -> deque[bytes]:
     if comma < 0:
         raise _bad(ref, "invalid_media_url", "a data URL is data:[<type>][;base64],<data>")
     if not url[5:comma].lower().endswith(";base64"):
-        return _pieces(unquote_to_bytes(url[comma + 1 :]), ref, max_bytes)
+        data = unquote_to_bytes(url[comma + 1 :])
+        if len(data) > max_bytes:
+            raise _too_large(ref, max_bytes)
+        return deque(_chunked(data))
     if (len(url) - comma - 1) * 3 // 4 > max_bytes + 2:  # before decoding it
         raise _too_large(ref, max_bytes)
     chunks, size = deque(), 0
@@ -146,12 +149,6 @@ def _decoded(ref: MediaRef, url: str, max_bytes: int) -> deque[bytes]:
     if size > max_bytes:
         raise _too_large(ref, max_bytes)
     return chunks
-
-
-def _pieces(data: bytes, ref: MediaRef, max_bytes: int) -> deque[bytes]:
-    if len(data) > max_bytes:
-        raise _too_large(ref, max_bytes)
-    return deque(_chunked(data))
 
 
 def _chunked(data: bytes) -> list[bytes]:

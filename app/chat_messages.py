@@ -96,8 +96,8 @@ def read(messages: list[Message]) -> Dialogue:
         at = f"messages.{index}"
         if message.role == "tool":
             raise _unusable(at, "tool messages are not supported (no tools are offered)")
-        if message.role != "user":
-            _no_media(message, at)
+        if message.role != "user" and _media(message, at):
+            raise _unusable(at, f"a {message.role} message cannot carry media: send the video or image in a user message")
         if message.role in OPENING_ROLES:
             if began:
                 raise _unusable(at, "a system message must come before the conversation's first user message")
@@ -132,11 +132,6 @@ def _media(message: Message, at: str) -> list[MediaRef]:
         elif isinstance(part, ImagePart):
             found.append(MediaRef("image", part.image_url, f"{at}.content.{index}.image_url.url"))
     return found
-
-
-def _no_media(message: Message, at: str) -> None:
-    if _media(message, at):
-        raise _unusable(at, f"a {message.role} message cannot carry media: send the video or image in a user message")
 
 
 def _unusable(param: str, message: str) -> ApiError:

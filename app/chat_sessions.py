@@ -30,7 +30,7 @@ from app import chat_ingest, chat_media
 from app.chat_ingest import MEDIA_FIELD
 from app.chat_messages import MAX_MESSAGES, Dialogue, Turn
 from app.chat_media import Media, MediaRoom
-from app.deps import ChatMediaSlots, KeysDep, Metrics, RedisDep, Settings, Store, session_owner
+from app.deps import ChatMediaSlots, KeysDep, Metrics, RedisDep, Settings, Store, address_of, session_owner
 from app.errors import ApiError
 from app.routes import create_session
 from streamvqa.protocol import AnswerEnvelope, QuestionText, SessionOptions, SessionRecord, SessionState, scripts
@@ -62,9 +62,8 @@ class ChatSessions:
         # route before reading it, when it may carry a data URL) or a fetch's, until the media is sent
         self.room = MediaRoom(slots)
         self.bearer = credentials.credentials if credentials else None
-        address = request.client.host if request.client else "unknown"
         # who owns what this request makes: with API_KEYS its valid key (None without), else its address
-        self.caller = session_owner(settings, request.headers.get("x-api-key"), self.bearer, address)
+        self.caller = session_owner(settings, request.headers.get("x-api-key"), self.bearer, address_of(request))
 
     async def session_for(self, session_id: str | None, dialogue: Dialogue, model: str | None) -> SessionRecord:
         """The session to ask (see the module's text), of `model` (None: the session's own, or the
@@ -133,16 +132,12 @@ class ChatSessions:
             return False
         return bool(self.settings.api_key_list) or made is not None
 
-    def _maker(self) -> str:
-        if self.caller is None:
+    async def _for_content(self, media: Media, opening: str | None, model: str) -> SessionRecord:
+        if (caller := self.caller) is None:
             raise ApiError(
                 401, "invalid_api_key", "with API keys set, a video or image without a session_id needs an API key as "
                 "the bearer key (OpenAI(api_key=key))",
             )
-        return self.caller
-
-    async def _for_content(self, media: Media, opening: str | None, model: str) -> SessionRecord:
-        caller = self._maker()
         content = hashlib.sha256(f"{model}\0{opening or ''}\0{media.sha256}".encode()).hexdigest()
         session = await self._found(caller, content) or await self._made(caller, content, model, opening)
         await self._add_media(session, media)

@@ -24,7 +24,7 @@ from app.asks import raise_if_left, refusal
 from app.chat_messages import MAX_MESSAGES, Message
 from app.chat_sessions import ChatSessions
 from app.deps import KeysDep, Metrics, RedisDep, Settings, Store
-from app.errors import ApiError, openai_responses
+from app.errors import ApiError, openai_error, openai_responses
 from app.metrics import GatewayMetrics
 from app.settings import GatewaySettings
 from app.sessions import SessionStore
@@ -265,12 +265,6 @@ async def _read_body(request: Request) -> ChatCompletionRequest:
         raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in err.errors()]) from None
 
 
-def _may_carry_media(request: Request, settings: GatewaySettings) -> bool:
-    """A body that may carry a data URL: longer than any other route's body may be, or of no stated length."""
-    length = request.headers.get("content-length", "")
-    return not length.isdigit() or int(length) > settings.max_body_bytes
-
-
 @router.post(
     "/chat/completions",
     openapi_extra={"requestBody": REQUEST_BODY},
@@ -290,7 +284,8 @@ async def chat_completions(
     A client that leaves before the answer is done cancels it. A body that may carry media is
     read once one of MAX_CHAT_MEDIA_REQUESTS places is free (`chat_media.MediaSlots`)."""
     try:
-        if _may_carry_media(request, settings):
+        length = request.headers.get("content-length", "")
+        if not length.isdigit() or int(length) > settings.max_body_bytes:  # a body that may carry a data URL
             await chat.room.take()
         body = await _read_body(request)
         options = body.options()
@@ -411,8 +406,7 @@ async def _chunks(
 
 
 def _error_data(code: str, message: str) -> str:
-    error = {"message": message, "type": "server_error", "param": None, "code": code}
-    return f"data: {json.dumps({'error': error})}\n\n"
+    return f"data: {json.dumps(openai_error(500, code, message))}\n\n"
 
 
 def _usage(finished: Finished) -> Usage:

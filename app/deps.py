@@ -15,7 +15,7 @@ from fastapi.requests import HTTPConnection
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from redis.asyncio import Redis
 
-from app.chat_media import MediaSlots
+from app.chat_media import DEFAULT_PORTS, MediaSlots
 from app.errors import ApiError
 from app.limits import RateLimiter, key_id
 from app.metrics import GatewayMetrics
@@ -47,12 +47,27 @@ Limiter = Annotated[RateLimiter, Depends(_app_state("rate_limiter"))]
 ChatMediaSlots = Annotated[MediaSlots, Depends(_app_state("chat_media_slots"))]
 
 
+async def bearer_token(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str | None:
+    return credentials.credentials if credentials else None
+
+
+Bearer = Annotated[str | None, Depends(bearer_token)]
+
+
 def valid_api_key(settings: GatewaySettings, api_key: str | None) -> bool:
     """Whether `api_key` is one of the configured keys (each compared in constant time)."""
     if api_key is None:
         return False
     given = api_key.encode()
     return any([hmac.compare_digest(given, key.encode()) for key in settings.api_key_list])
+
+
+def _check_key(settings: GatewaySettings, api_key: str | None, how: str) -> None:
+    """401 without an API key (`how` says how to send one), 403 for one that is not valid."""
+    if api_key is None:
+        raise ApiError(401, "api_key_required", f"send an API key {how}")
+    if not valid_api_key(settings, api_key):
+        raise ApiError(403, "api_key_invalid", "the API key is not valid")
 
 
 def caller_of(settings: GatewaySettings, api_key: str | None, address: str) -> str:
@@ -65,18 +80,15 @@ def caller_of(settings: GatewaySettings, api_key: str | None, address: str) -> s
 async def api_caller(request: Request, settings: Settings, api_key: Annotated[str | None, Depends(_api_key)]) -> str:
     """The caller who creates or lists sessions: with API keys configured, one of them is needed."""
     if settings.api_key_list:
-        if api_key is None:
-            raise ApiError(401, "api_key_required", "send an API key as the X-API-Key header")
-        if not valid_api_key(settings, api_key):
-            raise ApiError(403, "api_key_invalid", "the API key is not valid")
-    return caller_of(settings, api_key, _address(request))
+        _check_key(settings, api_key, "as the X-API-Key header")
+    return caller_of(settings, api_key, address_of(request))
 
 
 async def limited_caller(connection: HTTPConnection, settings: Settings) -> str:
     """Who a rate limit counts: the caller's valid API key (as X-API-Key, or as the bearer token,
     as OpenAI's clients send it), else its address (no key needed)."""
     scheme, _, bearer = connection.headers.get("authorization", "").partition(" ")
-    address = _address(connection)
+    address = address_of(connection)
     keyed = session_owner(settings, connection.headers.get("x-api-key"), bearer if scheme.lower() == "bearer" else None, address)
     return keyed or caller_of(settings, None, address)
 
@@ -84,34 +96,19 @@ async def limited_caller(connection: HTTPConnection, settings: Settings) -> str:
 LimitedCaller = Annotated[str, Depends(limited_caller)]
 
 
-async def rate_limit(limiter: Limiter, caller: LimitedCaller, metrics: Metrics) -> None:
+async def rate_limit(limiter: Limiter, caller: LimitedCaller) -> None:
     """429 when the caller (API key, else address) is over `RATE_LIMIT_PER_S`."""
-    try:
-        await limiter.check(caller)
-    except ApiError:
-        metrics.rate_limited.inc()
-        raise
+    await limiter.check(caller)
 
 
 Caller = Annotated[str, Depends(api_caller)]
 
 
-async def metrics_reader(
-    settings: Settings, api_key: Annotated[str | None, Depends(_api_key)],
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> None:
+async def metrics_reader(settings: Settings, api_key: Annotated[str | None, Depends(_api_key)], bearer: Bearer) -> None:
     """With API keys configured, `/metrics` needs one (unless METRICS_PUBLIC): as X-API-Key, or as
     a bearer token, which is what Prometheus' `authorization` setting sends."""
-    if not settings.api_key_list or settings.metrics_public:
-        return
-    key = api_key if api_key is not None else credentials.credentials if credentials else None
-    if key is None:
-        raise ApiError(401, "api_key_required", "send an API key as the X-API-Key header or as a bearer token")
-    if not valid_api_key(settings, key):
-        raise ApiError(403, "api_key_invalid", "the API key is not valid")
-
-
-DEFAULT_PORTS = {"http": 80, "https": 443}
+    if settings.api_key_list and not settings.metrics_public:
+        _check_key(settings, api_key if api_key is not None else bearer, "as the X-API-Key header or as a bearer token")
 
 
 def origin_allowed(connection: HTTPConnection, settings: GatewaySettings) -> bool:
@@ -155,13 +152,9 @@ async def _session(
     return record
 
 
-async def authorized_session(
-    session_id: str,
-    store: Store,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> SessionRecord:
+async def authorized_session(session_id: str, store: Store, bearer: Bearer) -> SessionRecord:
     """The session named in the path, when the caller holds its token: 404, 401 or 403 otherwise."""
-    return await _session(session_id, store, credentials.credentials if credentials else None)
+    return await _session(session_id, store, bearer)
 
 
 AuthorizedSession = Annotated[SessionRecord, Depends(authorized_session)]
@@ -190,15 +183,8 @@ def proven_owner(settings: GatewaySettings, api_key: str | None, bearer: str | N
     return None
 
 
-def _address(connection: HTTPConnection) -> str:
+def address_of(connection: HTTPConnection) -> str:
     return connection.client.host if connection.client else "unknown"
-
-
-def owner_hint(settings: GatewaySettings) -> str:
-    """How else a caller may act on a session than with its token, as the end of a sentence."""
-    if settings.api_key_list:
-        return ", or call as its owner: with the API key that created it"
-    return ", or call from the address that created it" if settings.address_owns_sessions else ""
 
 
 async def owned_session(
@@ -207,16 +193,18 @@ async def owned_session(
     store: Store,
     settings: Settings,
     api_key: Annotated[str | None, Depends(_api_key)],
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    bearer: Bearer,
 ) -> SessionRecord:
     """The session named in the path, when the caller holds its token or acts as its owner
     (`proven_owner`: the API key that created it; without API_KEYS, only with
     ADDRESS_OWNS_SESSIONS, the address it was created from): 404, 401 or 403 otherwise. A caller
     that is not the owner learns no more than without this: that the id exists."""
-    bearer = credentials.credentials if credentials else None
-    owner = proven_owner(settings, api_key, bearer, _address(connection))
+    owner = proven_owner(settings, api_key, bearer, address_of(connection))
     presented = bool(settings.api_key_list) and api_key is not None
-    return await _session(session_id, store, bearer, owner, presented, owner_hint(settings))
+    hint = ", or call as its owner: with the API key that created it" if settings.api_key_list else (
+        ", or call from the address that created it" if settings.address_owns_sessions else ""
+    )  # how else than with its token the caller may act on the session
+    return await _session(session_id, store, bearer, owner, presented, hint)
 
 
 OwnedSession = Annotated[SessionRecord, Depends(owned_session)]
@@ -233,14 +221,12 @@ class Viewer:
     token: str | None = None
 
 
-async def session_viewer(
-    caller: Caller, settings: Settings, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Viewer:
+async def session_viewer(caller: Caller, settings: Settings, bearer: Bearer) -> Viewer:
     """With API_KEYS the key (one is needed); without, the address, which sees every session it
     created only with ADDRESS_OWNS_SESSIONS, else the one whose token it presents."""
     if settings.api_key_list or settings.address_owns_sessions:
         return Viewer(caller, every=True)
-    return Viewer(caller, every=False, token=credentials.credentials if credentials else None)
+    return Viewer(caller, every=False, token=bearer)
 
 
 SessionViewer = Annotated[Viewer, Depends(session_viewer)]

@@ -5,6 +5,7 @@ import hashlib
 import json
 import time
 
+from prometheus_client import Counter
 from redis.asyncio import Redis
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -18,10 +19,11 @@ def key_id(api_key: str) -> str:
 
 
 class RateLimiter:
-    def __init__(self, redis: Redis, bucket_key, per_s: float, burst: int) -> None:
+    def __init__(self, redis: Redis, bucket_key, per_s: float, burst: int, refused: Counter) -> None:
         self._take = redis.register_script(scripts.RATE_BUCKET_LUA)
         self._bucket_key = bucket_key  # caller -> Redis key
         self.per_s, self.burst = per_s, burst
+        self._refused = refused  # counts the requests and sockets refused
 
     async def check(self, caller: str) -> None:
         """ApiError 429 (with Retry-After) when `caller` is over its rate."""
@@ -29,6 +31,7 @@ class RateLimiter:
             return
         wait_ms = await self._take(keys=[self._bucket_key(caller)], args=[self.per_s, self.burst])
         if wait_ms:
+            self._refused.inc()
             retry = str(max(1, -(-int(wait_ms) // 1000)))
             raise ApiError(429, "rate_limited", f"too many requests; try again in {retry} s", {"Retry-After": retry})
 

@@ -50,7 +50,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.keys = keys
         app.state.store = SessionStore(redis, keys, settings.session_ttl_s)
         app.state.metrics = metrics
-        app.state.rate_limiter = RateLimiter(redis, keys.rate, settings.rate_limit_per_s, settings.rate_limit_burst)
+        app.state.rate_limiter = RateLimiter(
+            redis, keys.rate, settings.rate_limit_per_s, settings.rate_limit_burst, metrics.rate_limited
+        )
         app.state.stream_sockets = 0  # open `WS /sessions/{id}/stream` sockets, at most max_stream_sockets
         app.state.chat_media_slots = MediaSlots(settings.max_chat_media_requests)
         app.state.started_at = int(time.time())  # unix seconds: `created` of the models /v1/models lists

@@ -87,15 +87,12 @@ class ModelList(BaseModel):
     models: list[ServedModel] = Field(description="The models live workers serve now, by name.")
 
 
-def _reason(err: ValueError) -> str:
-    if isinstance(err, ValidationError):  # the options checked again with the budget chosen
-        return "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in err.errors())
-    return str(err)
-
-
 def _invalid(field: str, model: str, err: ValueError) -> RequestValidationError:
     """Options that do not fit the model: a 422 like any invalid field, naming `field`."""
-    return RequestValidationError([{"loc": ("body", field), "msg": f"{model}: {_reason(err)}", "type": "value_error"}])
+    reason = str(err)
+    if isinstance(err, ValidationError):  # the options checked again with the budget chosen
+        reason = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in err.errors())
+    return RequestValidationError([{"loc": ("body", field), "msg": f"{model}: {reason}", "type": "value_error"}])
 
 
 @router.post("/sessions", status_code=status.HTTP_201_CREATED)

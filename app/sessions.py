@@ -167,10 +167,7 @@ class SessionStore:
             await self.redis.delete(*session_keys)
             raise
         await enqueue(self.redis, self.keys, record.id, model, now)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in session_keys:
-                pipe.expire(key, self.session_ttl_s)
-            await pipe.execute()
+        await self.touch(record.id)
         return record, token
 
     async def _failed_owned(self, owner: str, max_failed: int) -> list[bytes]:

@@ -67,7 +67,6 @@ async def stream(
         await limiter.check(caller)
         await connection.run(token)
     except ApiError as err:  # over the rate limit
-        metrics.rate_limited.inc()
         await connection.close(CloseCode.TOO_MANY, err.message)
     except StreamClosed as closed:
         await connection.close(closed.code, closed.reason)
