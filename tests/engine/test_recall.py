@@ -149,10 +149,15 @@ def tokens(start: int, count: int, heads: int = 1, dim: int = 16) -> Tokens:
     return Tokens(keys, keys.clone(), torch.zeros(1, heads, count, dtype=torch.int8), order.float(), order)
 
 
-def test_a_full_tier_lets_a_page_that_another_repeats_go_first_not_the_oldest():
-    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
+def eight_pages() -> tuple[HostTier, Tokens]:
+    """An empty host tier of 8 pages of 8 tokens, and 64 tokens of one layer to fill it (2 KV
+    heads, random keys drawn from seed 0)."""
     torch.manual_seed(0)
-    stream = tokens(0, 64, heads=2)  # pages 0..7, the budget
+    return HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2), tokens(0, 64, heads=2, dim=16)
+
+
+def test_a_full_tier_lets_a_page_that_another_repeats_go_first_not_the_oldest():
+    tier, stream = eight_pages()  # pages 0..7, the budget
     stream.keys[:, :, 56:64] = stream.keys[:, :, 24:32] + 0.01 * torch.randn(1, 2, 8, 16)  # page 7 repeats page 3
     tier.add(stream)
     novelty = tier.novelty()
@@ -162,9 +167,7 @@ def test_a_full_tier_lets_a_page_that_another_repeats_go_first_not_the_oldest():
 
 
 def test_a_page_a_question_borrowed_from_stays_however_common():
-    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
-    torch.manual_seed(0)
-    stream = tokens(0, 64, heads=2)
+    tier, stream = eight_pages()
     stream.keys[:, :, 56:64] = stream.keys[:, :, 24:32] + 0.05 * torch.randn(1, 2, 8, 16)  # page 7 repeats page 3
     tier.add(stream)
     assert asked(tier, 0, stream.keys[0, :, 56:60], count=8).pages == [7]
@@ -201,9 +204,7 @@ def test_a_tier_that_every_question_borrowed_from_still_takes_new_pages(drop):
 def test_a_page_is_a_span_of_the_stream_whatever_order_its_tokens_leave_in():
     """A head's tokens of one span leave at different evictions; they meet in one page, and a
     question that matches it gets back every token that head lost of the span, in stream order."""
-    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
-    torch.manual_seed(0)
-    every = tokens(0, 64, heads=2, dim=16)
+    tier, every = eight_pages()
     odd, even = (torch.arange(64) % 2 == 1), (torch.arange(64) % 2 == 0)
     for part in (odd, even):  # the odd places leave first, then the even ones
         tier.add(Tokens(*(getattr(every, name)[:, :, part] for name in Tokens.FIELDS)))
@@ -224,9 +225,7 @@ def asked(tier: HostTier, layer: int, keys: torch.Tensor, count: int):
 
 def test_a_question_brings_back_the_pages_whose_keys_match_its_own():
     """Pages are chosen by the question's keys: the same words told earlier have close keys."""
-    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
-    torch.manual_seed(0)
-    every = tokens(0, 64, heads=2, dim=16)  # 8 pages of 8 tokens
+    tier, every = eight_pages()  # 8 pages of 8 tokens
     tier.add(every)
     question = every.keys[0, :, 44:48] + 0.1 * torch.randn(2, 4, 16)  # near the second half of page 5
     assert asked(tier, 0, question, count=8).pages == [5]
@@ -242,9 +241,7 @@ def test_a_word_the_question_shares_with_one_page_outweighs_words_every_other_pa
     nearly as close as a word to itself (cosine 0.97 to 1.0 in SmolLM2's first layer): the
     question's rare word (told in page 5 alone) then barely stands out, and its common words
     (in every other page) carry the choice away. Keys centred on the pages' mean tell them apart."""
-    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
-    torch.manual_seed(0)
-    every = tokens(0, 64, heads=2, dim=16)
+    tier, every = eight_pages()
     words = torch.randn(2, 3, 16)  # the question's words: a rare one, two common ones
     every.keys[0, :, 42] = words[:, 0]  # the rare word, told in page 5 only
     for page in (0, 1, 2, 3, 4, 6, 7):
@@ -261,9 +258,7 @@ def test_a_sentence_whose_words_the_device_still_holds_is_found_by_them_and_its_
     """A policy that scores per head keeps a fact's words (which its question repeats) and evicts
     its number: the page is scored by the words the device cache holds of its span too, so the
     number comes back. By the evicted tokens alone (the number), another page wins."""
-    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
-    torch.manual_seed(0)
-    every = tokens(0, 64, heads=2, dim=16)
+    tier, every = eight_pages()
     left = (torch.arange(64) // 8 != 5) | (torch.arange(64) >= 46)  # of page 5 only places 46 and 47 left the device
     tier.add(Tokens(*(getattr(every, name)[:, :, left] for name in Tokens.FIELDS)))
     words = every.keys[0, :, 40:46]
@@ -283,9 +278,7 @@ def test_a_question_about_what_the_device_holds_borrows_what_it_evicted_last_not
     like the question would only draw its answer away from it, so the question borrows the
     newest pages the device let go instead. Asked about what only the tier holds, it borrows
     the page like it, as before."""
-    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
-    torch.manual_seed(0)
-    every = tokens(0, 64, heads=2, dim=16)
+    tier, every = eight_pages()
     every.keys[:, :, 16:24] = every.keys[:, :, 56:64] + 0.8 * torch.randn(1, 2, 8, 16)  # page 2 tells of what page 7 tells, in other words
     tier.add(Tokens(*(getattr(every, name)[:, :, :48] for name in Tokens.FIELDS)))  # pages 0-5 left the device
     device = Cached(every.keys[0, :, 48:], torch.arange(48, 64).expand(2, 16))  # pages 6 and 7 are held there
@@ -303,9 +296,7 @@ def test_a_question_about_what_only_the_tier_holds_borrows_it_though_words_of_it
     page's share (three times here; 1 to 3.4 times on real prose), far from the 10 to 35 times of a
     fact the device holds whole. Only that far lead means the question asks what was just said:
     here it borrows the page it asks for, not the pages evicted last."""
-    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
-    torch.manual_seed(0)
-    every = tokens(0, 64, heads=2, dim=16)
+    tier, every = eight_pages()
     tier.add(Tokens(*(getattr(every, name)[:, :, :48] for name in Tokens.FIELDS)))  # pages 0-5 left the device
     device = Cached(every.keys[0, :, 48:], torch.arange(48, 64).expand(2, 16))  # pages 6 and 7 are held there
     question = torch.cat([every.keys[0, :, 8:9], every.keys[0, :, 56:59]], dim=1)  # a word of page 1, three of page 7
@@ -340,9 +331,7 @@ def test_the_last_scoring_layer_chooses_by_the_scores_of_the_layers_before_it_to
 def test_the_page_after_a_matched_page_comes_with_it():
     """A statement cut by a page's end goes on in the next page, whose words (the number asked
     for) need not match the question: the next page ranks just below the matched one."""
-    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
-    torch.manual_seed(0)
-    every = tokens(0, 64, heads=2, dim=16)
+    tier, every = eight_pages()
     tier.add(every)
     question = torch.cat([every.keys[0, :, 40:44], every.keys[0, :, 16:17]], dim=1)  # page 5 well, page 2 a little
     assert asked(tier, 0, question, count=16).pages == [5, 6]
@@ -352,9 +341,7 @@ def test_places_the_pages_a_question_asks_for_leave_go_to_the_pages_evicted_last
     """A page the question matches in one word of five does not stand out: the places the asked
     page (and the one after it) leave go to the stream evicted last, which the device's newest
     tokens go on from, not to prose that shares a word with the question."""
-    tier = HostTier(budget_tokens=8 * 8, page_tokens=8, page_keys=2)
-    torch.manual_seed(0)
-    every = tokens(0, 64, heads=2, dim=16)
+    tier, every = eight_pages()
     tier.add(every)
     question = torch.cat([every.keys[0, :, 16:20], every.keys[0, :, 40:41]], dim=1)  # page 2 well, page 5 a little
     assert asked(tier, 0, question, count=16).pages == [2, 3]
