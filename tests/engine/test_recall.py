@@ -293,9 +293,9 @@ def test_a_question_about_what_the_device_holds_borrows_what_it_evicted_last_not
 def test_a_question_about_what_only_the_tier_holds_borrows_it_though_words_of_it_were_just_said():
     """A question shares words with the prose just said (on the device) as well as with the page
     it asks for (in the tier only): the device's best span then draws a few times the tier's best
-    page's share (three times here; 1 to 3.4 times on real prose), far from the 10 to 35 times of a
-    fact the device holds whole. Only that far lead means the question asks what was just said:
-    here it borrows the page it asks for, not the pages evicted last."""
+    page's share (three times here; 1 to 3.4 times on real prose), where a fact the device holds
+    whole mostly draws 10 to 35 times. Only a far lead means the question asks what was just
+    said: here it borrows the page it asks for, not the pages evicted last."""
     tier, every = eight_pages()
     tier.add(Tokens(*(getattr(every, name)[:, :, :48] for name in Tokens.FIELDS)))  # pages 0-5 left the device
     device = Cached(every.keys[0, :, 48:], torch.arange(48, 64).expand(2, 16))  # pages 6 and 7 are held there
