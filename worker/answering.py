@@ -46,9 +46,8 @@ class Starts:
 
     def work(self) -> list[Answer]:
         """On the engine's thread: each question asked (refused when too long); their answers."""
-        model = self.answering.model
         for (_, hosted, entry_id, question, stream), before in zip(self.starting, self.befores, strict=True):
-            tokens = len(model.tokenize(question.question, user=True))
+            tokens = len(self.answering.model.tokenize(question.question, user=True))
             if tokens > protocol.MAX_QUESTION_TOKENS:
                 self.begun.append((tokens, None))
                 continue

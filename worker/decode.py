@@ -216,10 +216,11 @@ def _sample_with_pyav(
         sampler = FrameSampler(fps)
         for frame, time_s in _decoded(container, stream):
             start_s = time_s if start_s is None else start_s
+            at_s = max(0.0, time_s - start_s)
             length_s = float(frame.duration * stream.time_base) if frame.duration else mean_length_s
-            reached(max(0.0, time_s - start_s) + length_s)
-            if sampler.keep(max(0.0, time_s - start_s)):
-                yield Frame(_to_rgb(frame, max_side), max(0.0, time_s - start_s))
+            reached(at_s + length_s)
+            if sampler.keep(at_s):
+                yield Frame(_to_rgb(frame, max_side), at_s)
 
 
 # -- live container streams ----------------------------------------------------------------------
@@ -235,8 +236,7 @@ def decode_stream(
     if demuxer is None:
         raise DecodeError(f"unknown stream format {container_format!r}; use one of {sorted(STREAM_DEMUXERS)}")
     with _open_container(source, demuxer, buffer_size=STREAM_BUFFER_BYTES) as container:
-        stream = _video_stream(container)
-        for frame, time_s in _decoded(container, stream):
+        for frame, time_s in _decoded(container, _video_stream(container)):
             if keep(time_s):
                 yield Frame(_to_rgb(frame, max_side), time_s)
 
