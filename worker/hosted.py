@@ -64,9 +64,7 @@ MOVES: dict[Phase, frozenset[Phase]] = {
 
 TAKES_MEDIA = frozenset({Phase.WAITING, Phase.UPLOADING, Phase.STREAMING, Phase.SETTLED})  # its media stream is read
 INGESTING = frozenset({Phase.UPLOADING, Phase.SAMPLING, Phase.STREAMING})  # its ingest has frames to come
-
-
-UNREPORTED_STEPS = 64
+UNREPORTED_STEPS = 64  # ingest steps a session keeps to report while Redis fails (`Hosted.reports`)
 
 
 @dataclass
