@@ -28,7 +28,7 @@ SPAN_SLACK = 2.0  # decord's frame times are trusted while they span at most thi
 # A file whose frames end more than this before the duration its container states was cut short
 # (a download or copy that stopped part-way): its frames are taken, and the session warned.
 TRUNCATION_MARGIN_S = 0.5
-Image.MAX_IMAGE_PIXELS = None  # `decode_image` checks sizes itself (MAX_SOURCE_PIXELS, lower), with a clearer error
+Image.MAX_IMAGE_PIXELS = None  # `decode_image` checks sizes itself (MAX_IMAGE_PIXELS, lower), with a clearer error
 
 # The demuxers FFmpeg may use. Without a list it also reads text files (as ANSI art), images
 # and dozens of rare formats; a list keeps the attack surface to the containers people send.
