@@ -57,7 +57,7 @@ class Appending:
         appended: dict[str, int] = {}
         for (session_id, hosted, batch), before, error in zip(self.appending, self.befores, errors, strict=True):
             if isinstance(error, ContextFull):
-                await intake._context_full(session_id, hosted, error)
+                await intake.records.context_full(session_id, hosted, str(error))
             elif error is not None:
                 await intake._failed(session_id, hosted, "ingest", error)
                 continue
@@ -277,12 +277,6 @@ class MediaIntake:
         estimate = ingest.estimate(covered_s, cache, self.full_steps.get(key))
         self.full_steps.learn(key, ingest.full_step_s)
         return estimate
-
-    async def _context_full(self, session_id: str, hosted: Hosted, err: ContextFull) -> None:
-        """The cache reached the model's context: later frames are not taken (said once)."""
-        hosted.record.context_full = True
-        message = f"{err}: later frames are not taken; ask about what it holds, or use a policy that evicts"
-        await self.records.warn(session_id, hosted, "context_full", message, context_full=True)
 
     # -- ends ----------------------------------------------------------------------------------
 

@@ -56,6 +56,12 @@ class RecordWriter:
             await self.set(session_id, warnings=[warning.model_dump() for warning in hosted.record.warnings], **fields)
             await self.event(session_id, WarningEvent(code=code, message=message))
 
+    async def context_full(self, session_id: str, hosted: Hosted, why: str) -> None:
+        """The cache reached the model's context (`why`): later frames are not taken (said once)."""
+        hosted.record.context_full = True
+        message = f"{why}: later frames are not taken; ask about what it holds, or use a policy that evicts"
+        await self.warn(session_id, hosted, "context_full", message, context_full=True)
+
     async def consume(self, stream: str, *entry_ids: bytes) -> None:
         """Acknowledge entries and delete them: done with."""
         async with self.redis.pipeline(transaction=False) as pipe:
