@@ -19,7 +19,6 @@ from worker.threads import Threads
 
 log = logging.getLogger("worker")
 
-
 ADVICE = (
     "Set MODEL to a built-in model, a local checkpoint folder, or a hub id that this machine can download "
     "or already has in the Hugging Face cache (HF_HOME)."
@@ -81,9 +80,7 @@ async def serve(settings: WorkerSettings) -> None:
 
 def main() -> None:
     settings = WorkerSettings()
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries(settings.log_level)
     asyncio.run(serve(settings))
 

@@ -46,9 +46,8 @@ class Starts:
 
     def work(self) -> list[Answer]:
         """On the engine's thread: each question asked (refused when too long); their answers."""
-        model = self.answering.model
         for (_, hosted, entry_id, question, stream), before in zip(self.starting, self.befores, strict=True):
-            tokens = len(model.tokenize(question.question, user=True))
+            tokens = len(self.answering.model.tokenize(question.question, user=True))
             if tokens > protocol.MAX_QUESTION_TOKENS:
                 self.begun.append((tokens, None))
                 continue
@@ -262,13 +261,11 @@ class Answering:
         # the cache after it (both idempotent, should the event fail and all this run again)
         await self.records.set(session_id, **progress(hosted.engine))
         if hosted.engine.context_full and not hosted.record.context_full:  # answers filled a cache that does not evict
-            hosted.record.context_full = True
-            message = (
+            why = (
                 f"the cache holds {hosted.engine.stats().cache_tokens} of the model's {hosted.engine.context_tokens}-token "
-                f"context after an answer, the rest kept for questions: later frames are not taken; ask about what it "
-                f"holds, or use a policy that evicts"
+                "context after an answer, the rest kept for questions"
             )
-            await self.records.warn(session_id, hosted, "context_full", message, context_full=True)
+            await self.records.context_full(session_id, hosted, why)
         if not await self._publish_event(session_id, run.stream, run.done(hosted.engine, cancelled), run.published):  # Redis failing: tried again
             hosted.lost = True  # deleted meanwhile
         hosted.answer = None

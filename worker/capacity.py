@@ -112,12 +112,10 @@ def _mib(n: int) -> str:
 
 class Capacity:
     """Each session reserves its peak cache (and its index of the host tier) on the device, and
-    its host tier's bound in host memory; `refresh` sizes both memories again. The caches
-    themselves live in the worker's KV pool and the host tiers in its host pool (`make_pool`):
-    on a GPU allocated at start from the memory offered then (pinned, for the host pool), on a
-    CPU as large as stated (RAM is taken only as pages are used, and given back). What is
-    offered is never more than a pool holds: a session is taken only when its bytes fit what is
-    offered now and a run of each pool's pages is free for it."""
+    its host tier's bound in host memory; `refresh` sizes both memories again. The caches live in
+    the worker's KV pool and the host tiers in its host pool (`make_pool`; pinned beside a GPU): a
+    session is taken only when its bytes fit what is offered now and a run of each pool's pages
+    is free for it."""
 
     def __init__(self, settings: WorkerSettings, model: Model, read: ReadMemory = read_memory) -> None:
         self.kv_bytes_per_token = model.kv_bytes_per_token
@@ -203,9 +201,8 @@ class Capacity:
         """Size both memories again, from what is free now: each offers its target, or less: what
         this process took since it started serving (its sessions use it) plus FREE_SHARE of what
         is free, less what the other kind reserved where both take the same RAM; never more than
-        its pool holds. Logs a change
-        of an eighth or more; warns (and says in `warning`) when the cache memory holds fewer than
-        MIN_DEFAULT_SESSIONS sessions with the default options."""
+        its pool holds. Logs a change of RELOG_CHANGE or more; warns (and says in `warning`) when
+        the cache memory holds fewer than MIN_DEFAULT_SESSIONS sessions with the default options."""
         held = list(held)
         kv_reserved = sum(self.device_bytes(record) for record in held)
         host_reserved = sum(record.host_budget_tokens for record in held) * self.host_bytes_per_token

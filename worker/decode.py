@@ -28,7 +28,7 @@ SPAN_SLACK = 2.0  # decord's frame times are trusted while they span at most thi
 # A file whose frames end more than this before the duration its container states was cut short
 # (a download or copy that stopped part-way): its frames are taken, and the session warned.
 TRUNCATION_MARGIN_S = 0.5
-Image.MAX_IMAGE_PIXELS = None  # `decode_image` checks sizes itself (MAX_SOURCE_PIXELS, lower), with a clearer error
+Image.MAX_IMAGE_PIXELS = None  # `decode_image` checks sizes itself (MAX_IMAGE_PIXELS, lower), with a clearer error
 
 # The demuxers FFmpeg may use. Without a list it also reads text files (as ANSI art), images
 # and dozens of rare formats; a list keeps the attack surface to the containers people send.
@@ -216,10 +216,11 @@ def _sample_with_pyav(
         sampler = FrameSampler(fps)
         for frame, time_s in _decoded(container, stream):
             start_s = time_s if start_s is None else start_s
+            at_s = max(0.0, time_s - start_s)
             length_s = float(frame.duration * stream.time_base) if frame.duration else mean_length_s
-            reached(max(0.0, time_s - start_s) + length_s)
-            if sampler.keep(max(0.0, time_s - start_s)):
-                yield Frame(_to_rgb(frame, max_side), max(0.0, time_s - start_s))
+            reached(at_s + length_s)
+            if sampler.keep(at_s):
+                yield Frame(_to_rgb(frame, max_side), at_s)
 
 
 # -- live container streams ----------------------------------------------------------------------
@@ -235,8 +236,7 @@ def decode_stream(
     if demuxer is None:
         raise DecodeError(f"unknown stream format {container_format!r}; use one of {sorted(STREAM_DEMUXERS)}")
     with _open_container(source, demuxer, buffer_size=STREAM_BUFFER_BYTES) as container:
-        stream = _video_stream(container)
-        for frame, time_s in _decoded(container, stream):
+        for frame, time_s in _decoded(container, _video_stream(container)):
             if keep(time_s):
                 yield Frame(_to_rgb(frame, max_side), time_s)
 

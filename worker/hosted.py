@@ -3,12 +3,8 @@
 The media's phase is a state machine (`Phase`, its legal moves in `MOVES`); the worker's own
 view, finer than the record's `SessionState` that clients read. The lease (`lease_until`,
 `lost`) and the bookkeeping marks (`changed`, `memory_stale`, `orphaned`) are not phases: they
-hold in any phase.
-
-A question asked on a stream socket after media carries the id of the last media entry that
-socket added (`Question.after_media`): it waits (`MediaWait`) until the worker has handed that
-entry to the ingest and the frames the ingest had queued by then are taken into the cache (or
-dropped); a failed session, or an ingest closed meanwhile, ends the wait.
+hold in any phase. A question asked on a stream socket after media waits for it (`MediaWait`:
+docs/protocol.md, "Questions after media").
 """
 
 from __future__ import annotations
@@ -68,9 +64,7 @@ MOVES: dict[Phase, frozenset[Phase]] = {
 
 TAKES_MEDIA = frozenset({Phase.WAITING, Phase.UPLOADING, Phase.STREAMING, Phase.SETTLED})  # its media stream is read
 INGESTING = frozenset({Phase.UPLOADING, Phase.SAMPLING, Phase.STREAMING})  # its ingest has frames to come
-
-
-UNREPORTED_STEPS = 64
+UNREPORTED_STEPS = 64  # ingest steps a session keeps to report while Redis fails (`Hosted.reports`)
 
 
 @dataclass

@@ -129,7 +129,6 @@ class _LiveIngest:
 
     @property
     def has_work(self) -> bool:
-        """Frames to append, or errors or warnings to report."""
         return len(self.queue) > 0 or bool(self._errors) or bool(self._warnings)
 
     @property

@@ -16,20 +16,12 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from engine import ContextFull, Frames, Result, SessionStats
-from worker import engine_steps
 from streamvqa import protocol
 from streamvqa.protocol import (
-    IngestEvent,
-    Keys,
-    MediaEntry,
-    MediaErrorEvent,
-    MediaKind,
-    SessionRecord,
-    SessionState,
-    StateEvent,
-    WarningEvent,
+    IngestEvent, Keys, MediaEntry, MediaErrorEvent, MediaKind, SessionRecord, SessionState, StateEvent, WarningEvent,
 )
 from streamvqa.redis_client import FAILURES
+from worker import engine_steps
 from worker.capacity import Counters
 from worker.decode import INTERNAL, DecodeError
 from worker.hosted import INGESTING, Hosted, Phase
@@ -65,7 +57,7 @@ class Appending:
         appended: dict[str, int] = {}
         for (session_id, hosted, batch), before, error in zip(self.appending, self.befores, errors, strict=True):
             if isinstance(error, ContextFull):
-                await intake._context_full(session_id, hosted, error)
+                await intake.records.context_full(session_id, hosted, str(error))
             elif error is not None:
                 await intake._failed(session_id, hosted, "ingest", error)
                 continue
@@ -257,25 +249,17 @@ class MediaIntake:
         if appended:
             stats = hosted.engine.stats()
             share, eta_s = self._estimate(hosted, stats)
-            await self.records.event(
-                session_id,
-                IngestEvent(
-                    frames=stats.frames,
-                    times=[f.time_s for f in batch.frames[:appended]],
-                    video_time_s=stats.video_time_s,
-                    lag_s=round(batch.lag_s, 3),
-                    dropped=ingest.dropped,
-                    cache_tokens=stats.cache_tokens,
-                    tokens_seen=stats.tokens_seen,
-                    progress=share,
-                    eta_s=eta_s,
-                ),
+            lag_s = round(batch.lag_s, 3)
+            event = IngestEvent(
+                frames=stats.frames, times=[f.time_s for f in batch.frames[:appended]], video_time_s=stats.video_time_s,
+                lag_s=lag_s, dropped=ingest.dropped, cache_tokens=stats.cache_tokens, tokens_seen=stats.tokens_seen,
+                progress=share, eta_s=eta_s,
             )
-            fields = {
-                "frames_dropped": ingest.dropped, "ingest_lag_s": round(batch.lag_s, 3), "ingest_progress": share,
-                "ingest_eta_s": eta_s, **progress(hosted.engine),
-            }
-            await self.records.set(session_id, **fields)
+            await self.records.event(session_id, event)
+            await self.records.set(
+                session_id, frames_dropped=ingest.dropped, ingest_lag_s=lag_s, ingest_progress=share, ingest_eta_s=eta_s,
+                **progress(hosted.engine),
+            )
             await self.records.report_memory(session_id, hosted)
         if hosted.phase is Phase.SAMPLING and ingest.finished:
             await self.finish(session_id, hosted)
@@ -293,12 +277,6 @@ class MediaIntake:
         estimate = ingest.estimate(covered_s, cache, self.full_steps.get(key))
         self.full_steps.learn(key, ingest.full_step_s)
         return estimate
-
-    async def _context_full(self, session_id: str, hosted: Hosted, err: ContextFull) -> None:
-        """The cache reached the model's context: later frames are not taken (said once)."""
-        hosted.record.context_full = True
-        message = f"{err}: later frames are not taken; ask about what it holds, or use a policy that evicts"
-        await self.records.warn(session_id, hosted, "context_full", message, context_full=True)
 
     # -- ends ----------------------------------------------------------------------------------
 

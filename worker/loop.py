@@ -1,15 +1,9 @@
 """The worker's loop: take sessions by lease, then run their work one bounded engine step at a time.
 
-One event loop does all Redis I/O; `worker.threads` says what runs on the engine, decode and
-media threads. Each turn reads every stream the worker owns in one XREADGROUP (on a Redis
-Cluster, one per slot, at once), without waiting while there is work, queues the questions it
-got, hands the media to each session's ingest, and runs one engine step that `worker.scheduler`
-fills: the questions that can start, a token of every answer under way, and frames of sessions
-in turn within the step's token budget (`worker.engine_steps` runs it). A session idle for IDLE_RELEASE_S leaves the worker (snapshotted) and comes back at its
-next question or media, so idle sessions do not hold a worker's places.
-
-The loop only composes; each job is a module of its own (`claims`, `leases`, `records`,
-`answering`, `intake`, `watches`, `snapshots`, `hosted`: docs/architecture.md, "Worker").
+One event loop does all Redis I/O (`worker.threads` says what runs beside it). A turn is the
+four of docs/architecture.md, "Worker": sessions taken and dropped, one XREADGROUP of every
+stream the worker owns, one engine step (`worker.scheduler` fills it, `worker.engine_steps`
+runs it), each session tended. The loop only composes; each job is a module of its own.
 """
 
 import asyncio

@@ -11,15 +11,7 @@ from redis.asyncio import Redis
 from engine import Session
 from streamvqa import protocol
 from streamvqa.protocol import (
-    IngestEvent,
-    Keys,
-    MediaErrorEvent,
-    MemoryReport,
-    SessionState,
-    StateEvent,
-    WarningEvent,
-    check_transition,
-    scripts,
+    IngestEvent, Keys, MediaErrorEvent, MemoryReport, SessionState, StateEvent, WarningEvent, check_transition, scripts,
 )
 from worker.hosted import Hosted
 from worker.threads import Threads
@@ -39,11 +31,7 @@ class RecordWriter:
         self._abandon_upload = redis.register_script(scripts.ABANDON_UPLOAD_LUA)
 
     async def set(
-        self,
-        session_id: str,
-        state: SessionState | None = None,
-        from_state: SessionState | None = None,
-        **fields: object,
+        self, session_id: str, state: SessionState | None = None, from_state: SessionState | None = None, **fields: object
     ) -> bool:
         """Write fields, then the state (only from `from_state` when given, a change that
         protocol.TRANSITIONS allows), and restart the session's idle clock, atomically. False
@@ -65,9 +53,14 @@ class RecordWriter:
         """A warning the session keeps (its record's `warnings`, with `fields`) and sends as an
         event; said once."""
         if hosted.record.warn(code, message):
-            warnings = [warning.model_dump() for warning in hosted.record.warnings]
-            await self.set(session_id, warnings=warnings, **fields)
+            await self.set(session_id, warnings=[warning.model_dump() for warning in hosted.record.warnings], **fields)
             await self.event(session_id, WarningEvent(code=code, message=message))
+
+    async def context_full(self, session_id: str, hosted: Hosted, why: str) -> None:
+        """The cache reached the model's context (`why`): later frames are not taken (said once)."""
+        hosted.record.context_full = True
+        message = f"{why}: later frames are not taken; ask about what it holds, or use a policy that evicts"
+        await self.warn(session_id, hosted, "context_full", message, context_full=True)
 
     async def consume(self, stream: str, *entry_ids: bytes) -> None:
         """Acknowledge entries and delete them: done with."""

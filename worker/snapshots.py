@@ -221,13 +221,8 @@ async def sweep(redis: Redis, keys: Keys, folders: list[Path]) -> None:
     """Delete spool and snapshot files of sessions that are gone (deleted, expired, or lost with
     a Redis that restarted empty), older than SWEEP_MIN_AGE_S."""
     now = time.time()
-    files = [
-        path
-        for folder in folders
-        if folder.is_dir()
-        for path in folder.iterdir()
-        if path.suffix in (".upload", ".snapshot", ".partial", ".pages")
-    ]
+    swept = (".upload", ".snapshot", ".partial", ".pages")
+    files = [path for folder in folders if folder.is_dir() for path in folder.iterdir() if path.suffix in swept]
     for path in files:
         try:
             if now - path.stat().st_mtime < SWEEP_MIN_AGE_S:
