@@ -131,8 +131,8 @@ class MediaIntake:
             hosted.took_media(entry_id)  # a question that waits for it waits no more
             return
         hosted.active_at = hosted.media_at = time.monotonic()
-        entry = MediaEntry.read(fields)
         try:
+            entry = MediaEntry.read(fields)  # a malformed entry fails its session, not the worker
             if entry.kind == MediaKind.ABORT:  # the gateway gave up on this upload and freed the slot; drop its bytes
                 await self.close(hosted)
                 hosted.move(Phase.WAITING)

@@ -1,4 +1,4 @@
-"""A real worker process: its session capacity, freeing deleted sessions, and Redis losing its data."""
+"""A real worker process: its session capacity, freeing deleted sessions, Redis losing its data, and a malformed media entry."""
 
 import os
 import re
@@ -182,3 +182,22 @@ def test_a_worker_set_to_bfloat16_says_so_and_answers(redis_url, tmp_path):
         assert user.wait_for_state("ingested")["frames_ingested"] == 8
         reply = user.ask("What is it?", max_new_tokens=4)
         assert reply.status_code == 200 and reply.json()["tokens"] == 4
+
+
+def test_a_malformed_media_entry_fails_its_session_and_the_worker_serves_others(stack, redis_url):
+    """A media entry no gateway writes (its byte count not a number) ends its own session with an
+    error the user can read; another session on the same worker ingests and answers."""
+    broken, other = Client(stack.url), Client(stack.url)
+    broken.create()
+    other.create()
+    broken.wait_for_state("ready")
+    store = redis.Redis.from_url(redis_url)
+    store.xadd(f"{stack.prefix}session:{{{broken.id}}}:media", {"type": "data", "data": b"x", "bytes": "many"})
+    session = broken.wait_for_state("error")
+    assert session["error"] == "receiving media failed (a fault of the worker; its log has the details)"
+    assert other.upload(sample_video("carphone_pristine.mp4").read_bytes()).status_code == 202
+    assert other.wait_for_state("ingested", "error")["frames_ingested"] == 4
+    assert other.ask("still there?", max_new_tokens=3).status_code == 200
+    store.close()
+    broken.delete()
+    other.delete()
