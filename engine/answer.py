@@ -136,7 +136,7 @@ class Answer:
             self.phase, self.finish_reason = Phase.STOPPING, "stop"
             return None
         self._ids.append(token)
-        self._repeats.add(self._ids)
+        self._repeats.add(self._ids, any(c.isdigit() for c in self._model.detokenize([token])))
         self._unfed = [token]
         text = self._model.detokenize(self._ids)
         shown, stopped = self.sampling.cut(text)  # held back: what may begin a stop string

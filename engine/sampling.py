@@ -86,19 +86,23 @@ class Sampling:
 
 
 class Repeats:
-    """The token 3-grams of one answer, by their first two tokens: the tokens that may not come next."""
+    """The token 3-grams of one answer, by their first two tokens: the tokens that may not come next.
+    A 3-gram with a digit in it is not counted: numbers in a list share digits ("at 10.5 s, 10.6 s,
+    10.7 s, 10.8 s"), and passing one of them over would change a number, not end a loop."""
 
     def __init__(self) -> None:
         self._next: dict[tuple[int, int], dict[int, int]] = {}  # (a, b) -> {c: times a, b, c came}; one entry a token
+        self._numeric: list[bool] = []  # whether each of the last 3 tokens' text has a digit
 
     def banned(self, ids: list[int]) -> list[int]:
         """The tokens that, after `ids`, would make a 3-gram come more than `REPEATS` times."""
         after = self._next.get(tuple(ids[-2:]), {})
         return [token for token, times in after.items() if times >= REPEATS]
 
-    def add(self, ids: list[int]) -> None:
-        """`ids` gained a token: count the 3-gram it ends."""
-        if len(ids) >= 3:
+    def add(self, ids: list[int], numeric: bool = False) -> None:
+        """`ids` gained a token (`numeric`: its text has a digit): count the 3-gram it ends."""
+        self._numeric = [*self._numeric[-2:], numeric]
+        if len(ids) >= 3 and not any(self._numeric):
             after = self._next.setdefault((ids[-3], ids[-2]), {})
             after[ids[-1]] = after.get(ids[-1], 0) + 1
 

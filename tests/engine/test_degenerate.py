@@ -76,3 +76,15 @@ def test_a_token_3gram_is_passed_over_once_it_came_three_times():
         repeats.add(ids)
     assert ids == [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2, 4, 1]
     assert repeats.banned(ids) == [] and repeats.banned([7, 1, 2]) == [3]
+
+
+
+def test_a_3gram_with_a_digit_is_never_passed_over():
+    """Numbers in a list share digits and the marks between them ("10.5, 10.6, 10.7, 10.8"):
+    passing a token over would change a number."""
+    repeats, ids = Repeats(), []
+    for token in [1, 0, 9, 5, 8] * 5:  # "10.5, " five times, with 0 and 5 the digits
+        assert token not in repeats.banned(ids)
+        ids.append(token)
+        repeats.add(ids, numeric=token in (0, 5))
+    assert repeats.banned([8, 1]) == [] and repeats.banned([9, 5]) == []

@@ -290,9 +290,8 @@ def test_borrowing_everything_in_the_pool_answers_as_the_full_cache(deep, pool_m
     for session in (full, pooled):
         session.append_frames(_frames(12, 7), [float(t) for t in range(12)])
     assert pooled.stats().host_tokens == full.stats().cache_tokens - 160
-    # 8 tokens, "2-2-2-2-": a 9th "2" would be the 4th "2-2", passed over for the next likeliest, where their logits part
-    expected, answer = full.ask("What was first?", max_new_tokens=8), pooled.ask("What was first?", max_new_tokens=8)
-    assert "".join(answer) == "".join(expected) == "2-2-2-2-"
+    expected, answer = full.ask("What was first?", max_new_tokens=10), pooled.ask("What was first?", max_new_tokens=10)
+    assert "".join(answer) == "".join(expected)
     # (evidence is not compared: its baseline is partly read when the last frames came, when
     # the bounded cache held fewer seconds than the question borrows; engine/evidence.py)
     assert len(pool_merges) == 1
