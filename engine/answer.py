@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.evidence import Contrast, Evidence, FrameAttention
-from engine.sampling import Sampling
+from engine.sampling import GARBAGE_CHARS, Repeats, Sampling, clean_end
 
 if TYPE_CHECKING:
     from engine.model import Model
@@ -32,8 +32,10 @@ class Phase(Enum):
 class Answer:
     """One piece of text per generated token; after the last, `tokens` and `evidence` are final.
 
-    A piece is empty while a token leaves a character incomplete (or decodes to nothing). The
-    text held back for a stop string that never came is one more piece, after the last token's.
+    A piece ends at the text's last letter or digit, or before what may begin a stop string: what
+    follows (spaces, punctuation, a partial character) waits for the next, so a piece may be
+    empty. The last token's piece holds nothing back; when the model ends its turn, what was held
+    back is one more piece. When the answer ends for garbage (`engine/sampling.py`), it is left out.
     """
 
     def __init__(self, session: "SessionState", model: "Model", prompt: list["Part"], closing: "Part", max_new_tokens: int,
@@ -43,17 +45,18 @@ class Answer:
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
         self._random = sampling.generator()
+        self._repeats = Repeats()  # its token 3-grams, none to come a 4th time
         self.phase = Phase.ASKED
         self._prompt: list[Part] | None = prompt  # the question and the markers closing it, until begun
         self._closing = closing  # the markers closing the answer's turn
         self._fed: torch.Tensor | None = None  # (vocab,) logits after the last token run, not yet accepted
         self._ids: list[int] = []
         self._emitted = ""  # the text given out so far
-        self._rest = ""  # text held back for a stop string that never came, given out last
+        self._rest = ""  # text held back, given out if the model ends its turn
         self._unfed: list[int] = []  # the token chosen last, not yet run through the model
         self._contrast = Contrast()  # what the question's queries paid each frame time, then the answer's excess
         self.unweighed = 0  # the answer's tokens run since its evidence was last read (`weighed`)
-        self.finish_reason = "stop"  # `stop`: the model ended its turn, or a stop string came;
+        self.finish_reason = "stop"  # `stop`: the model ended its turn, a stop string came, or garbage;
         # `length`: it reached `max_new_tokens`, or the model's context
         self.prompt_tokens = 0  # tokens the question added to the cache, with the markers of its turn
         self.borrowed = 0  # places the step reserved for what the question borrows from the host tier
@@ -128,21 +131,25 @@ class Answer:
         if len(self._ids) >= self.max_new_tokens:
             self.phase, self.finish_reason = Phase.STOPPING, "length"
             return None
-        token = self.sampling.choose(logits, self._random)
+        token = self.sampling.choose(logits, self._random, self._repeats.banned(self._ids))
         if token in self._model.stop_ids:
             self.phase, self.finish_reason = Phase.STOPPING, "stop"
             return None
         self._ids.append(token)
+        self._repeats.add(self._ids, any(c.isdigit() for c in self._model.detokenize([token])))
         self._unfed = [token]
         text = self._model.detokenize(self._ids)
         shown, stopped = self.sampling.cut(text)  # held back: what may begin a stop string
-        complete = not shown.endswith("\ufffd")  # else a UTF-8 character is still partial
-        piece = shown[len(self._emitted) :] if complete else ""
+        clean = clean_end(shown)
+        garbage = not stopped and len(shown) - clean >= GARBAGE_CHARS
+        last = stopped or garbage or len(self._ids) >= self.max_new_tokens
+        if not stopped:  # held back too: what follows the last letter or digit, but by the last piece; garbage never shown
+            shown = shown[:clean] if garbage or not last else text
+        piece = shown.rstrip("\ufffd")[len(self._emitted) :]  # never a partial character
         self._emitted += piece
-        if stopped or len(self._ids) >= self.max_new_tokens:
-            self.phase, self.finish_reason = Phase.STOPPING, "stop" if stopped else "length"
-            if not stopped:
-                self._rest = text[len(self._emitted) :].rstrip("\ufffd")  # held back for a stop string that never came
+        self._rest = "" if last else text[len(self._emitted) :].rstrip("\ufffd")  # given out if the model ends its turn next
+        if last:
+            self.phase, self.finish_reason = Phase.STOPPING, "stop" if stopped or garbage else "length"
         return piece
 
     def closing(self) -> tuple[list[int], "Part"] | None:

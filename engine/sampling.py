@@ -1,10 +1,15 @@
 """How an answer's next token is chosen: greedy, or drawn with temperature, top-k and top-p; and
 where stop strings end its text.
 
+Whatever the sampling, an answer never degenerates: no token 3-gram comes a 4th time (the token
+that would complete it is passed over, `Repeats`), and text that runs on for `GARBAGE_CHARS`
+characters without a letter or digit ends the answer before them (`clean_end`).
+
 A draw uses a generator of its own on the CPU, seeded by `seed`: the same seed, question and
 cache give the same answer on any device.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +19,8 @@ MAX_STOP_CHARS = 64
 MAX_TEMPERATURE = 2.0
 MAX_TOP_K = 1000
 MAX_SEED = 2**63 - 1
+REPEATS = 3  # the times a token 3-gram may come in one answer
+GARBAGE_CHARS = 32  # characters in a row with no letter or digit that end an answer, unshown
 
 
 @dataclass(frozen=True)
@@ -51,8 +58,10 @@ class Sampling:
             generator.manual_seed(self.seed)
         return generator
 
-    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
-        """The next token's id, from the logits (vocab,) of the last position."""
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None, banned: Sequence[int] = ()) -> int:
+        """The next token's id, from the logits (vocab,) of the last position, never one of `banned`."""
+        if banned:
+            logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
         if self.greedy:  # max's index, the first of equals as argmax's: 4 times faster over a bfloat16 vocabulary on a CPU
             return int(logits.max(-1).indices)
         scores = logits.detach().float().cpu() / self.temperature  # (vocab,)
@@ -74,6 +83,36 @@ class Sampling:
             return text[: min(ends)], True
         held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[: len(text) - held], False
+
+
+class Repeats:
+    """The token 3-grams of one answer, by their first two tokens: the tokens that may not come next.
+    A 3-gram with a digit in it is not counted: numbers in a list share digits ("at 10.5 s, 10.6 s,
+    10.7 s, 10.8 s"), and passing one of them over would change a number, not end a loop."""
+
+    def __init__(self) -> None:
+        self._next: dict[tuple[int, int], dict[int, int]] = {}  # (a, b) -> {c: times a, b, c came}; one entry a token
+        self._numeric: list[bool] = []  # whether each of the last 3 tokens' text has a digit
+
+    def banned(self, ids: list[int]) -> list[int]:
+        """The tokens that, after `ids`, would make a 3-gram come more than `REPEATS` times."""
+        after = self._next.get(tuple(ids[-2:]), {})
+        return [token for token, times in after.items() if times >= REPEATS]
+
+    def add(self, ids: list[int], numeric: bool = False) -> None:
+        """`ids` gained a token (`numeric`: its text has a digit): count the 3-gram it ends."""
+        self._numeric = [*self._numeric[-2:], numeric]
+        if len(ids) >= 3 and not any(self._numeric):
+            after = self._next.setdefault((ids[-3], ids[-2]), {})
+            after[ids[-1]] = after.get(ids[-1], 0) + 1
+
+
+def clean_end(text: str) -> int:
+    """Where the characters at the end of `text` with no letter or digit among them begin."""
+    end = len(text)
+    while end and not text[end - 1].isalnum():
+        end -= 1
+    return end
 
 
 GREEDY = Sampling()
