@@ -84,9 +84,10 @@ class KVCache:
         # Stream places never evicted (`pin`): the opening's, then those of each pinned turn
         self.pins: list[torch.Tensor] = []
         # Since the last eviction: each layer's last queries (q_heads, w, head_dim), at most
-        # `_kept_queries`, and (for policies that accumulate) the attention each key received.
-        self._kept_queries = max(policy.window_tokens if policy.needs_attention else 0, evidence_window)
-        self._queries = [QueryWindow(self._kept_queries) for _ in range(num_layers)]
+        # `window_tokens` (for the next eviction and evidence), and (for policies that
+        # accumulate) the attention each key received.
+        self.window_tokens = max(policy.window_tokens if policy.needs_attention else 0, evidence_window)
+        self._queries = [QueryWindow(self.window_tokens) for _ in range(num_layers)]
         self._received: list[torch.Tensor | None] = [None] * num_layers
         self._scaling = [1.0] * num_layers
         self.evictions = 0
@@ -136,11 +137,6 @@ class KVCache:
         (`layout.arriving`)."""
         for cached in self.hf.layers:
             cached.layout.incoming = kept
-
-    @property
-    def window_tokens(self) -> int:
-        """The last queries each layer keeps (for the next eviction and evidence)."""
-        return self._kept_queries
 
     def in_pool(self, count: int) -> bool:
         """Whether a forward of `count` new tokens may write them and attend in the worker's

@@ -133,10 +133,6 @@ class KVPool(PageRuns):
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
 
-    @property
-    def page_bytes(self) -> int:
-        return self.nbytes // self.total_pages
-
     def give_back(self, first_page: int, pages: int) -> None:
         """On a CPU, the pages' slots of every part, layer and KV head go back to the operating
         system (a new lease zeroes what it reads first anyway: `Lease.clean`)."""
