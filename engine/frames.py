@@ -17,11 +17,13 @@ def to_pixels(
 
     Each frame is resized so that its shorter side is `image_size`, then centre-cropped.
     """
-    batch = np.stack([_resize_crop(frame, image_size) for frame in frames])  # (N, S, S, 3)
-    pixels = torch.from_numpy(batch).permute(0, 3, 1, 2).float().div_(255.0)  # (N, 3, S, S)
-    mean_t = torch.tensor(mean).view(1, 3, 1, 1)
-    std_t = torch.tensor(std).view(1, 3, 1, 1)
-    return (pixels - mean_t) / std_t
+    return normalised(np.stack([_resize_crop(frame, image_size) for frame in frames]), mean, std)
+
+
+def normalised(frames: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """RGB uint8 frames (N, H, W, 3) as pixels (N, 3, H, W) in 0..1, less `mean`, over `std` (per channel)."""
+    pixels = torch.from_numpy(frames).permute(0, 3, 1, 2).float().div_(255.0)
+    return (pixels - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
 
 
 def resized(frame: np.ndarray, height: int, width: int) -> Image.Image:
