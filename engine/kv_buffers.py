@@ -2,9 +2,8 @@
 
 Per layer, keys as they were before the rotary embedding, values, and (while a prompt or an
 answer runs) a copy of the keys rotated at their indices, each in a buffer with room after its
-tokens (`Rows`), so that a forward writes only its new tokens, in place. `PreRopeLayer` is the
-transformers cache layer over them: the model hands it keys rotated at their positions (their
-indices) and it turns them back. What moves tokens (eviction, borrowing, give-back) and what
+tokens (`Rows`), so that a forward writes only its new tokens, in place; `PreRopeLayer` is the
+transformers cache layer over them. What moves tokens (eviction, borrowing, give-back) and what
 they mean (kind, time, place) is `engine/kv_cache.py`'s.
 
 One rule for every tensor a session keeps from one step to the next (these buffers, each token's
@@ -24,6 +23,7 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from engine.layout import Layout
+
 
 @contextmanager
 def outside_inference() -> Iterator[None]:

@@ -139,8 +139,7 @@ class KVPool(PageRuns):
         give_back(self.storage, 3, first_page * self.page_tokens, (first_page + pages) * self.page_tokens)
 
     def lease(self, tokens: int, owner: object | None = None) -> Lease:
-        """A run of pages for `tokens` slots; PoolFull when none is free. With `owner`, the
-        run goes back when the owner is collected, if it was not released before."""
+        """A run of pages for `tokens` slots (`PageRuns._take`)."""
         return self._take(tokens, owner, Lease)
 
 
