@@ -47,16 +47,8 @@ MERGE_EVERY = 64  # forwards whose tokens' kinds and times may wait before every
 
 class KVCache:
     def __init__(
-        self,
-        policy: Policy,
-        rotary: nn.Module,
-        num_layers: int,
-        kv_heads: int,
-        evidence_window: int = 32,
-        host: HostTier | None = None,
-        most_tokens: int | None = None,
-        lease: Lease | None = None,
-        positions_3d: bool = False,
+        self, policy: Policy, rotary: nn.Module, num_layers: int, kv_heads: int, evidence_window: int = 32,
+        host: HostTier | None = None, most_tokens: int | None = None, lease: Lease | None = None, positions_3d: bool = False,
     ) -> None:
         """`most_tokens`: the most the cache is expected to hold at once; its buffers grow past
         it only when it holds more. `lease`: its slots in the worker's pool, which its buffers

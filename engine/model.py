@@ -80,28 +80,18 @@ class Vision:
     @classmethod
     def of(cls, family: Family, config, mean, std) -> "Vision":
         """The family's pooling, unless the checkpoint's config names its own (LLaVA-NeXT-Video)."""
+        stride = getattr(config, "spatial_pool_stride", family.pool_stride)
         mode = getattr(config, "spatial_pool_mode", family.pool_mode)
-        return cls(
-            family,
-            config.vision_config.image_size,
-            tuple(mean),
-            tuple(std),
-            getattr(config, "spatial_pool_stride", family.pool_stride),
-            mode if mode in POOL_MODES else family.pool_mode,
-        )
+        return cls(family, config.vision_config.image_size, tuple(mean), tuple(std), stride,
+                   mode if mode in POOL_MODES else family.pool_mode)
 
 
 class Model:
     """A loaded model on one device: tokens, embeddings, visual tokens and one forward step."""
 
     def __init__(
-        self,
-        name: str,
-        hf: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        chat: ChatFormat,
-        vision: Vision | QwenVision | None = None,
-        device: str = "cpu",
+        self, name: str, hf: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, chat: ChatFormat,
+        vision: Vision | QwenVision | None = None, device: str = "cpu",
     ) -> None:
         self.name = name
         self.device = torch.device(device)
