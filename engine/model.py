@@ -326,11 +326,8 @@ def _optional_json(name_or_path: str, filename: str) -> dict:
 
 
 def _vision_of(name_or_path: str, config, family: Family) -> Vision:
-    pre = _optional_json(name_or_path, "preprocessor_config.json") or _optional_json(
-        name_or_path, "video_preprocessor_config.json"
-    )
-    siglip = config.vision_config.model_type.startswith("siglip")
-    default = (0.5, 0.5, 0.5) if siglip else None
+    pre = _optional_json(name_or_path, "preprocessor_config.json") or _optional_json(name_or_path, "video_preprocessor_config.json")
+    default = (0.5, 0.5, 0.5) if config.vision_config.model_type.startswith("siglip") else None  # SigLIP's normalisation
     mean = pre.get("image_mean") or default or CLIP_MEAN
     std = pre.get("image_std") or default or CLIP_STD
     return Vision.of(family, config, mean, std)
@@ -347,9 +344,8 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = 
         raise UnknownModelError(f"cannot load model {name_or_path!r}: {cause}{known}") from err
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    template = _optional_json(name_or_path, "chat_template.json").get("chat_template") or _optional_text(
-        name_or_path, "chat_template.jinja"
-    )
+    template = (_optional_json(name_or_path, "chat_template.json").get("chat_template")
+                or _optional_text(name_or_path, "chat_template.jinja"))
     family = FAMILIES.get(config.model_type)
     if config.model_type in QWEN_FAMILIES:
         hf = QWEN_FAMILIES[config.model_type].from_pretrained(name_or_path, dtype=dtype)
