@@ -10,13 +10,9 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's normalisation, which Q
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def to_pixels(
-    frames: Sequence[np.ndarray], image_size: int, mean: Sequence[float], std: Sequence[float]
-) -> torch.Tensor:
-    """RGB uint8 frames, each (H, W, 3), to normalised pixels (N, 3, image_size, image_size).
-
-    Each frame is resized so that its shorter side is `image_size`, then centre-cropped.
-    """
+def to_pixels(frames: Sequence[np.ndarray], image_size: int, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """RGB uint8 frames, each (H, W, 3), to normalised pixels (N, 3, image_size, image_size): each
+    resized so that its shorter side is `image_size`, then centre-cropped."""
     return normalised(np.stack([_resize_crop(frame, image_size) for frame in frames]), mean, std)
 
 

@@ -304,7 +304,7 @@ class KVCache:
             removed = self.tokens - self.policy.budget_tokens
             evicted = [self._evict_layer(layer) for layer in range(self.num_layers)]
             if self.host is not None:
-                self.host.add(Tokens(*(torch.stack([layer[i] for layer in evicted]) for i in range(len(evicted[0])))))
+                self.host.add(Tokens(*(torch.stack(field) for field in zip(*evicted))))  # per field (layers, kv_heads, removed, ...)
             self._received = [None] * self.num_layers
             self.evictions += 1
             self.evicted_tokens += removed

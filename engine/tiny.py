@@ -52,9 +52,7 @@ def ascii_tokenizer(specials: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="<unk>"))
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens([IM_START, IM_END, IMAGE, VIDEO, *specials])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", eos_token=IM_END, pad_token=IM_END
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token=IM_END, pad_token=IM_END)
     fast.chat_template = CHATML_TEMPLATE
     return fast
 
