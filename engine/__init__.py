@@ -1,6 +1,6 @@
 """Inference: models, visual tokens, and a bounded KV cache per session. No I/O, no servers."""
 
-from engine.model import Model, UnknownModelError
+from engine.model import Model, UnknownModelError, resolve_device
 from engine.registry import BUILTIN_MODELS, load_model
 from engine.policies import POLICIES
 from engine.sampling import Sampling
@@ -14,7 +14,6 @@ from engine.kv_pool import KVPool, PoolFull, page_bytes
 from engine.host_pool import GRID_BYTES, HostPool, host_page_bytes
 from engine.host_tier import index_bytes_per_token
 from engine.page_runs import PageRuns, Run
-from engine.model import resolve_device
 from engine.numerics import choose_dtype
 from engine.resident import trim_heap
 

@@ -44,10 +44,7 @@ class ConvertedWeights:
         entry = self.entry(name, version)
         if entry.is_dir():
             try:
-                return (
-                    AutoModelForCausalLM.from_pretrained(entry, dtype=torch.float32),
-                    AutoTokenizer.from_pretrained(entry),
-                )
+                return AutoModelForCausalLM.from_pretrained(entry, dtype=torch.float32), AutoTokenizer.from_pretrained(entry)
             except Exception as err:  # a copy cut short or damaged: whatever reading it raises, convert again
                 log.warning("%s: the converted weights in %s are unreadable (%s); converting again", name, entry, err)
         log.info("%s: converting its weights (once; kept in %s)", name, self.folder)

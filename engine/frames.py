@@ -10,18 +10,16 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's normalisation, which Q
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def to_pixels(
-    frames: Sequence[np.ndarray], image_size: int, mean: Sequence[float], std: Sequence[float]
-) -> torch.Tensor:
-    """RGB uint8 frames, each (H, W, 3), to normalised pixels (N, 3, image_size, image_size).
+def to_pixels(frames: Sequence[np.ndarray], image_size: int, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """RGB uint8 frames, each (H, W, 3), to normalised pixels (N, 3, image_size, image_size): each
+    resized so that its shorter side is `image_size`, then centre-cropped."""
+    return normalised(np.stack([_resize_crop(frame, image_size) for frame in frames]), mean, std)
 
-    Each frame is resized so that its shorter side is `image_size`, then centre-cropped.
-    """
-    batch = np.stack([_resize_crop(frame, image_size) for frame in frames])  # (N, S, S, 3)
-    pixels = torch.from_numpy(batch).permute(0, 3, 1, 2).float().div_(255.0)  # (N, 3, S, S)
-    mean_t = torch.tensor(mean).view(1, 3, 1, 1)
-    std_t = torch.tensor(std).view(1, 3, 1, 1)
-    return (pixels - mean_t) / std_t
+
+def normalised(frames: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """RGB uint8 frames (N, H, W, 3) as pixels (N, 3, H, W) in 0..1, less `mean`, over `std` (per channel)."""
+    pixels = torch.from_numpy(frames).permute(0, 3, 1, 2).float().div_(255.0)
+    return (pixels - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
 
 
 def resized(frame: np.ndarray, height: int, width: int) -> Image.Image:

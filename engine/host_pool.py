@@ -73,8 +73,7 @@ class HostPool(PageRuns):
                 give_back(part, 2, first_page, first_page + pages)
 
     def lease(self, tokens: int, owner: object | None = None) -> Run:
-        """A run of pages for `tokens` places, none of them held yet; PoolFull when none is
-        free. With `owner`, the run goes back when the owner is collected, if not released before."""
+        """A run of pages for `tokens` places, none of them held yet (`PageRuns._take`)."""
         run = self._take(tokens, owner)
         self.present[:, :, run.first_page : run.first_page + run.pages] = False
         return run

@@ -12,15 +12,14 @@ eviction instead scatter a fact over many pages under such a policy (measured in
 docs/benchmarks.md: with them, `infmllm` and `snapkv` got back a fraction of what `sliding`
 did).
 
-Keys and values live in host memory (pinned on CUDA, so that what a question borrows is copied
-to the device without blocking), in a run of pages of a host pool (`engine/host_pool.py`): the
-worker's, shared by its sessions' tiers, or one of the tier's own; each slot is a page of the
-run. A float32 model's are kept in bfloat16 there (`page_dtype`: half the bytes, so a tier of
-the same memory holds twice the stream); any other model's bit for bit. Each page keeps, where
-scoring is cheap (on the device), `page_keys` representative keys per layer and KV head: the
-sums (which point where the means do) of the keys held of equal runs of its places, as they
-were evicted, in bfloat16, so that 4 of them cost the device what 2 in float32 did. A question
-borrows back, in the model's dtype, the pages its keys want most (`engine/page_scoring.py`).
+Keys and values live in host memory, in a run of pages of a host pool (`engine/host_pool.py`:
+pinned on CUDA, a float32 model's in bfloat16, any other model's bit for bit): the worker's,
+shared by its sessions' tiers, or one of the tier's own; each slot is a page of the run. Each
+page keeps, where scoring is cheap (on the device), `page_keys` representative keys per layer
+and KV head: the sums (which point where the means do) of the keys held of equal runs of its
+places, as they were evicted, in bfloat16, so that 4 of them cost the device what 2 in float32
+did. A question borrows back, in the model's dtype, the pages its keys want most
+(`engine/page_scoring.py`).
 
 Bound: at most `budget_tokens // page_tokens` pages. When a page needs a place and all are
 taken, pages leave by the tier's `drop` rule:

@@ -2,9 +2,8 @@
 
 Per layer, keys as they were before the rotary embedding, values, and (while a prompt or an
 answer runs) a copy of the keys rotated at their indices, each in a buffer with room after its
-tokens (`Rows`), so that a forward writes only its new tokens, in place. `PreRopeLayer` is the
-transformers cache layer over them: the model hands it keys rotated at their positions (their
-indices) and it turns them back. What moves tokens (eviction, borrowing, give-back) and what
+tokens (`Rows`), so that a forward writes only its new tokens, in place; `PreRopeLayer` is the
+transformers cache layer over them. What moves tokens (eviction, borrowing, give-back) and what
 they mean (kind, time, place) is `engine/kv_cache.py`'s.
 
 One rule for every tensor a session keeps from one step to the next (these buffers, each token's
@@ -24,6 +23,7 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from engine.layout import Layout
+
 
 @contextmanager
 def outside_inference() -> Iterator[None]:
@@ -166,10 +166,9 @@ class Rows:
                 return True
         if buffer is not None and tokens.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
             tokens = tokens.clone()  # other tokens of this buffer (or of the pool): they would be written over
-        kind = (tokens.shape[1], tokens.shape[3], tokens.dtype, tokens.device)
         if buffer is not self.home and self._home_fits(count, tokens):
             self.buffer = self.home  # back home from a buffer of its own
-        elif buffer is None or count > buffer.shape[2] or (buffer.shape[1], buffer.shape[3], buffer.dtype, buffer.device) != kind:
+        elif buffer is None or count > buffer.shape[2] or _kind(buffer) != _kind(tokens):
             self._grow(count, tokens, keep=False)
         self.buffer.narrow(2, 0, count).copy_(tokens)
         self.length = count
@@ -194,12 +193,12 @@ class Rows:
         self.buffer = buffer
 
     def _home_fits(self, count: int, like: torch.Tensor) -> bool:
-        home = self.home
-        return (
-            home is not None
-            and count <= home.shape[2]
-            and (home.shape[1], home.shape[3], home.dtype, home.device) == (like.shape[1], like.shape[3], like.dtype, like.device)
-        )
+        return self.home is not None and count <= self.home.shape[2] and _kind(self.home) == _kind(like)
+
+
+def _kind(tokens: torch.Tensor) -> tuple:
+    """What a buffer shares with the tokens (1, kv_heads, n, head_dim) it holds: kv_heads, head_dim, dtype and device."""
+    return tokens.shape[1], tokens.shape[3], tokens.dtype, tokens.device
 
 
 class PreRopeLayer(DynamicLayer):

@@ -47,16 +47,8 @@ MERGE_EVERY = 64  # forwards whose tokens' kinds and times may wait before every
 
 class KVCache:
     def __init__(
-        self,
-        policy: Policy,
-        rotary: nn.Module,
-        num_layers: int,
-        kv_heads: int,
-        evidence_window: int = 32,
-        host: HostTier | None = None,
-        most_tokens: int | None = None,
-        lease: Lease | None = None,
-        positions_3d: bool = False,
+        self, policy: Policy, rotary: nn.Module, num_layers: int, kv_heads: int, evidence_window: int = 32,
+        host: HostTier | None = None, most_tokens: int | None = None, lease: Lease | None = None, positions_3d: bool = False,
     ) -> None:
         """`most_tokens`: the most the cache is expected to hold at once; its buffers grow past
         it only when it holds more. `lease`: its slots in the worker's pool, which its buffers
@@ -84,9 +76,10 @@ class KVCache:
         # Stream places never evicted (`pin`): the opening's, then those of each pinned turn
         self.pins: list[torch.Tensor] = []
         # Since the last eviction: each layer's last queries (q_heads, w, head_dim), at most
-        # `_kept_queries`, and (for policies that accumulate) the attention each key received.
-        self._kept_queries = max(policy.window_tokens if policy.needs_attention else 0, evidence_window)
-        self._queries = [QueryWindow(self._kept_queries) for _ in range(num_layers)]
+        # `window_tokens` (for the next eviction and evidence), and (for policies that
+        # accumulate) the attention each key received.
+        self.window_tokens = max(policy.window_tokens if policy.needs_attention else 0, evidence_window)
+        self._queries = [QueryWindow(self.window_tokens) for _ in range(num_layers)]
         self._received: list[torch.Tensor | None] = [None] * num_layers
         self._scaling = [1.0] * num_layers
         self.evictions = 0
@@ -136,11 +129,6 @@ class KVCache:
         (`layout.arriving`)."""
         for cached in self.hf.layers:
             cached.layout.incoming = kept
-
-    @property
-    def window_tokens(self) -> int:
-        """The last queries each layer keeps (for the next eviction and evidence)."""
-        return self._kept_queries
 
     def in_pool(self, count: int) -> bool:
         """Whether a forward of `count` new tokens may write them and attend in the worker's
@@ -316,7 +304,7 @@ class KVCache:
             removed = self.tokens - self.policy.budget_tokens
             evicted = [self._evict_layer(layer) for layer in range(self.num_layers)]
             if self.host is not None:
-                self.host.add(Tokens(*(torch.stack([layer[i] for layer in evicted]) for i in range(len(evicted[0])))))
+                self.host.add(Tokens(*(torch.stack(field) for field in zip(*evicted))))  # per field (layers, kv_heads, removed, ...)
             self._received = [None] * self.num_layers
             self.evictions += 1
             self.evicted_tokens += removed

@@ -133,18 +133,13 @@ class KVPool(PageRuns):
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
 
-    @property
-    def page_bytes(self) -> int:
-        return self.nbytes // self.total_pages
-
     def give_back(self, first_page: int, pages: int) -> None:
         """On a CPU, the pages' slots of every part, layer and KV head go back to the operating
         system (a new lease zeroes what it reads first anyway: `Lease.clean`)."""
         give_back(self.storage, 3, first_page * self.page_tokens, (first_page + pages) * self.page_tokens)
 
     def lease(self, tokens: int, owner: object | None = None) -> Lease:
-        """A run of pages for `tokens` slots; PoolFull when none is free. With `owner`, the
-        run goes back when the owner is collected, if it was not released before."""
+        """A run of pages for `tokens` slots (`PageRuns._take`)."""
         return self._take(tokens, owner, Lease)
 
 

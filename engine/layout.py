@@ -29,8 +29,7 @@ def of_parts(parts: Sequence[tuple[int, tuple[int, int] | None]]) -> torch.Tenso
     """(c, 3) a prompt's layout: per token (s from the prompt's first, row, column), given its
     parts as (tokens, grid): a visual group on a grid of (rows, columns), row by row, or text
     (grid None), a token a step."""
-    rows = []
-    start = 0
+    rows, start = [], 0
     for tokens, grid in parts:
         if grid is None:
             steps = torch.arange(start, start + tokens)

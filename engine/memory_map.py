@@ -88,13 +88,11 @@ class Seen:
         return self._counts[:, : self.seconds]
 
 
-def memory_map(
-    seen: Seen, cache: KVCache, host: HostTier | None, budget_tokens: int | None, host_budget_tokens: int,
-    num_layers: int, kv_heads: int, max_spans: int,
-) -> Memory:
-    """What the cache (and the host tier) still hold of the stream so far, in at most
+def memory_map(seen: Seen, cache: KVCache, host_budget_tokens: int, max_spans: int) -> Memory:
+    """What the cache (and its host tier) still hold of the stream so far, in at most
     `max_spans` equal spans of whole seconds, and of each kind."""
-    seconds = seen.seconds
+    seconds, host, policy = seen.seconds, cache.host, cache.policy
+    heads = cache.num_layers * cache.kv_heads  # what is held is counted as a mean over the layers and KV heads
     width = max(1, math.ceil(seconds / max_spans))
     count = math.ceil(seconds / width)
 
@@ -104,8 +102,7 @@ def memory_map(
         return padded.view(count, width).sum(dim=1).tolist()
 
     def per_second(times: torch.Tensor) -> list[float]:  # tokens from each second, over layers and KV heads
-        return per_span(torch.bincount(times.floor().long().clamp(0, max(seconds - 1, 0)), minlength=seconds).float()
-                        / (num_layers * kv_heads))
+        return per_span(torch.bincount(times.floor().long().clamp(0, max(seconds - 1, 0)), minlength=seconds).float() / heads)
 
     counts = seen.counts()
     frame_seen, text_seen = per_span(counts[FRAME]), per_span(counts[TEXT])
@@ -117,9 +114,9 @@ def memory_map(
              round(text_held[i], 2), round(frame_host[i], 2), round(text_host[i], 2))
         for i in range(count)
     ]
-    frame_tokens, text_tokens = (held[kind].numel() / (num_layers * kv_heads) for kind in (FRAME, TEXT))
-    return Memory(cache.policy.name, budget_tokens, cache.tokens, frame_tokens, text_tokens, spans, host_budget_tokens,
-                  host.tokens if host is not None else 0)
+    frame_tokens, text_tokens = (held[kind].numel() / heads for kind in (FRAME, TEXT))
+    return Memory(policy.name, policy.budget_tokens if policy.evicts else None, cache.tokens, frame_tokens, text_tokens, spans,
+                  host_budget_tokens, host.tokens if host is not None else 0)
 
 
 def held_times(cache: KVCache, kind: int) -> torch.Tensor:

@@ -80,28 +80,18 @@ class Vision:
     @classmethod
     def of(cls, family: Family, config, mean, std) -> "Vision":
         """The family's pooling, unless the checkpoint's config names its own (LLaVA-NeXT-Video)."""
+        stride = getattr(config, "spatial_pool_stride", family.pool_stride)
         mode = getattr(config, "spatial_pool_mode", family.pool_mode)
-        return cls(
-            family,
-            config.vision_config.image_size,
-            tuple(mean),
-            tuple(std),
-            getattr(config, "spatial_pool_stride", family.pool_stride),
-            mode if mode in POOL_MODES else family.pool_mode,
-        )
+        return cls(family, config.vision_config.image_size, tuple(mean), tuple(std), stride,
+                   mode if mode in POOL_MODES else family.pool_mode)
 
 
 class Model:
     """A loaded model on one device: tokens, embeddings, visual tokens and one forward step."""
 
     def __init__(
-        self,
-        name: str,
-        hf: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        chat: ChatFormat,
-        vision: Vision | QwenVision | None = None,
-        device: str = "cpu",
+        self, name: str, hf: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, chat: ChatFormat,
+        vision: Vision | QwenVision | None = None, device: str = "cpu",
     ) -> None:
         self.name = name
         self.device = torch.device(device)
@@ -336,11 +326,8 @@ def _optional_json(name_or_path: str, filename: str) -> dict:
 
 
 def _vision_of(name_or_path: str, config, family: Family) -> Vision:
-    pre = _optional_json(name_or_path, "preprocessor_config.json") or _optional_json(
-        name_or_path, "video_preprocessor_config.json"
-    )
-    siglip = config.vision_config.model_type.startswith("siglip")
-    default = (0.5, 0.5, 0.5) if siglip else None
+    pre = _optional_json(name_or_path, "preprocessor_config.json") or _optional_json(name_or_path, "video_preprocessor_config.json")
+    default = (0.5, 0.5, 0.5) if config.vision_config.model_type.startswith("siglip") else None  # SigLIP's normalisation
     mean = pre.get("image_mean") or default or CLIP_MEAN
     std = pre.get("image_std") or default or CLIP_STD
     return Vision.of(family, config, mean, std)
@@ -357,9 +344,8 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype | None = 
         raise UnknownModelError(f"cannot load model {name_or_path!r}: {cause}{known}") from err
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    template = _optional_json(name_or_path, "chat_template.json").get("chat_template") or _optional_text(
-        name_or_path, "chat_template.jinja"
-    )
+    template = (_optional_json(name_or_path, "chat_template.json").get("chat_template")
+                or _optional_text(name_or_path, "chat_template.jinja"))
     family = FAMILIES.get(config.model_type)
     if config.model_type in QWEN_FAMILIES:
         hf = QWEN_FAMILIES[config.model_type].from_pretrained(name_or_path, dtype=dtype)

@@ -100,8 +100,7 @@ class PoolStep:
         self.members = members
         self.scale = first.positions.scale
         device, page = like.device, self.pool.page_tokens
-        slots, rows, cos, sin, minus_sin, kept = [], [], [], [], [], []
-        held = []
+        slots, rows, cos, sin, minus_sin, kept, held = [], [], [], [], [], [], []
         for member in members:
             before = member.cache.hf.get_seq_length()
             start = member.cache.lease.first_page * page + before

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from engine.frames import CLIP_MEAN, CLIP_STD, resized
+from engine.frames import CLIP_MEAN, CLIP_STD, normalised, resized
 
 QWEN3_MEAN = QWEN3_STD = (0.5, 0.5, 0.5)
 
@@ -98,9 +98,7 @@ class QwenVision:
         if len(frames) % self.temporal_patch:
             raise ValueError(f"{len(frames)} frames are not whole groups of {self.temporal_patch}")
         h, w = self.size(*frames[0].shape[:2])
-        resampled = np.stack([np.asarray(resized(frame, h, w)) for frame in frames])  # (N, h, w, 3)
-        pixels = torch.from_numpy(resampled).permute(0, 3, 1, 2).float().div_(255.0)
-        pixels = (pixels - torch.tensor(self.mean).view(1, 3, 1, 1)) / torch.tensor(self.std).view(1, 3, 1, 1)
+        pixels = normalised(np.stack([np.asarray(resized(frame, h, w)) for frame in frames]), self.mean, self.std)  # (N, 3, h, w)
         groups, p, m, t = len(frames) // self.temporal_patch, self.patch, self.merge, self.temporal_patch
         rows, cols = h // p, w // p
         # (groups, t, 3, rows/m, m, p, cols/m, m, p) -> (groups, rows/m, cols/m, m, m, 3, t, p, p)

@@ -281,9 +281,7 @@ class SessionState:
     def memory(self, max_spans: int = 600) -> Memory:
         """What the cache still holds of the stream so far, in at most `max_spans` equal spans of
         whole seconds, and of each kind."""
-        budget = self.policy.budget_tokens if self.policy.evicts else None
-        return memory_map(self._seen, self.cache, self.cache.host, budget, self.config.host_tokens,
-                          self.model.num_layers, self.model.kv_heads, max_spans)
+        return memory_map(self._seen, self.cache, self.config.host_tokens, max_spans)
 
     # -- snapshot ------------------------------------------------------------------------------
 

@@ -52,37 +52,22 @@ def ascii_tokenizer(specials: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="<unk>"))
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens([IM_START, IM_END, IMAGE, VIDEO, *specials])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", eos_token=IM_END, pad_token=IM_END
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token=IM_END, pad_token=IM_END)
     fast.chat_template = CHATML_TEMPLATE
     return fast
 
 
 def _text_config(cls: type, tokenizer: PreTrainedTokenizerFast, layers: int = 2, **extra: object):
     return cls(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **extra,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32768, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **extra,
     )
 
 
 def _vision_config(cls: type, patch_size: int):
-    return cls(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=patch_size,
-    )
+    return cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE,
+               patch_size=patch_size)
 
 
 def _seeded(build: Callable[[], PreTrainedModel], seed: int) -> PreTrainedModel:

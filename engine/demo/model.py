@@ -130,11 +130,6 @@ def llava_config(text_config, image_token_id: int) -> LlavaConfig:
     return config
 
 
-def new_projector(text_config) -> LlavaMultiModalProjector:
-    """Linear FEATURE_CHANNELS -> 576, GELU, linear 576 -> 576: LLaVA-1.5's projector."""
-    return LlavaMultiModalProjector(llava_config(text_config, 0))
-
-
 def assemble(device: str, projector_weights: Path | None = WEIGHTS, converted: ConvertedWeights | None = None,
              merge_adapter: bool = True) -> Model:
     """The demo model on `device`; a fresh projector (for training) when `projector_weights` is None;
@@ -149,7 +144,7 @@ def assemble(device: str, projector_weights: Path | None = WEIGHTS, converted: C
     hf.model.vision_tower = tower
     hf.model.language_model = lm.model
     hf.lm_head = lm.lm_head
-    hf.model.multi_modal_projector = new_projector(lm.config)
+    hf.model.multi_modal_projector = LlavaMultiModalProjector(config)  # LLaVA-1.5's: linear FEATURE_CHANNELS -> 576, GELU, 576 -> 576
     if projector_weights is not None:
         if not projector_weights.exists():
             raise UnknownModelError(f"{NAME}: the projector's weights are missing ({projector_weights}); train them with python -m demo_training.train")
