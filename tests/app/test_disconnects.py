@@ -11,7 +11,7 @@ import pytest
 
 from tests.support import Client, StreamSocket, sse_events
 
-LONG_TOKENS = 1024  # the tiny random model never stops early: left alone, each answer is 1024 tokens
+LONG_TOKENS = 1024  # the tiny random model runs on for hundreds of tokens: no answer ends before its client leaves
 
 
 @pytest.fixture
@@ -145,9 +145,10 @@ def test_a_completion_whose_client_left_before_its_question_began_is_never_begun
     second = _final(watching, second_id)
     assert (second["status"], second["result"]["finish_reason"]) == ("done", "cancelled")
     assert (second["tokens"], second["answer"]) == (0, "")
-    # the first answer's client left last: the answer stopped there, unless its 1,024 tokens were
-    # all out by then (2-4 s here); either way it ended, and the session answers its next question
+    # the first answer's client left last: the answer stopped there, unless it was all out by then
+    # (2-4 s here: 1,024 tokens, or fewer where a loop's 4th turn was passed over for the end of the
+    # turn); either way it ended, and the session answers its next question
     first = _final(watching, first_id)
-    assert (first["status"], first["result"]["finish_reason"]) in {("done", "cancelled"), ("done", "length")}, first
+    assert first["status"] == "done" and first["result"]["finish_reason"] in {"cancelled", "length", "stop"}, first
     reply = watching.ask("And now?", max_new_tokens=2)
     assert reply.status_code == 200 and reply.json()["tokens"] == 2
